@@ -1,0 +1,1 @@
+"""Leto: fault-tolerant training that recovers in place."""
