@@ -1,0 +1,178 @@
+"""The `leto` command: run, train, bench, simulate, data."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from leto.training.model import PRESETS
+
+
+class UsageError(Exception):
+    """Bad input from the command line: reported in one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, no usage dump
+        raise UsageError(f"{self.prog}: error: {message}")
+
+
+def _add_job_flags(p: argparse.ArgumentParser, workers: int, spares: int, nodes: int) -> None:
+    p.add_argument("--workers", type=int, default=workers, help=f"worker processes (ranks) [{workers}]")
+    p.add_argument("--spares", type=int, default=spares, help=f"shadow trainers kept ready [{spares}]")
+    p.add_argument("--nodes", type=int, default=nodes, help=f"failure domains the workers are split over [{nodes}]")
+    p.add_argument("--run-dir", type=Path, default=None, help="output folder [a new one under ./runs]")
+    p.add_argument("--timeout", type=float, default=60.0, help="collective and store timeout in seconds [60]")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    root = _Parser(prog="leto", description="Fault-tolerant training that recovers in place.")
+    sub = root.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+
+    run = sub.add_parser("run", help="run a training script under the Leto controller (like torchrun)")
+    _add_job_flags(run, workers=1, spares=0, nodes=1)
+    run.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name (python -m)")
+    run.add_argument("script", help="the training script (or module with -m)")
+    run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+    train = sub.add_parser("train", help="train the built-in GPT job")
+    _add_job_flags(train, workers=4, spares=1, nodes=2)
+    train.add_argument("--steps", type=int, default=300, help="training steps [300]")
+    train.add_argument("--seed", type=int, default=0, help="seed of model init and data order [0]")
+    train.add_argument("--model", default="tiny", help=f"size preset: {', '.join(PRESETS)} [tiny]")
+    train.add_argument("--lr", type=float, default=3e-3, help="peak learning rate [3e-3]")
+
+    bench = sub.add_parser("bench", help="benchmarks that print measured ratios")
+    bench.add_argument("what", choices=["throughput"], help="which benchmark")
+    bench.add_argument("--json", action="store_true", help="print JSON")
+    bench.add_argument("--steps", type=int, default=40, help="measured steps per run [40]")
+    bench.add_argument("--workers", type=int, default=4)
+    bench.add_argument("--model", default="tiny")
+
+    sim = sub.add_parser("simulate", help="project productivity to large clusters", add_help=False)
+    sim.add_argument("sim_args", nargs=argparse.REMAINDER)
+
+    data = sub.add_parser("data", help="prepare the training corpus (run once at install)")
+    data.add_argument("action", choices=["prepare", "info"])
+    return root
+
+
+def _check_job(args: argparse.Namespace, prog: str) -> None:
+    if args.workers < 1:
+        raise UsageError(f"{prog}: error: --workers must be at least 1, got {args.workers}")
+    if args.spares < 0:
+        raise UsageError(f"{prog}: error: --spares cannot be negative, got {args.spares}")
+    if args.nodes < 1:
+        raise UsageError(f"{prog}: error: --nodes must be at least 1, got {args.nodes}")
+    if args.nodes > args.workers:
+        raise UsageError(f"{prog}: error: --nodes ({args.nodes}) cannot exceed --workers ({args.workers})")
+    if args.timeout <= 0:
+        raise UsageError(f"{prog}: error: --timeout must be positive, got {args.timeout}")
+
+
+def make_run_dir(path: Path | None, prog: str) -> Path:
+    """Create the run folder (default: a new one under ./runs) and check that it is writable."""
+    if path is None:
+        path = Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise UsageError(f"{prog}: error: run dir {path} is not writable: {e.strerror or e}") from e
+    return path.resolve()
+
+
+def _run(args: argparse.Namespace) -> int:
+    from leto.control.controller import Controller, JobSpec
+    _check_job(args, "leto run")
+    if args.module:
+        import importlib.util
+        try:
+            found = importlib.util.find_spec(args.script) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise UsageError(f"leto run: error: module {args.script!r} not found")
+        command = ["-m", args.script, *args.script_args]
+    else:
+        if not Path(args.script).is_file():
+            raise UsageError(f"leto run: error: script {args.script!r} not found")
+        command = [args.script, *args.script_args]
+    run_dir = make_run_dir(args.run_dir, "leto run")
+    spec = JobSpec(command, args.workers, args.spares, args.nodes, run_dir, args.timeout)
+    return Controller(spec).run()
+
+
+def _train(args: argparse.Namespace) -> int:
+    from leto.control.controller import Controller, JobSpec
+    from leto.training.corpus import CorpusError, load_tokens
+    _check_job(args, "leto train")
+    if args.steps < 1:
+        raise UsageError(f"leto train: error: --steps must be at least 1, got {args.steps}")
+    if args.model not in PRESETS:
+        raise UsageError(f"leto train: error: unknown --model {args.model!r}; choose from {', '.join(PRESETS)}")
+    if args.workers > PRESETS[args.model].batch_size:
+        raise UsageError(f"leto train: error: --workers ({args.workers}) exceeds the global batch of "
+                         f"{PRESETS[args.model].batch_size} rows of model {args.model!r}")
+    if args.lr <= 0:
+        raise UsageError(f"leto train: error: --lr must be positive, got {args.lr}")
+    try:
+        load_tokens()
+    except CorpusError as e:
+        raise UsageError(f"leto train: error: {e}") from e
+    run_dir = make_run_dir(args.run_dir, "leto train")
+    command = ["-m", "leto.training.job", "--steps", str(args.steps), "--seed", str(args.seed),
+               "--model", args.model, "--lr", str(args.lr)]
+    spec = JobSpec(command, args.workers, args.spares, args.nodes, run_dir, args.timeout, total_steps=args.steps)
+    code = Controller(spec).run()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    if code == 0:
+        print(f"leto: trained {summary['steps']} steps in {summary['wall_s']:.1f}s, final loss "
+              f"{summary['final_loss']:.4f}, digest {str(summary['digest'])[:16]}…; summary: {run_dir / 'summary.json'}")
+    return code
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from leto.bench import throughput
+    if args.what == "throughput":
+        if args.steps < 2:
+            raise UsageError(f"leto bench: error: --steps must be at least 2, got {args.steps}")
+        return throughput.main(args)
+    return 2
+
+
+def _data(args: argparse.Namespace) -> int:
+    from leto.training import corpus
+    if args.action == "prepare":
+        try:
+            path = corpus.prepare()
+        except corpus.CorpusError as e:
+            print(f"leto data: error: {e}", file=sys.stderr)
+            return 1
+        print(f"leto: corpus ready at {path} ({path.stat().st_size:,} bytes)")
+        return 0
+    meta = corpus.data_dir() / corpus.META_FILE
+    print(meta.read_text() if meta.exists() else "corpus not prepared; run `leto data prepare`")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = build_parser().parse_args(argv)
+        if args.cmd == "simulate":
+            from leto.simulation.cli import main as simulate
+            return simulate(args.sim_args)
+        return {"run": _run, "train": _train, "bench": _bench, "data": _data}[args.cmd](args)
+    except UsageError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""A deterministic, resumable sampler: the batch of (seed, step, rank, world size) is a pure function."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def split_rows(global_rows: int, world_size: int, rank: int) -> range:
+    """The rows of the global batch that `rank` trains on (contiguous, sizes differ by at most one)."""
+    base, extra = divmod(global_rows, world_size)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (1 if rank < extra else 0))
+
+
+class Sampler:
+    """Random windows of a token array; the global batch depends only on (seed, step).
+
+    A rank's share is a slice of the global batch, so the job can change its world size
+    (shrink after a failure) and still train on exactly the same global batch.
+    """
+
+    def __init__(self, tokens: np.ndarray, block_size: int, global_rows: int, seed: int) -> None:
+        if len(tokens) <= block_size + 1:
+            raise ValueError(f"corpus of {len(tokens)} tokens is shorter than a block of {block_size}")
+        if global_rows < 1:
+            raise ValueError(f"global batch must have at least one row, got {global_rows}")
+        self.tokens = tokens
+        self.block_size = block_size
+        self.global_rows = global_rows
+        self.seed = seed
+
+    def offsets(self, step: int) -> np.ndarray:
+        rng = np.random.Generator(np.random.PCG64([self.seed, step]))
+        return rng.integers(0, len(self.tokens) - self.block_size - 1, size=self.global_rows)
+
+    def batch(self, step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """(inputs, targets, weight): `weight` is this rank's share of the global batch."""
+        rows = split_rows(self.global_rows, world_size, rank)
+        offs = self.offsets(step)[rows.start:rows.stop]
+        window = np.stack([np.asarray(self.tokens[o:o + self.block_size + 1]) for o in offs])
+        t = torch.from_numpy(window.astype(np.int64))
+        return t[:, :-1], t[:, 1:], len(rows) / self.global_rows

@@ -1,0 +1,43 @@
+"""The built-in job of `leto train`: a GPT on the King James Bible, sharded data parallel."""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import leto
+from leto.training.corpus import load_tokens
+from leto.training.data import Sampler
+from leto.training.model import GPT, PRESETS
+from leto.training.optim import AdamW, warmup_cosine
+from leto.training.trainer import DEFAULT_CHUNK_BYTES, Trainer
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="leto.training.job")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", choices=sorted(PRESETS), default="tiny")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    torch.set_num_threads(1)  # workers share the machine's cores
+    job = leto.init()
+    cfg = PRESETS[args.model]
+    torch.manual_seed(args.seed)
+    model = GPT(cfg)
+    optimizer = AdamW(lr=warmup_cosine(args.lr, warmup=min(20, args.steps // 10), total=args.steps))
+    trainer = Trainer(model, job, optimizer, chunk_bytes=args.chunk_bytes)
+    sampler = Sampler(load_tokens(), cfg.block_size, cfg.batch_size, args.seed)
+    tokens = cfg.batch_size * cfg.block_size
+    for step in trainer.steps(args.steps):
+        x, y, weight = sampler.batch(step, trainer.rank, trainer.world_size)
+        trainer.step(lambda: model(x, y), weight=weight, tokens=tokens)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""Sharded data parallel (ZeRO-1) on flat buffers: the training step Leto protects.
+
+Parameters are replicated; gradients are reduce-scattered; fp32 master weights and AdamW moments
+are sharded across ranks and laid out as fixed-size chunks `state[c] = (master, exp_avg,
+exp_avg_sq)` so each chunk is one contiguous, self-contained unit of unique state; updated
+parameters are all-gathered.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn as nn
+
+from leto.control.comm import Comm
+from leto.control.runtime import RESULT_KEY, Job
+from leto.training.optim import MASTER, AdamW
+
+DEFAULT_CHUNK_BYTES = 12 * 16384  # 192 KiB: 16384 elements of (master, exp_avg, exp_avg_sq)
+_STATE_ROWS = 3  # master, exp_avg, exp_avg_sq
+
+
+class Trainer:
+    """Wraps a model and AdamW into ZeRO-1 over the job's ranks.
+
+    >>> trainer = Trainer(model, job, AdamW(lr=1e-3))
+    >>> for step in trainer.steps(100):          # shadows wait here to be adopted
+    ...     x, y = batch(step, trainer.rank, trainer.world_size)
+    ...     trainer.step(lambda: model(x, y))
+    """
+
+    def __init__(self, model: nn.Module, job: Job, optimizer: AdamW | None = None,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+        if chunk_bytes < _STATE_ROWS * 4 or chunk_bytes % (_STATE_ROWS * 4):
+            raise ValueError(f"chunk size must be a positive multiple of {_STATE_ROWS * 4} bytes, got {chunk_bytes}")
+        self.job, self.model = job, model.to(job.device)
+        self.optimizer = optimizer or AdamW()
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.numel = sum(p.numel() for p in self.params)
+        world = job.world_size
+        self.chunk_elems = chunk_bytes // (_STATE_ROWS * 4)
+        self.n_chunks = -(-self.numel // (world * self.chunk_elems))
+        self.shard_elems = self.n_chunks * self.chunk_elems
+        dev = job.device
+        self.flat_param = torch.zeros(world * self.shard_elems, device=dev)
+        self.flat_grad = torch.zeros_like(self.flat_param)
+        offset = 0
+        for p in self.params:  # parameters and gradients become views of the flat buffers
+            n = p.numel()
+            self.flat_param[offset:offset + n].copy_(p.data.view(-1))
+            p.data = self.flat_param[offset:offset + n].view_as(p)
+            p.grad = self.flat_grad[offset:offset + n].view_as(p)
+            offset += n
+        self.state = torch.zeros(self.n_chunks, _STATE_ROWS, self.chunk_elems, device=dev)
+        self.grad_shard = torch.zeros(self.n_chunks, self.chunk_elems, device=dev)
+        self.param_shard = torch.zeros(self.shard_elems, device=dev)
+        self._scratch = torch.zeros(self.chunk_elems, device=dev)
+        self._loss = torch.zeros(1, device=dev)
+        self.step_count = 0  # optimizer steps applied
+        self.last_loss = float("nan")
+        self.comm: Comm | None = None
+        self._t_last = time.perf_counter()
+
+    # ----- membership
+    @property
+    def rank(self) -> int:
+        if self.job.rank is None:
+            raise RuntimeError("a shadow has no rank until it adopts one")
+        return self.job.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.job.world_size
+
+    def _connect(self) -> None:
+        self.comm = Comm(self.job.store, 0, self.rank, self.world_size, self.job.timeout_s, device=self.job.device)
+        self.comm.broadcast(self.flat_param, 0)  # all ranks start from rank 0's initialization
+        shard = self.flat_param[self.rank * self.shard_elems:(self.rank + 1) * self.shard_elems]
+        self.state[:, MASTER, :].copy_(shard.view(self.n_chunks, self.chunk_elems))
+
+    # ----- the training loop
+    def steps(self, total: int) -> Iterator[int]:
+        """Yield the step numbers to run (0-based); shadows wait here until the job ends."""
+        if self.job.is_shadow:
+            self._idle_until_shutdown()
+            return
+        if self.comm is None:
+            self._connect()
+        while self.step_count < total:
+            yield self.step_count
+        self.finish()
+
+    def step(self, loss_fn: Callable[[], torch.Tensor], weight: float | None = None, tokens: int = 0) -> float:
+        """One training step. `weight` is this rank's share of the global batch (default 1/world);
+        `tokens` is the number of tokens in the global batch (for metrics). Returns the global loss."""
+        if self.comm is None:
+            raise RuntimeError("call step() inside `for step in trainer.steps(n)`")
+        w = 1.0 / self.world_size if weight is None else weight
+        self.flat_grad.zero_()
+        loss = loss_fn()
+        (loss * w).backward()
+        self._loss.fill_(loss.item() * w)
+        self.comm.all_reduce(self._loss)
+        self.comm.reduce_scatter(self.grad_shard.view(-1), self.flat_grad)
+        t = self.step_count + 1
+        for c in range(self.n_chunks):
+            self.optimizer.update(self.state[c], self.grad_shard[c], self.state[c], t, self._scratch)
+        self.param_shard.copy_(self.state[:, MASTER, :].reshape(-1))
+        self.comm.all_gather(self.flat_param, self.param_shard)
+        self.step_count = t
+        self.last_loss = float(self._loss.item())
+        self._record(tokens)
+        return self.last_loss
+
+    def _record(self, tokens: int) -> None:
+        now = time.perf_counter()
+        dt, self._t_last = now - self._t_last, now
+        if self.rank == 0 and self.job.run_dir is not None:
+            rec = {"step": self.step_count, "loss": round(self.last_loss, 6), "step_s": round(dt, 6),
+                   "tokens_per_s": round(tokens / dt, 1) if tokens else None, "time": time.time()}
+            with open(self.job.run_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(rec) + "\n")
+
+    # ----- state
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Every parameter and optimizer tensor, unsharded, in canonical order (a collective)."""
+        if self.comm is None:
+            raise RuntimeError("not connected")
+        gathered = torch.empty(self.world_size, *self.state.shape, device=self.state.device)
+        self.comm.all_gather(gathered.view(-1), self.state.view(-1))
+        rows = gathered.transpose(1, 2).reshape(self.world_size, _STATE_ROWS, -1)
+        full = {"params": self.flat_param[:self.numel]}
+        for i, name in enumerate(("master", "exp_avg", "exp_avg_sq")):
+            full[name] = rows[:, i, :].reshape(-1)[:self.numel]
+        return full
+
+    def digest(self) -> str:
+        """sha256 of the step, all parameters and all optimizer state; independent of sharding."""
+        h = hashlib.sha256(b"leto-state-v1")
+        h.update(self.step_count.to_bytes(8, "little"))
+        for name, t in self.full_state().items():
+            h.update(name.encode())
+            h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+        return h.hexdigest()
+
+    def finish(self) -> str:
+        """Compute the final digest and publish the result to the controller (rank 0)."""
+        digest = self.digest()
+        if self.rank == 0:
+            self.job.store.set(RESULT_KEY, json.dumps(
+                {"steps": self.step_count, "final_loss": self.last_loss, "digest": digest}))
+        return digest
+
+    def _idle_until_shutdown(self) -> None:
+        while not self.job.shutdown_requested():
+            time.sleep(0.05)
