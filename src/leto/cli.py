@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from leto.training.model import PRESETS
+from leto.training.trainer import DEFAULT_CHUNK_BYTES
 
 
 class UsageError(Exception):
@@ -44,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--seed", type=int, default=0, help="seed of model init and data order [0]")
     train.add_argument("--model", default="tiny", help=f"size preset: {', '.join(PRESETS)} [tiny]")
     train.add_argument("--lr", type=float, default=3e-3, help="peak learning rate [3e-3]")
+    train.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES,
+                       help=f"bytes of unique state per protected chunk, a multiple of 12 [{DEFAULT_CHUNK_BYTES}]")
 
     bench = sub.add_parser("bench", help="benchmarks that print measured ratios")
     bench.add_argument("what", choices=["throughput"], help="which benchmark")
@@ -119,6 +122,8 @@ def _train(args: argparse.Namespace) -> int:
     if args.workers > PRESETS[args.model].batch_size:
         raise UsageError(f"leto train: error: --workers ({args.workers}) exceeds the global batch of "
                          f"{PRESETS[args.model].batch_size} rows of model {args.model!r}")
+    if args.chunk_bytes < 12 or args.chunk_bytes % 12:
+        raise UsageError(f"leto train: error: --chunk-bytes must be a positive multiple of 12, got {args.chunk_bytes}")
     if args.lr <= 0:
         raise UsageError(f"leto train: error: --lr must be positive, got {args.lr}")
     try:
@@ -127,7 +132,7 @@ def _train(args: argparse.Namespace) -> int:
         raise UsageError(f"leto train: error: {e}") from e
     run_dir = make_run_dir(args.run_dir, "leto train")
     command = ["-m", "leto.training.job", "--steps", str(args.steps), "--seed", str(args.seed),
-               "--model", args.model, "--lr", str(args.lr)]
+               "--model", args.model, "--lr", str(args.lr), "--chunk-bytes", str(args.chunk_bytes)]
     spec = JobSpec(command, args.workers, args.spares, args.nodes, run_dir, args.timeout, total_steps=args.steps)
     code = Controller(spec).run()
     summary = json.loads((run_dir / "summary.json").read_text())

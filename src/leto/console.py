@@ -39,10 +39,11 @@ class MetricsTail:
 class StepDisplay:
     """Shows training steps (step, loss, tokens/s) and events as they arrive."""
 
-    def __init__(self, total: int | None, plain_every_s: float = 2.0) -> None:
+    def __init__(self, total: int | None, plain_every_s: float = 2.0, quiet: bool = False) -> None:
         self.total = total
+        self.quiet = quiet
         self.console = Console(stderr=False)
-        self.live = sys.stdout.isatty()
+        self.live = sys.stdout.isatty() and not quiet
         self.plain_every_s = plain_every_s
         self._last_plain = 0.0
         self._progress: Progress | None = None
@@ -68,6 +69,8 @@ class StepDisplay:
             self._progress.update(self._task, completed=rec["step"], info=info)
             return
         now = time.monotonic()
+        if self.quiet:
+            return
         if now - self._last_plain >= self.plain_every_s or rec["step"] == self.total:
             self._last_plain = now
             of = f"/{self.total}" if self.total else ""

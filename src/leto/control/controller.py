@@ -36,6 +36,7 @@ class JobSpec:
     run_dir: Path = Path("runs")
     timeout_s: float = 60.0
     total_steps: int | None = None   # for the progress bar only
+    quiet: bool = False              # no progress output (benchmarks)
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -155,7 +156,7 @@ class Controller:
 
     def _supervise(self) -> int:
         tail = MetricsTail(self.run_dir / "metrics.jsonl")
-        with StepDisplay(self.spec.total_steps) as display:
+        with StepDisplay(self.spec.total_steps, quiet=self.spec.quiet) as display:
             self.display = display
             while True:
                 for rec in tail.read():

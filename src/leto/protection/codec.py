@@ -18,28 +18,36 @@ a Cauchy matrix ``1 / (x_j + y_i)`` with ``y_i = i`` and ``x_j = k + j``,
 rescaled so that parity row 0 and column 0 are all ones; every square
 sub-matrix of a Cauchy matrix is invertible and row/column scaling keeps that,
 so any k of the k+m blocks recover the data (MDS). The ones matter: a
-coefficient of 1 is a plain XOR (~15 GB/s) instead of a table multiply, so
-parity 0 is an XOR parity and single-block losses decode with XOR only.
+coefficient of 1 is a plain XOR (~20 GB/s) instead of a table multiply, so
+parity 0 is an XOR parity, a single lost data block is rebuilt from parity 0
+with XOR only, and RS(k, m) costs (k-1)(m-1) table multiplies per stripe.
 
 Multiply-accumulate by a constant ``c`` is a table lookup: blocks are viewed
 as uint16 and looked up in a 65536-entry table mapping two bytes to both bytes
 times ``c`` (128 KiB, stays in L2), in chunks of 256 KiB so that the
-temporaries stay in cache. Loops run chunk-outer, so every data chunk is read
-from memory once per encode.
+temporaries stay in cache (np.take widens the indices to an intp temporary 4x
+the chunk; 1 MiB chunks fall to ~1 GB/s). Loops run chunk-outer, so every data
+chunk is read from memory once per encode. Blocks not 2-byte aligned, and the
+last byte of odd-length blocks, use a 256-entry table (slower, still correct).
 
-Measured on the 2-core AMD EPYC dev box, 64 MiB of data, single thread
-(``python -m leto.protection.codec_bench``)::
+Measured on the 2-core AMD EPYC dev box (2 MiB L2), 64 MiB of data, single
+thread, GB/s of data bytes (``python -m leto.protection.codec_bench 64 k+m``)::
 
-    memcpy (preallocated)               ~12-18 GB/s
-    xor_into                            ~11-15 GB/s
-    XorCode(2,1) encode                 ~5-9 GB/s of data
-    GF(256) multiply-accumulate, 1 term ~2.5-3.2 GB/s
-      (8-bit table: ~1.9 GB/s; unchunked np.take: ~0.85 GB/s)
-    ReedSolomonCode(2,2) encode         ~2.1-2.6 GB/s of data
-    ReedSolomonCode(4,2) encode         ~1.2-1.5 GB/s of data
-    zfec 1.6 encode, same (k, m)        (2,2) ~0.8 GB/s, (4,2) ~1.0 GB/s,
-                                        and it allocates its outputs
-    zfec decode, (4,2), 1 lost block    ~2.1 GB/s of data
+    memcpy (preallocated)            16-22      checksum (crc32)        ~7.0
+    xor_into                         17-22
+    XorCode(2,1) encode / decode     ~28 / ~27  contribute (per block)   ~16
+    XorCode(4,1) encode / decode     ~20 / ~20
+    RS(2,2) encode / contribute      ~5.0 / ~4.1
+    RS(4,2) encode / contribute      ~3.7 / ~3.1
+    RS(6,3) encode / contribute      ~1.9 / ~1.65
+    RS(4,2) decode, 1 data lost      ~20 (XOR only, via parity 0)
+    RS(4,2) decode, data+parity lost ~4.1
+    RS decode, m data blocks lost    (2,2) ~1.75, (4,2) ~1.7, (6,3) ~1.1
+    one GF multiply-accumulate term  ~2.5-3.2 (8-bit table: ~1.9;
+                                     unchunked np.take: ~0.85)
+    zfec 1.6 encode, same (k, m)     (2,2) ~0.85, (4,2) ~1.06, (6,3) ~0.84,
+                                     (2,1) ~1.6; and it allocates its outputs
+    zfec decode, (4,2), 1 data lost  ~2.1
 
 zfec is slower for every shape measured and cannot write into preallocated
 buffers, so it is not used at run time; codec_bench still measures it for
@@ -373,12 +381,11 @@ class ErasureCode:
         return dict(sorted(result.items()))
 
     def _check_available(self, available: Mapping[int, np.ndarray]) -> list[int]:
-        present = sorted(available)
-        for i in present:
+        for i, block in available.items():
             if not isinstance(i, (int, np.integer)) or not 0 <= i < self.n:
                 raise ValueError(f"block index {i!r} out of range 0..{self.n - 1}")
-            _check_block(available[i], f"block {i}")
-        return present
+            _check_block(block, f"block {i}")
+        return sorted(available)
 
     def _targets(
         self,

@@ -41,7 +41,8 @@ def _code_rates(
     length = len(data[0])
     total = length * code.k
     parity = [np.empty(length, dtype=np.uint8) for _ in range(code.m)]
-    rates = {f"{prefix}encode_gbps": _gbps(total, _median_seconds(lambda: code.encode(data, parity), repeats))}
+    encode_s = _median_seconds(lambda: code.encode(data, parity), repeats)
+    rates = {f"{prefix}encode_gbps": _gbps(total, encode_s)}
 
     def contribute_all() -> None:
         for p in parity:
@@ -55,7 +56,8 @@ def _code_rates(
     available = {i: b for i, b in enumerate(data) if i >= lost}
     available.update({code.k + j: p for j, p in enumerate(parity)})
     out = {i: np.empty(length, dtype=np.uint8) for i in range(lost)}
-    rates[f"{prefix}decode_gbps"] = _gbps(total, _median_seconds(lambda: code.decode(available, out), repeats))
+    decode_s = _median_seconds(lambda: code.decode(available, out), repeats)
+    rates[f"{prefix}decode_gbps"] = _gbps(total, decode_s)
     return rates
 
 
@@ -81,7 +83,9 @@ def measure_codec(
     rs2p2_decode_gbps for ReedSolomonCode(2, 2).
     """
     if nbytes < k or repeats < 1:
-        raise ValueError(f"need nbytes >= k and repeats >= 1, got nbytes={nbytes}, k={k}, repeats={repeats}")
+        raise ValueError(
+            f"need nbytes >= k and repeats >= 1, got nbytes={nbytes}, k={k}, repeats={repeats}"
+        )
     rng = np.random.default_rng(0)
     src = rng.integers(0, 256, nbytes, dtype=np.uint8)
     dst = np.empty_like(src)

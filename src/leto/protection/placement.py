@@ -135,7 +135,10 @@ def segment_bounds(nbytes: int, k: int, *, align: int = 8) -> list[tuple[int, in
     zero (or at least identical at encode and decode time).
     """
     if k < 1 or nbytes < 0 or align < 1:
-        raise ValueError(f"segment_bounds needs nbytes >= 0, k >= 1, align >= 1; got {nbytes}, {k}, {align}")
+        raise ValueError(
+            f"segment_bounds needs nbytes >= 0, k >= 1, align >= 1; "
+            f"got nbytes={nbytes}, k={k}, align={align}"
+        )
     length = _round_up(-(-nbytes // k), align)
     return [(s * length, (s + 1) * length) for s in range(k)]
 

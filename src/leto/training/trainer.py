@@ -119,7 +119,7 @@ class Trainer:
         now = time.perf_counter()
         dt, self._t_last = now - self._t_last, now
         if self.rank == 0 and self.job.run_dir is not None:
-            rec = {"step": self.step_count, "loss": round(self.last_loss, 6), "step_s": round(dt, 6),
+            rec = {"step": self.step_count, "loss": self.last_loss, "step_s": round(dt, 6),
                    "tokens_per_s": round(tokens / dt, 1) if tokens else None, "time": time.time()}
             with open(self.job.run_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(rec) + "\n")

@@ -1,0 +1,47 @@
+"""`leto bench throughput`: step time and tokens/s of the default job, the reference for overheads."""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+from leto.control.controller import Controller, JobSpec
+from leto.training.model import PRESETS
+
+WARMUP_STEPS = 5
+
+
+def run_job(workers: int, steps: int, model: str, run_dir: Path, extra: list[str] | None = None,
+            spares: int = 0, nodes: int = 1) -> dict:
+    """Run the built-in job quietly; returns its summary and per-step records."""
+    command = ["-m", "leto.training.job", "--steps", str(steps), "--model", model, *(extra or [])]
+    code = Controller(JobSpec(command, workers, spares, nodes, run_dir, quiet=True)).run()
+    if code != 0:
+        raise RuntimeError(f"benchmark job failed with exit code {code}; see {run_dir}")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {"summary": json.loads((run_dir / "summary.json").read_text()),
+            "steps": [r for r in records if "event" not in r]}
+
+
+def steady_step_s(steps: list[dict]) -> float:
+    """Median step time after the warm-up steps."""
+    return statistics.median(r["step_s"] for r in steps[WARMUP_STEPS:] or steps)
+
+
+def main(args: argparse.Namespace) -> int:
+    cfg = PRESETS[args.model]
+    with tempfile.TemporaryDirectory(prefix="leto-bench-") as tmp:
+        res = run_job(args.workers, args.steps + WARMUP_STEPS, args.model, Path(tmp))
+    step_s = steady_step_s(res["steps"])
+    tokens = cfg.batch_size * cfg.block_size
+    out = {"model": args.model, "workers": args.workers, "steps": args.steps, "step_s": round(step_s, 5),
+           "tokens_per_step": tokens, "tokens_per_s": round(tokens / step_s, 1),
+           "wall_s": res["summary"]["wall_s"]}
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(f"model {args.model}, {args.workers} workers: median step {step_s * 1e3:.1f} ms, "
+              f"{out['tokens_per_s']:,.0f} tokens/s ({tokens} tokens per step)")
+    return 0

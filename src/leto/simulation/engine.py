@@ -1,0 +1,490 @@
+"""Discrete-event simulation of one synchronous training job under three recovery policies.
+
+The job-level failure stream is the superposition of per-GPU Poisson processes, so it is
+drawn directly: ``K ~ Poisson(N x rate x horizon)`` failure times, uniform on the horizon,
+each with a root-cause class drawn from the published mix (vectorised numpy, no per-GPU
+loop). All policies see the same stream (common random numbers). The event loop then visits
+failures and spare returns only -- a few thousand events for 131,072 GPUs over 30 days.
+
+Policies:
+
+* ``checkpoint-restart`` -- blocking checkpoints every Daly-optimal interval; a failure
+  restarts the whole job (respawn, rendezvous, communicator init over all N ranks, checkpoint
+  load) and loses the work since the last checkpoint; a lost node needs a spare or waits.
+* ``memory-restart`` -- Gemini-like: a checkpoint to CPU memory (local + peer copy) every
+  step; a failure still restarts the whole job, but loads from memory and loses <= 1 step.
+* ``leto`` -- in place: survivors keep running, a shadow trainer adopts the failed rank(s),
+  lost optimizer shards are decoded from tier 1 (inside a node) or tier 2 (across nodes),
+  only the communicators containing the failed ranks are rebuilt; with no spare left the job
+  shrinks by one model replica per missing node and grows back when a node returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .model import (
+    DAY,
+    DETECTION_CLASSES,
+    GB,
+    HOUR,
+    LLAMA3_FAILURES,
+    LLAMA3_MTBF_GPU_HOURS,
+    Assumptions,
+    Calibration,
+    FailureClass,
+    checkpoint_bytes_per_gpu,
+    checkpoint_read_s,
+    checkpoint_write_s,
+    comm_init_s,
+    daly_interval_s,
+    dp_degree,
+    load_calibration,
+    optimizer_bytes_per_gpu,
+    step_time_s,
+    weight_bytes_per_gpu,
+)
+
+__all__ = [
+    "LOSS_KEYS",
+    "POLICIES",
+    "FailureStream",
+    "PolicyCosts",
+    "PolicyResult",
+    "Scenario",
+    "SimulationResult",
+    "build_costs",
+    "closed_form_checkpoint_restart",
+    "draw_failures",
+    "simulate",
+    "sweep",
+    "sweep_sizes",
+]
+
+POLICIES = ("checkpoint-restart", "memory-restart", "leto")
+LOSS_KEYS = ("protection", "lost_work", "detection", "recovery", "waiting_for_spares", "shrink")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """What to simulate. ``spares=None`` means ceil(spare_fraction x nodes), at least 1."""
+
+    gpus: int = 131072
+    gpus_per_node: int = 8
+    days: float = 30.0
+    mtbf_gpu_hours: float = LLAMA3_MTBF_GPU_HOURS
+    spares: int | None = None
+    seed: int = 0
+    assumptions: Assumptions = field(default_factory=Assumptions)
+    failure_classes: tuple[FailureClass, ...] = LLAMA3_FAILURES
+
+    def validate(self) -> None:
+        """Raise ValueError with a user-facing message if the scenario is not simulable."""
+        a = self.assumptions
+        if isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or self.gpus <= 0:
+            raise ValueError(f"--gpus must be a positive integer, got {self.gpus!r}")
+        g = self.gpus_per_node
+        if isinstance(g, bool) or not isinstance(g, int) or g <= 0:
+            raise ValueError(f"--gpus-per-node must be a positive integer, got {g!r}")
+        if self.gpus % g:
+            raise ValueError(f"--gpus {self.gpus} is not a multiple of --gpus-per-node {g}")
+        replica = a.tp * a.pp
+        if self.gpus % replica:
+            raise ValueError(
+                f"--gpus {self.gpus} is not a multiple of tp*pp = {replica} (one model replica; "
+                f"change with --set tp=... --set pp=...)")
+        if not (math.isfinite(self.days) and self.days > 0):
+            raise ValueError(f"--days must be a positive number, got {self.days!r}")
+        if math.isnan(self.mtbf_gpu_hours) or self.mtbf_gpu_hours <= 0:
+            raise ValueError(
+                f"--mtbf-gpu-hours must be > 0 (inf = no failures), got {self.mtbf_gpu_hours!r}")
+        if self.spares is not None and (not isinstance(self.spares, int) or self.spares < 0):
+            raise ValueError(f"--spares must be an integer >= 0, got {self.spares!r}")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"--seed must be an integer >= 0, got {self.seed!r}")
+
+    @property
+    def nodes(self) -> int:
+        """Nodes in the job."""
+        return self.gpus // self.gpus_per_node
+
+    @property
+    def spare_nodes(self) -> int:
+        """Size of the spare pool."""
+        if self.spares is not None:
+            return self.spares
+        return max(1, math.ceil(self.assumptions.spare_fraction * self.nodes - 1e-9))
+
+    @property
+    def horizon_s(self) -> float:
+        """Simulated wall time."""
+        return self.days * DAY
+
+    @property
+    def job_mtbf_s(self) -> float:
+        """Mean time between failures of the whole job: per-GPU MTBF / N."""
+        return self.mtbf_gpu_hours * HOUR / self.gpus
+
+
+# --------------------------------------------------------------------------- failure stream
+
+
+@dataclass(frozen=True)
+class FailureStream:
+    """Job-level failures: times (sorted), node-losing flags, detection-class indices."""
+
+    times: np.ndarray
+    node_lost: np.ndarray
+    detection: np.ndarray
+
+
+def draw_failures(sc: Scenario) -> FailureStream:
+    """Draw the superposed Poisson failure stream of ``sc.gpus`` GPUs in bulk."""
+    rng = np.random.default_rng(sc.seed)
+    horizon = sc.horizon_s
+    rate = 0.0 if math.isinf(sc.job_mtbf_s) else 1.0 / sc.job_mtbf_s
+    count = int(rng.poisson(rate * horizon)) if rate > 0 else 0
+    times = np.sort(rng.uniform(0.0, horizon, count))
+    weights = np.array([c.count for c in sc.failure_classes], dtype=float)
+    cls = rng.choice(len(weights), size=count, p=weights / weights.sum())
+    lost = np.array([c.node_lost for c in sc.failure_classes], dtype=bool)[cls]
+    det = np.array([DETECTION_CLASSES.index(c.detection) for c in sc.failure_classes])[cls]
+    return FailureStream(times, lost, det)
+
+
+# --------------------------------------------------------------------------- policy costs
+
+
+@dataclass(frozen=True)
+class PolicyCosts:
+    """Per-event costs of one policy on one cluster size (seconds).
+
+    ``work_s`` of useful compute is committed by ``commit_s`` of protection (checkpoint-restart:
+    the Daly interval and the checkpoint; others: one step and its per-step protection).
+    """
+
+    policy: str
+    work_s: float
+    commit_s: float
+    detect_s: tuple[float, float, float]
+    recover_s: float
+    recover_node_s: float
+    shrink: bool = False
+    shrink_recover_s: float = 0.0
+    grow_s: float = 0.0
+    redo_s: float = 0.0
+    shrink_gpus: int = 0
+    components: dict[str, float] = field(default_factory=dict)
+
+
+def _shrink_gpus(a: Assumptions, gpus_per_node: int) -> int:
+    replica = a.tp * a.pp
+    # a node lies inside one replica if replicas span whole nodes; else it touches several
+    return replica if replica >= gpus_per_node else replica * math.ceil(gpus_per_node / replica)
+
+
+def build_costs(policy: str, sc: Scenario, cal: Calibration) -> PolicyCosts:
+    """Scale the calibrated component costs to ``sc`` for ``policy``."""
+    a, n = sc.assumptions, sc.gpus
+    net, pcie = a.net_gbps_per_gpu * GB, a.pcie_gbps * GB
+    step = step_time_s(a)
+    if policy == "checkpoint-restart":
+        delta = checkpoint_write_s(a, cal, n)
+        tau = daly_interval_s(delta, sc.job_mtbf_s)
+        if math.isinf(tau):  # no failures: never checkpoint
+            delta = 0.0
+        load = checkpoint_read_s(a, cal, n)
+        init = comm_init_s(a, n)
+        restart = cal.cr_restart_fixed_s + init + load
+        return PolicyCosts(
+            policy, tau, delta,
+            (cal.cr_detect_s or 0.0, a.baseline_node_detect_s, a.baseline_hang_detect_s),
+            restart, restart,
+            components={"checkpoint_s": delta, "interval_s": tau, "restart_fixed_s":
+                        cal.cr_restart_fixed_s, "comm_init_s": init, "load_s": load,
+                        "restart_s": restart})
+    if policy == "memory-restart":
+        b = checkpoint_bytes_per_gpu(a, n)
+        protect = b / pcie + (a.gemini_replicas - 1) * b / net
+        if cal.mr_restore_s and cal.bench_state_bytes:
+            local = b * cal.mr_restore_s / cal.bench_state_bytes
+        else:
+            local = b / cal.host_bps + b / pcie
+        remote = b / net + b / pcie
+        init = comm_init_s(a, n)
+        fixed = cal.mr_restart_fixed_s
+        return PolicyCosts(
+            policy, step, protect,
+            (cal.mr_detect_s or 0.0, a.baseline_node_detect_s, a.baseline_hang_detect_s),
+            fixed + init + local, fixed + init + remote,
+            components={"protect_per_step_s": protect, "restart_fixed_s": fixed,
+                        "comm_init_s": init, "load_local_s": local, "load_peer_s": remote,
+                        "restart_s": fixed + init + local})
+    if policy == "leto":
+        b = optimizer_bytes_per_gpu(a, n)
+        w = weight_bytes_per_gpu(a)
+        k1 = a.tier1_group or sc.gpus_per_node
+        groups = dp_degree(a, n) + a.pp + a.tp  # communicators that contain the failed rank
+        rebuild = cal.leto_rebuild_fixed_s + comm_init_s(a, groups)
+        measured = cal.leto_restore_bps
+        tier1 = b / measured if measured else b * k1 / cal.host_bps
+        tier2 = b * a.tier2_k / net
+        h2d = b / pcie
+        weights = w / net
+        protect = b / pcie + b / cal.encode_bps + b * a.tier2_m / net
+        redo = max(0.0, cal.leto_lost_steps - 1.0) * (step + protect)
+        return PolicyCosts(
+            policy, step, protect,
+            (cal.leto_exit_detect_s, a.heartbeat_s, a.heartbeat_s),
+            rebuild + tier1 + h2d + weights,
+            rebuild + tier2 + h2d + weights,
+            shrink=True,
+            shrink_recover_s=rebuild + tier2 + h2d,
+            grow_s=rebuild + b / net + h2d + weights,
+            redo_s=redo,
+            shrink_gpus=_shrink_gpus(a, sc.gpus_per_node),
+            components={"protect_per_step_s": protect, "rebuild_s": rebuild,
+                        "tier1_decode_s": tier1, "tier2_decode_s": tier2,
+                        "weights_from_peer_s": weights, "h2d_s": h2d,
+                        "recover_process_s": rebuild + tier1 + h2d + weights,
+                        "recover_node_s": rebuild + tier2 + h2d + weights})
+    raise ValueError(f"unknown policy {policy!r} (choose from {', '.join(POLICIES)})")
+
+
+# --------------------------------------------------------------------------- event loop
+
+
+def _run(pc: PolicyCosts, fs: FailureStream, horizon: float, spares: int, repair_s: float,
+         gpus: int) -> tuple[dict[str, float], dict[str, int]]:
+    """Walk failures and spare returns; return time per category and event counts."""
+    acc = dict.fromkeys(("useful", *LOSS_KEYS), 0.0)
+    counts = {"failures": 0, "node_losses": 0, "shrinks": 0, "waits": 0, "max_short_nodes": 0}
+    times: list[float] = fs.times.tolist()
+    lost: list[bool] = fs.node_lost.tolist()
+    det: list[int] = fs.detection.tolist()
+    unit = pc.work_s + pc.commit_s
+    inf = math.inf
+
+    repairs: list[float] = []
+    free, missing, short = spares, 0, 0
+    running, run_start = True, 0.0
+    d_start = det_end = fill_t = charged = 0.0
+    rec = redo = 0.0
+
+    def charge_run(start: float, end: float, tail: bool) -> None:
+        length = end - start
+        if length <= 0:
+            return
+        if unit == 0:  # free, continuous commit
+            work, prot, rest = length, 0.0, 0.0
+        else:
+            k = math.floor(length / unit) if math.isfinite(unit) else 0
+            work, prot = k * pc.work_s, k * pc.commit_s
+            rest = length - k * unit
+            if tail:  # observed at the horizon: work in progress counts, the job goes on
+                work += min(rest, pc.work_s)
+                prot += max(0.0, rest - pc.work_s)
+                rest = 0.0
+        thr = max(0.0, 1.0 - short * pc.shrink_gpus / gpus)
+        acc["useful"] += work * thr
+        acc["shrink"] += work * (1.0 - thr)
+        acc["protection"] += prot
+        acc["lost_work"] += rest
+
+    def charge_down(t: float) -> None:
+        nonlocal charged
+        rs = max(det_end, fill_t) if missing == 0 else inf
+        lo_t = charged
+        for lo, hi, key in ((d_start, det_end, "detection"), (det_end, rs, "waiting_for_spares"),
+                            (rs, rs + rec, "recovery"), (rs + rec, rs + rec + redo, "lost_work")):
+            span = min(hi, t) - max(lo, lo_t)
+            if span > 0:
+                acc[key] += span
+        charged = t
+
+    i, n = 0, len(times)
+    while True:
+        tf = times[i] if i < n else inf
+        tr = repairs[0] if repairs else inf
+        tu = inf if running or missing else max(det_end, fill_t) + rec + redo
+        t = min(tf, tr, tu)
+        if t >= horizon:
+            if running:
+                charge_run(run_start, horizon, tail=True)
+            else:
+                charge_down(horizon)
+            break
+        if t == tu:
+            charge_down(tu)
+            running, run_start = True, tu
+            continue
+        if t == tr:
+            heapq.heappop(repairs)
+            if missing:
+                missing -= 1
+                if not missing:
+                    fill_t = tr
+            elif short:
+                if running:  # grow back: a short reconfiguration, no detection
+                    charge_run(run_start, tr, tail=False)
+                    running, rec, redo = False, pc.grow_s, 0.0
+                    d_start = det_end = fill_t = charged = tr
+                short -= 1
+            else:
+                free += 1
+            continue
+        # a failure
+        i += 1
+        counts["failures"] += 1
+        if running:
+            charge_run(run_start, tf, tail=False)
+        else:
+            charge_down(tf)
+        new_rec = pc.recover_s
+        if lost[i - 1]:
+            counts["node_losses"] += 1
+            heapq.heappush(repairs, tf + repair_s)
+            if free:
+                free -= 1
+                new_rec = pc.recover_node_s
+            elif pc.shrink and (short + 1) * pc.shrink_gpus < gpus:
+                short += 1
+                counts["shrinks"] += 1
+                counts["max_short_nodes"] = max(counts["max_short_nodes"], short)
+                new_rec = pc.shrink_recover_s
+            else:
+                missing += 1
+                counts["waits"] += 1
+                new_rec = pc.recover_node_s
+        rec = new_rec if running else max(rec, new_rec)
+        redo = pc.redo_s
+        running = False
+        d_start = charged = tf
+        det_end = tf + pc.detect_s[det[i - 1]]
+        if not missing:
+            fill_t = tf
+    return acc, counts
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True)
+class PolicyResult:
+    """Outcome of one policy: productivity and lost time as fractions of wall time."""
+
+    policy: str
+    productivity: float
+    lost: dict[str, float]
+    events: dict[str, int]
+    costs: dict[str, float]
+
+    @property
+    def dominant_loss(self) -> str:
+        """The loss category that cost the most wall time."""
+        return max(self.lost, key=lambda k: self.lost[k])
+
+
+@dataclass(frozen=True)
+class SimulationResult:
+    """All policies on one scenario."""
+
+    scenario: Scenario
+    results: dict[str, PolicyResult]
+    failures: int
+    node_losing_failures: int
+
+    def to_json(self) -> dict[str, object]:
+        """The ``--json`` document (see docs/simulation.md for the schema)."""
+        sc = self.scenario
+        doc: dict[str, object] = {
+            "gpus": sc.gpus,
+            "gpus_per_node": sc.gpus_per_node,
+            "nodes": sc.nodes,
+            "days": sc.days,
+            "seed": sc.seed,
+            "mtbf_gpu_hours": sc.mtbf_gpu_hours,
+            "job_mtbf_s": sc.job_mtbf_s,
+            "spares": sc.spare_nodes,
+            "repair_hours": sc.assumptions.repair_hours,
+            "step_s": step_time_s(sc.assumptions),
+            "failures": self.failures,
+            "node_losing_failures": self.node_losing_failures,
+            "productivity": {p: r.productivity for p, r in self.results.items()},
+            "lost": {p: r.lost for p, r in self.results.items()},
+            "dominant_loss": {p: r.dominant_loss for p, r in self.results.items()},
+            "events": {p: r.events for p, r in self.results.items()},
+            "costs_s": {p: r.costs for p, r in self.results.items()},
+        }
+        cr = self.results.get("checkpoint-restart")
+        if cr is not None:
+            doc["gap_vs_checkpoint_restart"] = {
+                p: r.productivity - cr.productivity for p, r in self.results.items()
+                if p != "checkpoint-restart"}
+        return doc
+
+
+def simulate(sc: Scenario, policies: Sequence[str] = POLICIES,
+             calibration: Calibration | None = None) -> SimulationResult:
+    """Simulate ``policies`` on one shared failure stream of ``sc``."""
+    sc.validate()
+    for p in policies:
+        if p not in POLICIES:
+            raise ValueError(f"unknown policy {p!r} (choose from {', '.join(POLICIES)})")
+    cal = calibration if calibration is not None else load_calibration()
+    fs = draw_failures(sc)
+    horizon = sc.horizon_s
+    repair_s = sc.assumptions.repair_hours * HOUR
+    results: dict[str, PolicyResult] = {}
+    for p in policies:
+        pc = build_costs(p, sc, cal)
+        acc, counts = _run(pc, fs, horizon, sc.spare_nodes, repair_s, sc.gpus)
+        lost = {k: acc[k] / horizon for k in LOSS_KEYS}
+        results[p] = PolicyResult(p, acc["useful"] / horizon, lost, counts, pc.components)
+    return SimulationResult(sc, results, len(fs.times), int(fs.node_lost.sum()))
+
+
+def sweep_sizes(sc: Scenario, lo: int = 1024, hi: int = 131072) -> list[int]:
+    """Powers of two from ``lo`` to ``hi``, rounded down to whole nodes and model replicas."""
+    unit = math.lcm(sc.gpus_per_node, sc.assumptions.tp * sc.assumptions.pp)
+    sizes: list[int] = []
+    n = lo
+    while n <= hi:
+        sizes.append(max(unit, n // unit * unit))
+        n *= 2
+    return sorted(set(sizes))
+
+
+def sweep(sc: Scenario, sizes: Iterable[int], policies: Sequence[str] = POLICIES,
+          calibration: Calibration | None = None) -> list[SimulationResult]:
+    """Simulate ``sc`` at each cluster size (same seed; spares per the scenario's rule)."""
+    cal = calibration if calibration is not None else load_calibration()
+    return [simulate(dataclasses.replace(sc, gpus=n), policies, cal) for n in sizes]
+
+
+# --------------------------------------------------------------------------- closed form
+
+
+def closed_form_checkpoint_restart(sc: Scenario, calibration: Calibration | None = None) -> float:
+    """Exact renewal-theory productivity of checkpoint-restart with unlimited spares.
+
+    With failure rate l, interval tau, checkpoint d and per-class downtime D_c = detection_c +
+    restart R (a failure during downtime starts a new one), the expected wall time to commit
+    one interval is (e^{l(tau+d)} - 1) / (l E[e^{-l D}]), so productivity is
+    ``l tau E[e^{-l D}] / (e^{l (tau + d)} - 1)``. See docs/simulation.md.
+    """
+    cal = calibration if calibration is not None else load_calibration()
+    pc = build_costs("checkpoint-restart", sc, cal)
+    if math.isinf(sc.job_mtbf_s):
+        return 1.0
+    lam = 1.0 / sc.job_mtbf_s
+    total = sum(c.count for c in sc.failure_classes)
+    mgf = sum(c.count / total * math.exp(-lam * (pc.detect_s[DETECTION_CLASSES.index(
+        c.detection)] + pc.recover_s)) for c in sc.failure_classes)
+    return lam * pc.work_s * mgf / math.expm1(lam * (pc.work_s + pc.commit_s))

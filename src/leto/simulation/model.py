@@ -1,0 +1,543 @@
+"""Inputs of the productivity simulator: failure data, cluster assumptions, calibration, scale laws.
+
+Three kinds of numbers feed the simulation, kept apart so each can be traced:
+
+* :data:`LLAMA3_FAILURES` -- published failure data (which failures happen, how often,
+  whether the node survives them).
+* :class:`Assumptions` -- the projected cluster and model (sizes, bandwidths, timeouts).
+  Every field carries ``unit`` and ``source`` metadata; override with ``--set KEY=VALUE``.
+* :class:`Calibration` -- component costs measured by Leto's benchmarks on the machine that
+  ran them (``leto bench ... --json``), with the shipped defaults in
+  ``default_calibration.json``.
+
+The scale-law functions at the bottom turn the last two into per-event costs on a cluster of
+``gpus`` GPUs. See docs/simulation.md for the derivations and sources.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "Assumptions",
+    "Calibration",
+    "CalibrationError",
+    "DETECTION_CLASSES",
+    "FailureClass",
+    "LLAMA3_DAYS",
+    "LLAMA3_FAILURES",
+    "LLAMA3_GPUS",
+    "LLAMA3_MTBF_GPU_HOURS",
+    "LLAMA3_UNEXPECTED",
+    "assumption_fields",
+    "checkpoint_bytes_per_gpu",
+    "checkpoint_read_s",
+    "checkpoint_write_s",
+    "comm_init_s",
+    "daly_interval_s",
+    "dp_degree",
+    "failure_mix",
+    "load_calibration",
+    "optimizer_bytes_per_gpu",
+    "step_time_s",
+    "weight_bytes_per_gpu",
+    "with_overrides",
+]
+
+GB = 1e9
+HOUR = 3600.0
+DAY = 86400.0
+
+# --------------------------------------------------------------------------- failure data
+
+DETECTION_CLASSES = ("exit", "node", "hang")
+"""How a failure shows itself: the process exits; the host disappears; or a process hangs."""
+
+
+@dataclass(frozen=True)
+class FailureClass:
+    """One root-cause category of Llama 3 Table 5, with how the simulator treats it.
+
+    Attributes:
+        name: category as printed in the source.
+        count: unexpected interruptions of this category in the 54-day snapshot.
+        node_lost: True if the node must leave the job (replacement/repair); its host memory
+            is then treated as lost too (conservative for Leto: tier-2 decode is needed).
+        detection: one of :data:`DETECTION_CLASSES`.
+    """
+
+    name: str
+    count: int
+    node_lost: bool
+    detection: str
+
+
+# Dubey et al. (2024), "The Llama 3 Herd of Models", Sec. 3.3.4, Table 5: root causes of the
+# 419 unexpected interruptions in a 54-day snapshot of Llama 3 405B pre-training on 16,384
+# H100 GPUs. The counts sum to 419. The node_lost/detection columns are this simulator's
+# classification; docs/simulation.md gives the reason for each row.
+LLAMA3_FAILURES: tuple[FailureClass, ...] = (
+    FailureClass("Faulty GPU", 148, True, "exit"),
+    FailureClass("GPU HBM3 Memory", 72, True, "exit"),
+    FailureClass("Software Bug", 54, False, "exit"),
+    FailureClass("Network Switch/Cable", 35, False, "hang"),
+    FailureClass("Host Maintenance", 32, True, "node"),
+    FailureClass("GPU SRAM Memory", 19, True, "exit"),
+    FailureClass("GPU System Processor", 17, True, "exit"),
+    FailureClass("NIC", 7, True, "hang"),
+    FailureClass("NCCL Watchdog Timeouts", 7, False, "hang"),
+    FailureClass("Silent Data Corruption", 6, True, "hang"),
+    FailureClass("GPU Thermal Interface + Sensor", 6, True, "exit"),
+    FailureClass("SSD", 3, True, "node"),
+    FailureClass("Power Supply", 3, True, "node"),
+    FailureClass("Server Chassis", 2, True, "node"),
+    FailureClass("IO Expansion Board", 2, True, "node"),
+    FailureClass("Dependency", 2, False, "exit"),
+    FailureClass("CPU", 2, True, "node"),
+    FailureClass("System Memory", 2, True, "node"),
+)
+LLAMA3_UNEXPECTED = 419
+LLAMA3_DAYS = 54
+LLAMA3_GPUS = 16384
+LLAMA3_MTBF_GPU_HOURS = LLAMA3_DAYS * 24 * LLAMA3_GPUS / LLAMA3_UNEXPECTED
+"""Per-GPU mean time between unexpected job interruptions: 54 d x 24 h x 16,384 / 419."""
+
+
+def failure_mix(classes: tuple[FailureClass, ...] = LLAMA3_FAILURES) -> dict[str, float]:
+    """Fractions of failures that lose the node and of each detection class."""
+    total = sum(c.count for c in classes)
+    mix = {"node_lost": sum(c.count for c in classes if c.node_lost) / total}
+    for d in DETECTION_CLASSES:
+        mix[d] = sum(c.count for c in classes if c.detection == d) / total
+    return mix
+
+
+# --------------------------------------------------------------------------- assumptions
+
+
+def _f(default: Any, unit: str, source: str) -> Any:
+    return field(default=default, metadata={"unit": unit, "source": source})
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """The projected cluster and model. Override any field with ``--set KEY=VALUE``."""
+
+    # model and parallelism
+    params: float = _f(405e9, "parameters",
+                       "Llama 3 405B (Dubey et al. 2024), the run the failure data comes from")
+    tp: int = _f(8, "GPUs", "tensor-parallel degree of Llama 3 405B (Dubey et al. 2024, Table 4)")
+    pp: int = _f(16, "GPUs", "pipeline-parallel degree of Llama 3 405B (Dubey et al. 2024, Table 4)")
+    tokens_per_gpu_step: float = _f(
+        1024.0, "tokens",
+        "16M tokens per step / 16,384 GPUs (Dubey et al. 2024, Table 4); held per GPU (weak scaling)")
+    achieved_tflops_per_gpu: float = _f(
+        400.0, "TFLOP/s", "BF16 throughput per GPU at 16,384 GPUs (Dubey et al. 2024, Table 4)")
+    optimizer_bytes_per_param: float = _f(
+        12.0, "bytes", "mixed-precision Adam: fp32 master + momentum + variance, K=12 "
+        "(Rajbhandari et al. 2020, ZeRO, Sec. 3.1); sharded over data parallel (ZeRO-1)")
+    weight_bytes_per_param: float = _f(2.0, "bytes", "bf16 parameters, replicated across data parallel")
+    # hardware
+    net_gbps_per_gpu: float = _f(
+        50.0, "GB/s", "400 Gb/s RoCE/InfiniBand per GPU (Dubey et al. 2024, Sec. 3.3.1)")
+    pcie_gbps: float = _f(
+        63.0, "GB/s", "PCIe 5.0 x16 per direction: 32 GT/s x 16 lanes x 128/130 / 8 (PCI-SIG spec)")
+    storage_gbps_aggregate: float = _f(
+        2000.0, "GB/s", "Tectonic sustained throughput 2 TB/s for Llama 3 checkpoints "
+        "(Dubey et al. 2024, Sec. 3.3.1)")
+    comm_init_s_per_rank: float = _f(
+        265.0 / 96000, "s/rank",
+        "stock NCCL cold init ~265 s at 96k GPUs (Si et al. 2025, NCCLX, arXiv:2510.20171, via a "
+        "secondary summary), linearised through the origin; an assumption below 96k")
+    # failures and repair
+    repair_hours: float = _f(
+        24.0, "h", "ASSUMPTION: time to repair or replace a node and return it to the spare pool")
+    spare_fraction: float = _f(
+        0.01, "of nodes", "ASSUMPTION: default spare pool = ceil(1% of nodes), at least 1")
+    # detection
+    heartbeat_s: float = _f(
+        2.0, "s", "Leto heartbeat timeout for hangs and lost hosts (configurable; default 2 s)")
+    baseline_node_detect_s: float = _f(
+        15.0, "s", "torchrun c10d rendezvous keep-alive: 5 s interval x 3 missed beats "
+        "(torch/distributed/elastic/rendezvous/dynamic_rendezvous.py)")
+    baseline_hang_detect_s: float = _f(
+        600.0, "s", "ProcessGroupNCCL default timeout, 10 min "
+        "(torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp; pytorch PR #110947)")
+    # Leto protection layout
+    tier1_group: int = _f(
+        0, "ranks", "tier-1 erasure group inside a node; 0 = gpus per node (decode reads the group)")
+    tier2_k: int = _f(8, "nodes", "ASSUMPTION: tier-2 Reed-Solomon data nodes per stripe")
+    tier2_m: int = _f(2, "nodes", "ASSUMPTION: tier-2 parity nodes per stripe")
+    # memory-restart (Gemini-like)
+    gemini_replicas: int = _f(
+        2, "copies", "ASSUMPTION: in-CPU-memory checkpoint copies (local + 1 peer), as in "
+        "Gemini's group placement (Wang et al., SOSP'23)")
+
+
+def assumption_fields() -> dict[str, dataclasses.Field[Any]]:
+    """Field name -> dataclass field (with ``unit``/``source`` metadata)."""
+    return {f.name: f for f in dataclasses.fields(Assumptions)}
+
+
+def with_overrides(base: Assumptions, overrides: Mapping[str, str]) -> Assumptions:
+    """Return ``base`` with ``KEY=VALUE`` string overrides applied; ValueError names a bad key."""
+    fields = assumption_fields()
+    changes: dict[str, Any] = {}
+    for key, text in overrides.items():
+        if key not in fields:
+            raise ValueError(f"unknown assumption {key!r} (known: {', '.join(sorted(fields))})")
+        kind = type(fields[key].default)
+        try:
+            value = int(text) if kind is int else float(text)
+        except ValueError:
+            raise ValueError(f"assumption {key}: expected a number, got {text!r}") from None
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"assumption {key}: must be a finite number >= 0, got {text!r}")
+        changes[key] = value
+    result = dataclasses.replace(base, **changes)
+    for key in ("params", "tp", "pp", "tokens_per_gpu_step", "achieved_tflops_per_gpu",
+                "net_gbps_per_gpu", "pcie_gbps", "storage_gbps_aggregate", "tier2_k",
+                "tier2_m", "gemini_replicas"):
+        if getattr(result, key) <= 0:
+            raise ValueError(f"assumption {key}: must be > 0")
+    return result
+
+
+# --------------------------------------------------------------------------- calibration
+
+
+class CalibrationError(ValueError):
+    """A calibration file is missing, unreadable, or has a bad key or value."""
+
+
+_DEFAULT_FILE = "default_calibration.json"
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Component costs measured on the benchmark machine. ``None`` = not measured.
+
+    ``sources`` maps each field name to where its value came from.
+    """
+
+    process_start_s: float
+    restart_new_procs_s: float
+    restart_group_ready_s: float
+    restart_first_step_s: float
+    ckpt_bytes: float
+    ckpt_save_s: float
+    ckpt_load_s: float
+    memcpy_gbps: float
+    allreduce_gbps: float
+    torchft_commit_s: float
+    torchft_heartbeat_s: float
+    leto_exit_detect_s: float
+    leto_lost_steps: float
+    bench_step_s: float | None = None
+    bench_state_bytes: float | None = None
+    encode_gbps: float | None = None
+    protect_s_per_step: float | None = None
+    memory_overhead: float | None = None
+    leto_restore_s: float | None = None
+    leto_rebuild_s: float | None = None
+    cr_detect_s: float | None = None
+    cr_restart_s: float | None = None
+    cr_restore_s: float | None = None
+    mr_detect_s: float | None = None
+    mr_restart_s: float | None = None
+    mr_restore_s: float | None = None
+    sources: Mapping[str, str] = field(default_factory=dict)
+
+    # ---- derived quantities (the laws in docs/simulation.md, section "Calibration")
+
+    @property
+    def warmup_s(self) -> float:
+        """Model build + first step after a restart, beyond group-ready, load and one step."""
+        step = self.bench_step_s or 0.0
+        return max(0.0, self.restart_first_step_s - self.restart_group_ready_s
+                   - self.ckpt_load_s - step)
+
+    @property
+    def ckpt_write_bps(self) -> float:
+        """Bytes/s one rank writes a checkpoint at (DCP save on the bench machine)."""
+        return self.ckpt_bytes / self.ckpt_save_s
+
+    @property
+    def ckpt_read_bps(self) -> float:
+        """Bytes/s one rank reads a checkpoint at (DCP load, or the CR recovery bench)."""
+        if self.cr_restore_s and self.bench_state_bytes:
+            return self.bench_state_bytes / self.cr_restore_s
+        return self.ckpt_bytes / self.ckpt_load_s
+
+    @property
+    def cr_restart_fixed_s(self) -> float:
+        """Size-independent part of a job restart (respawn, import, rendezvous, warm-up)."""
+        if self.cr_restart_s is not None:
+            return self.cr_restart_s
+        return self.restart_group_ready_s + self.warmup_s
+
+    @property
+    def mr_restart_fixed_s(self) -> float:
+        """Same for memory-restart; defaults to the checkpoint-restart launcher path."""
+        if self.mr_restart_s is not None:
+            return self.mr_restart_s
+        return self.cr_restart_fixed_s
+
+    @property
+    def host_bps(self) -> float:
+        """Host-memory bandwidth for tier-1 encode/decode and in-memory restore."""
+        return self.memcpy_gbps * GB
+
+    @property
+    def encode_bps(self) -> float:
+        """Host bytes/s of per-step protection (measured overhead if known, else encode/memcpy)."""
+        if self.protect_s_per_step is not None and self.bench_state_bytes:
+            if self.protect_s_per_step <= 0:
+                return math.inf
+            return self.bench_state_bytes / self.protect_s_per_step
+        return (self.encode_gbps or self.memcpy_gbps) * GB
+
+    @property
+    def leto_rebuild_fixed_s(self) -> float:
+        """Size-independent part of Leto's in-place group rebuild (shadow already running)."""
+        if self.leto_rebuild_s is not None:
+            return self.leto_rebuild_s
+        # torchft: kill -> survivors commit, minus its heartbeat = in-place reconfiguration
+        return max(0.0, self.torchft_commit_s - self.torchft_heartbeat_s)
+
+    @property
+    def leto_restore_bps(self) -> float | None:
+        """Bytes/s of Leto's measured restore, if the recovery benchmark provided it."""
+        if self.leto_restore_s and self.bench_state_bytes:
+            return self.bench_state_bytes / self.leto_restore_s
+        return None
+
+
+_REQUIRED = tuple(f.name for f in dataclasses.fields(Calibration)
+                  if f.default is dataclasses.MISSING and f.name != "sources")
+_OPTIONAL = tuple(f.name for f in dataclasses.fields(Calibration)
+                  if f.default is None)
+
+
+def _number(value: Any, where: str, *, positive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise CalibrationError(f"{where}: expected a number, got {value!r}")
+    v = float(value)
+    if not math.isfinite(v) or v < 0 or (positive and v == 0):
+        need = "> 0" if positive else ">= 0"
+        raise CalibrationError(f"{where}: must be a finite number {need}, got {value!r}")
+    return v
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise CalibrationError(f"calibration file {str(path)!r} not found") from None
+    except OSError as e:
+        raise CalibrationError(f"calibration file {str(path)!r}: {e.strerror or e}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CalibrationError(
+            f"calibration file {str(path)!r} is not valid JSON (line {e.lineno}: {e.msg})") from None
+
+
+_POSITIVE = {"restart_first_step_s", "ckpt_bytes", "ckpt_save_s", "ckpt_load_s", "memcpy_gbps",
+             "allreduce_gbps", "bench_step_s", "bench_state_bytes", "encode_gbps"}
+
+
+def _measurements(doc: Mapping[str, Any], name: str) -> dict[str, tuple[float, str]]:
+    """Parse the ``{"measurements": {KEY: {"value", "unit", "source"}}}`` format."""
+    known = set(_REQUIRED) | set(_OPTIONAL)
+    out: dict[str, tuple[float, str]] = {}
+    entries = doc["measurements"]
+    if not isinstance(entries, Mapping):
+        raise CalibrationError(f"{name}: 'measurements' must be an object")
+    for key, entry in entries.items():
+        if key not in known:
+            raise CalibrationError(f"{name}: unknown measurement {key!r}")
+        if not isinstance(entry, Mapping) or "value" not in entry or "source" not in entry:
+            raise CalibrationError(f"{name}: measurement {key!r} needs 'value' and 'source'")
+        value = _number(entry["value"], f"{name}: measurements.{key}.value",
+                        positive=key in _POSITIVE)
+        out[key] = (value, str(entry["source"]))
+    return out
+
+
+def _section(doc: Mapping[str, Any], section: str, name: str) -> dict[str, tuple[float, str]]:
+    """Map one ``leto bench`` JSON section onto calibration fields."""
+    out: dict[str, tuple[float, str]] = {}
+
+    def take(key: str, target: str, obj: Mapping[str, Any] = doc, prefix: str = "",
+             positive: bool = False) -> None:
+        if key in obj and obj[key] is not None:
+            where = f"{name}: {prefix}{key}"
+            out[target] = (_number(obj[key], where, positive=positive), where)
+
+    if section == "throughput":
+        take("step_s", "bench_step_s", positive=True)
+        take("state_bytes_per_rank", "bench_state_bytes", positive=True)
+    elif section == "overhead":
+        take("encode_gbps", "encode_gbps", positive=True)
+        take("memcpy_gbps", "memcpy_gbps", positive=True)
+        take("memory_overhead", "memory_overhead")
+        take("state_bytes_per_rank", "bench_state_bytes", positive=True)
+        on, off, ratio = doc.get("step_s_on"), doc.get("step_s_off"), doc.get("overhead_ratio")
+        if on is not None and off is not None:
+            d = _number(on, f"{name}: step_s_on") - _number(off, f"{name}: step_s_off")
+            out["protect_s_per_step"] = (max(0.0, d), f"{name}: step_s_on - step_s_off")
+        elif ratio is not None and off is not None:
+            d = _number(ratio, f"{name}: overhead_ratio") * _number(off, f"{name}: step_s_off")
+            out["protect_s_per_step"] = (d, f"{name}: overhead_ratio x step_s_off")
+        if off is not None:
+            out.setdefault("bench_step_s", (_number(off, f"{name}: step_s_off", positive=True),
+                                            f"{name}: step_s_off"))
+    elif section == "recovery":
+        take("state_bytes_per_rank", "bench_state_bytes", positive=True)
+        systems = doc.get("systems")
+        if not isinstance(systems, Mapping):
+            raise CalibrationError(f"{name}: 'systems' must be an object of per-system results")
+        for sysname, prefix in (("leto", "leto"), ("checkpoint-restart", "cr"),
+                                ("memory-restart", "mr")):
+            s = systems.get(sysname)
+            if s is None:
+                continue
+            if not isinstance(s, Mapping):
+                raise CalibrationError(f"{name}: systems.{sysname} must be an object")
+            p = f"systems.{sysname}."
+            det = s.get("detect_s")
+            rest = s.get("restore_s")
+            rec = s.get("recovery_s")
+            if det is not None:
+                v = _number(det, f"{name}: {p}detect_s")
+                out["leto_exit_detect_s" if prefix == "leto" else f"{prefix}_detect_s"] = (
+                    v, f"{name}: {p}detect_s")
+            if rest is not None:
+                out[f"{prefix}_restore_s"] = (_number(rest, f"{name}: {p}restore_s"),
+                                              f"{name}: {p}restore_s")
+            if rec is not None:
+                fixed = _number(rec, f"{name}: {p}recovery_s")
+                fixed -= float(det or 0.0) + float(rest or 0.0)
+                target = "leto_rebuild_s" if prefix == "leto" else f"{prefix}_restart_s"
+                out[target] = (max(0.0, fixed), f"{name}: {p}recovery_s - detect_s - restore_s")
+            if prefix == "leto":
+                take("lost_steps", "leto_lost_steps", s, p)
+    return out
+
+
+def _detect_section(doc: Mapping[str, Any]) -> str | None:
+    if "systems" in doc:
+        return "recovery"
+    if {"step_s_on", "step_s_off", "overhead_ratio"} & doc.keys():
+        return "overhead"
+    if {"step_s", "tokens_per_s"} & doc.keys():
+        return "throughput"
+    return None
+
+
+def _parse(doc: Any, name: str) -> dict[str, tuple[float, str]]:
+    if not isinstance(doc, Mapping):
+        raise CalibrationError(f"{name}: expected a JSON object, got {type(doc).__name__}")
+    if "measurements" in doc:
+        return _measurements(doc, name)
+    merged = {k for k in ("throughput", "overhead", "recovery") if isinstance(doc.get(k), Mapping)}
+    values: dict[str, tuple[float, str]] = {}
+    if merged:
+        for section in ("throughput", "overhead", "recovery"):
+            if section in merged:
+                values.update(_section(doc[section], section, f"{name} [{section}]"))
+        return values
+    section = _detect_section(doc)
+    if section is None:
+        keys = ", ".join(sorted(map(str, doc))) or "none"
+        raise CalibrationError(
+            f"{name}: not a calibration: expected output of 'leto bench throughput|overhead|"
+            f"recovery --json', a dict with keys throughput/overhead/recovery, or "
+            f"'measurements'; found keys: {keys}")
+    return _section(doc, section, name)
+
+
+def load_calibration(path: str | Path | None = None) -> Calibration:
+    """Shipped defaults, overlaid with the measurements in ``path`` (if given).
+
+    Raises:
+        CalibrationError: naming the file and the bad key.
+    """
+    ref = resources.files("leto.simulation").joinpath(_DEFAULT_FILE)
+    values = _parse(json.loads(ref.read_text()), _DEFAULT_FILE)
+    if path is not None:
+        p = Path(path)
+        values.update(_parse(_read_json(p), p.name))
+    missing = [k for k in _REQUIRED if k not in values]
+    if missing:
+        raise CalibrationError(f"calibration lacks {', '.join(missing)}")
+    kwargs: dict[str, Any] = {k: v for k, (v, _) in values.items()}
+    sources = {k: s for k, (_, s) in values.items()}
+    return Calibration(**kwargs, sources=sources)
+
+
+# --------------------------------------------------------------------------- scale laws
+
+
+def step_time_s(a: Assumptions) -> float:
+    """Training step time: 6 x params x tokens per GPU / achieved FLOP/s per GPU."""
+    return 6.0 * a.params * a.tokens_per_gpu_step / (a.achieved_tflops_per_gpu * 1e12)
+
+
+def dp_degree(a: Assumptions, gpus: int) -> int:
+    """Data-parallel replicas: gpus / (tp x pp)."""
+    return gpus // (a.tp * a.pp)
+
+
+def optimizer_bytes_per_gpu(a: Assumptions, gpus: int) -> float:
+    """Unique optimizer state per GPU under ZeRO-1 (Leto's erasure-protected bytes)."""
+    return a.optimizer_bytes_per_param * a.params / gpus
+
+
+def weight_bytes_per_gpu(a: Assumptions) -> float:
+    """bf16 weights per GPU; replicated across data parallel, so a peer can resend them."""
+    return a.weight_bytes_per_param * a.params / (a.tp * a.pp)
+
+
+def checkpoint_bytes_per_gpu(a: Assumptions, gpus: int) -> float:
+    """A full checkpoint (optimizer + one copy of the weights) spread evenly over all GPUs."""
+    return (a.optimizer_bytes_per_param + a.weight_bytes_per_param) * a.params / gpus
+
+
+def checkpoint_write_s(a: Assumptions, c: Calibration, gpus: int) -> float:
+    """Blocking checkpoint save: max(per-rank write, aggregate storage bandwidth)."""
+    b = checkpoint_bytes_per_gpu(a, gpus)
+    return max(b / c.ckpt_write_bps, b * gpus / (a.storage_gbps_aggregate * GB))
+
+
+def checkpoint_read_s(a: Assumptions, c: Calibration, gpus: int) -> float:
+    """Checkpoint load on restart: max(per-rank read, aggregate storage bandwidth)."""
+    b = checkpoint_bytes_per_gpu(a, gpus)
+    return max(b / c.ckpt_read_bps, b * gpus / (a.storage_gbps_aggregate * GB))
+
+
+def comm_init_s(a: Assumptions, ranks: int) -> float:
+    """Communicator initialisation for a group of ``ranks`` ranks (linear in ranks)."""
+    return a.comm_init_s_per_rank * ranks
+
+
+def daly_interval_s(delta_s: float, mtbf_s: float) -> float:
+    """Daly (2006) first-order optimum compute time between checkpoints: sqrt(2 d M) - d.
+
+    Falls back to M when d >= 2M (Daly's rule) and is infinite without failures.
+    """
+    if math.isinf(mtbf_s):
+        return math.inf
+    if delta_s <= 0:
+        return 0.0
+    if delta_s >= 2 * mtbf_s:
+        return mtbf_s
+    return math.sqrt(2 * delta_s * mtbf_s) - delta_s

@@ -1,0 +1,95 @@
+"""Shared test machinery: run the `leto` CLI as real processes and always clean them up."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def leto_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "leto.cli", *args]
+
+
+def read_procs(run_dir: Path) -> list[dict]:
+    try:
+        return json.loads((run_dir / "procs.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return []
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is not alive
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def wait_for(pred, timeout: float, what: str, every: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(every)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+
+
+class Launcher:
+    """Starts leto commands; kills every process they started when the test ends."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.started: list[tuple[subprocess.Popen, Path | None]] = []
+
+    def start(self, *args: str, run_dir: Path | None = None, **kw) -> subprocess.Popen:
+        popen = subprocess.Popen(leto_cmd(*args), cwd=kw.pop("cwd", REPO), stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, **kw)
+        self.started.append((popen, run_dir))
+        return popen
+
+    def run(self, *args: str, run_dir: Path | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+        popen = self.start(*args, run_dir=run_dir)
+        out, err = popen.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(popen.args, popen.returncode, out, err)
+
+    def cleanup(self) -> None:
+        for popen, run_dir in self.started:
+            pids = [p["pid"] for p in read_procs(run_dir)] if run_dir else []
+            if popen.poll() is None:
+                popen.kill()
+                popen.wait()
+            for pid in pids:
+                if alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def launcher(tmp_path: Path) -> Iterator[Launcher]:
+    lx = Launcher(tmp_path)
+    try:
+        yield lx
+    finally:
+        lx.cleanup()
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def step_records(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "event" not in r]
