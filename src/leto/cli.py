@@ -27,6 +27,10 @@ def _add_job_flags(p: argparse.ArgumentParser, workers: int, spares: int, nodes:
     p.add_argument("--nodes", type=int, default=nodes, help=f"failure domains the workers are split over [{nodes}]")
     p.add_argument("--run-dir", type=Path, default=None, help="output folder [a new one under ./runs]")
     p.add_argument("--timeout", type=float, default=60.0, help="collective and store timeout in seconds [60]")
+    p.add_argument("--protection", choices=["on", "off"], default="on",
+                   help="erasure-coded in-memory protection of every step [on]")
+    p.add_argument("--ec", default="auto",
+                   help="tier-2 code across nodes, k+m (e.g. 1+1, 3+1, 2+2) or none; auto: (nodes-1)+1 [auto]")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,6 +78,24 @@ def _check_job(args: argparse.Namespace, prog: str) -> None:
         raise UsageError(f"{prog}: error: --nodes ({args.nodes}) cannot exceed --workers ({args.workers})")
     if args.timeout <= 0:
         raise UsageError(f"{prog}: error: --timeout must be positive, got {args.timeout}")
+    args.ec = _tier2_code(args.ec, args.nodes, prog)
+
+
+def _tier2_code(spec: str, nodes: int, prog: str) -> tuple[int, int] | None:
+    from leto.protection.codec import parse_ec
+    from leto.protection.placement import valid_specs
+    if spec == "none" or (spec == "auto" and nodes < 2):
+        return None
+    if spec == "auto":
+        return (nodes - 1, 1)
+    try:
+        k, m = parse_ec(spec)
+    except ValueError as e:
+        raise UsageError(f"{prog}: error: --ec: {e}") from e
+    if nodes % (k + m):
+        raise UsageError(f"{prog}: error: --ec {spec} needs a multiple of {k + m} nodes, got --nodes {nodes}; "
+                         f"valid: {', '.join(valid_specs(nodes)) or 'none'}")
+    return (k, m)
 
 
 def make_run_dir(path: Path | None, prog: str) -> Path:
@@ -107,7 +129,8 @@ def _run(args: argparse.Namespace) -> int:
             raise UsageError(f"leto run: error: script {args.script!r} not found")
         command = [args.script, *args.script_args]
     run_dir = make_run_dir(args.run_dir, "leto run")
-    spec = JobSpec(command, args.workers, args.spares, args.nodes, run_dir, args.timeout)
+    spec = JobSpec(command, args.workers, args.spares, args.nodes, run_dir, args.timeout,
+                   protection=args.protection == "on", ec=args.ec)
     return Controller(spec).run()
 
 
@@ -133,7 +156,8 @@ def _train(args: argparse.Namespace) -> int:
     run_dir = make_run_dir(args.run_dir, "leto train")
     command = ["-m", "leto.training.job", "--steps", str(args.steps), "--seed", str(args.seed),
                "--model", args.model, "--lr", str(args.lr), "--chunk-bytes", str(args.chunk_bytes)]
-    spec = JobSpec(command, args.workers, args.spares, args.nodes, run_dir, args.timeout, total_steps=args.steps)
+    spec = JobSpec(command, args.workers, args.spares, args.nodes, run_dir, args.timeout, total_steps=args.steps,
+                   protection=args.protection == "on", ec=args.ec)
     code = Controller(spec).run()
     summary = json.loads((run_dir / "summary.json").read_text())
     if code == 0:
@@ -168,11 +192,11 @@ def _data(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["simulate"]:  # its own parser: argparse.REMAINDER does not pass on --flags
+        from leto.simulation.cli import main as simulate
+        return simulate(argv[1:])
     try:
         args = build_parser().parse_args(argv)
-        if args.cmd == "simulate":
-            from leto.simulation.cli import main as simulate
-            return simulate(args.sim_args)
         return {"run": _run, "train": _train, "bench": _bench, "data": _data}[args.cmd](args)
     except UsageError as e:
         print(str(e), file=sys.stderr)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from leto.console import MetricsTail, StepDisplay
 from leto.control import runtime as rt
+from leto.control.membership import Plan, plan_key
 
 _PR_SET_PDEATHSIG = 1
 _GRACE_S = 5.0
@@ -37,6 +38,8 @@ class JobSpec:
     timeout_s: float = 60.0
     total_steps: int | None = None   # for the progress bar only
     quiet: bool = False              # no progress output (benchmarks)
+    protection: bool = True          # start keepers and protect every step
+    ec: tuple[int, int] | None = None  # tier-2 code; None: tier 1 only
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -84,6 +87,7 @@ class Controller:
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=spec.timeout_s))
         self.events: list[dict] = []
+        self.job_id = f"{os.getpid()}-{self.store.port}"
 
     # ----- processes
     def _spawn(self, role: str, rank: int | None, node: int) -> Proc:
@@ -93,10 +97,13 @@ class Controller:
         env.update({rt.ENV_STORE: f"127.0.0.1:{self.store.port}", rt.ENV_ROLE: role,
                     rt.ENV_WORLD: str(self.spec.workers), rt.ENV_NODE: str(node),
                     rt.ENV_NODES: str(self.spec.nodes), rt.ENV_RUN_DIR: str(self.run_dir),
-                    rt.ENV_PROC_ID: proc_id, rt.ENV_TIMEOUT: str(self.spec.timeout_s)})
+                    rt.ENV_PROC_ID: proc_id, rt.ENV_TIMEOUT: str(self.spec.timeout_s),
+                    rt.ENV_JOB_ID: self.job_id, rt.ENV_PROTECTION: "on" if self.spec.protection else "off",
+                    rt.ENV_EC: "+".join(map(str, self.spec.ec)) if self.spec.ec else "none"})
         if rank is not None:
             env[rt.ENV_RANK] = str(rank)
-        popen = subprocess.Popen([sys.executable, *self.spec.command], env=env,
+        command = ["-m", "leto.protection.keeper"] if role == "keeper" else self.spec.command
+        popen = subprocess.Popen([sys.executable, *command], env=env,
                                  start_new_session=True, preexec_fn=_die_with_parent)
         proc = Proc(role, rank, node, proc_id, popen)
         self.procs.append(proc)
@@ -123,6 +130,8 @@ class Controller:
                 _signal_quietly(p.popen, signal.SIGKILL)
                 p.popen.wait()
         self._write_procs()
+        for f in Path("/dev/shm").glob(f"leto-{self.job_id}-*"):  # keepers' memory dies with the job
+            f.unlink(missing_ok=True)
 
     def event(self, kind: str, **fields: object) -> None:
         rec = {"event": kind, "time": time.time(), **fields}
@@ -138,10 +147,14 @@ class Controller:
             (self.run_dir / stale).unlink(missing_ok=True)
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            for r in range(self.spec.workers):
-                self._spawn("worker", r, node_of_rank(r, self.spec.workers, self.spec.nodes))
+            nodes = [node_of_rank(r, self.spec.workers, self.spec.nodes) for r in range(self.spec.workers)]
+            workers = [self._spawn("worker", r, nodes[r]) for r in range(self.spec.workers)]
+            self.store.set(plan_key(0), Plan(0, tuple(nodes), tuple(w.proc_id for w in workers)).to_json())
             for i in range(self.spec.spares):
                 self._spawn("shadow", None, i % self.spec.nodes)
+            if self.spec.protection:
+                for n in range(self.spec.nodes):
+                    self._spawn("keeper", None, n)
             self._write_procs()
             code = self._supervise()
         finally:
@@ -170,13 +183,13 @@ class Controller:
                     code = p.popen.poll()
                     if code is None or code == 0:
                         continue
-                    if p.role == "worker" or p.role == "shadow":
+                    if p.role in ("worker", "shadow", "keeper"):
                         what = f"{p.role} rank {p.rank}" if p.rank is not None else f"{p.role} {p.proc_id}"
                         msg = f"{what} (pid {p.popen.pid}, node {p.node}) {describe_exit(code)}"
                         self.event("failure", role=p.role, rank=p.rank, node=p.node, pid=p.popen.pid, cause=describe_exit(code))
                         display.message(f"leto: {msg}; stopping the job")
                         return 1
-                if all(p.popen.returncode == 0 for p in workers):
+                if workers and all(p.popen.returncode == 0 for p in workers):
                     for rec in tail.read():
                         if "step" in rec and "event" not in rec:
                             display.step(rec)

@@ -19,6 +19,9 @@ ENV_NODES = "LETO_NODES"
 ENV_RUN_DIR = "LETO_RUN_DIR"
 ENV_PROC_ID = "LETO_PROC_ID"      # the controller's id for this process (unique in the job)
 ENV_TIMEOUT = "LETO_TIMEOUT_S"    # collective / store wait timeout
+ENV_JOB_ID = "LETO_JOB_ID"        # names the job's shared-memory files
+ENV_PROTECTION = "LETO_PROTECTION"  # on | off
+ENV_EC = "LETO_EC"                # tier-2 code "k+m", or "none"
 
 SHUTDOWN_KEY = "control/shutdown"
 RESULT_KEY = "control/result"
@@ -38,6 +41,9 @@ class Job:
     proc_id: str
     timeout_s: float
     device: torch.device
+    job_id: str = "solo"
+    protection: bool = False
+    ec: tuple[int, int] | None = None
 
     @property
     def is_shadow(self) -> bool:
@@ -62,6 +68,12 @@ def init(device: str | None = None) -> Job:
     if dev.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank or 0)) % torch.cuda.device_count())
     run_dir = os.environ.get(ENV_RUN_DIR)
+    ec_spec = os.environ.get(ENV_EC, "none")
+    ec = None
+    if ec_spec != "none":
+        k, m = ec_spec.split("+")
+        ec = (int(k), int(m))
     return Job(role, rank, int(os.environ[ENV_WORLD]), int(os.environ[ENV_NODE]),
                int(os.environ[ENV_NODES]), Path(run_dir) if run_dir else None, store,
-               os.environ[ENV_PROC_ID], timeout_s, dev)
+               os.environ[ENV_PROC_ID], timeout_s, dev, os.environ.get(ENV_JOB_ID, "solo"),
+               os.environ.get(ENV_PROTECTION, "off") == "on", ec)

@@ -380,6 +380,23 @@ class ErasureCode:
         result.update(zip(missing, targets))
         return dict(sorted(result.items()))
 
+    def recovery_coefficients(self, present: Sequence[int]) -> tuple[list[int], dict[int, list[int]]]:
+        """For distributed decoding: (chosen, coeffs) with every missing data block
+        ``e = XOR_b coeffs[e][b] * block chosen[b]``, so each holder of a chosen block can
+        contribute its scaled block to a BXOR reduction.
+
+        Raises:
+            UnrecoverableError: fewer than k blocks are present.
+        """
+        present = sorted(set(int(i) for i in present))
+        if len(present) < self.k:
+            raise UnrecoverableError(self._unrecoverable_message(present))
+        missing = [i for i in range(self.k) if i not in present]
+        chosen = [i for i in present if i < self.k]
+        chosen += [i for i in present if i >= self.k][: len(missing)]
+        inverse = self._inverse(tuple(chosen))
+        return chosen, {e: list(inverse[e]) for e in missing}
+
     def _check_available(self, available: Mapping[int, np.ndarray]) -> list[int]:
         for i, block in available.items():
             if not isinstance(i, (int, np.integer)) or not 0 <= i < self.n:
@@ -467,6 +484,14 @@ class XorCode(ErasureCode):
             _xor_all(srcs, target)
             result[e] = target
         return dict(sorted(result.items()))
+
+
+def scale_into(dst: np.ndarray, c: int, src: np.ndarray) -> None:
+    """dst ^= c * src over GF(256) (a plain XOR when c == 1)."""
+    if c == 1:
+        xor_into(dst, src)
+    elif c != 0:
+        _lincomb([[c]], [src], [dst], accumulate=True)
 
 
 def _xor_all(srcs: Sequence[np.ndarray], dst: np.ndarray) -> None:

@@ -59,6 +59,7 @@ __all__ = [
     "PolicyResult",
     "Scenario",
     "SimulationResult",
+    "SweepPoint",
     "build_costs",
     "closed_form_checkpoint_restart",
     "draw_failures",
@@ -68,6 +69,7 @@ __all__ = [
 ]
 
 POLICIES = ("checkpoint-restart", "memory-restart", "leto")
+MAX_EXPECTED_FAILURES = 1e7
 LOSS_KEYS = ("protection", "lost_work", "detection", "recovery", "waiting_for_spares", "shrink")
 
 
@@ -81,6 +83,7 @@ class Scenario:
     mtbf_gpu_hours: float = LLAMA3_MTBF_GPU_HOURS
     spares: int | None = None
     seed: int = 0
+    replica: int = 0
     assumptions: Assumptions = field(default_factory=Assumptions)
     failure_classes: tuple[FailureClass, ...] = LLAMA3_FAILURES
 
@@ -108,6 +111,11 @@ class Scenario:
             raise ValueError(f"--spares must be an integer >= 0, got {self.spares!r}")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"--seed must be an integer >= 0, got {self.seed!r}")
+        expected = self.horizon_s / self.job_mtbf_s
+        if expected > MAX_EXPECTED_FAILURES:
+            raise ValueError(
+                f"about {expected:.3g} failures expected; more than {MAX_EXPECTED_FAILURES:.0e} "
+                f"is too many to simulate, shorten --days")
 
     @property
     def nodes(self) -> int:
@@ -146,7 +154,7 @@ class FailureStream:
 
 def draw_failures(sc: Scenario) -> FailureStream:
     """Draw the superposed Poisson failure stream of ``sc.gpus`` GPUs in bulk."""
-    rng = np.random.default_rng(sc.seed)
+    rng = np.random.default_rng((sc.seed, sc.replica))
     horizon = sc.horizon_s
     rate = 0.0 if math.isinf(sc.job_mtbf_s) else 1.0 / sc.job_mtbf_s
     count = int(rng.poisson(rate * horizon)) if rate > 0 else 0
@@ -179,14 +187,24 @@ class PolicyCosts:
     shrink_recover_s: float = 0.0
     grow_s: float = 0.0
     redo_s: float = 0.0
+    shrink_nodes: int = 1
     shrink_gpus: int = 0
     components: dict[str, float] = field(default_factory=dict)
 
 
-def _shrink_gpus(a: Assumptions, gpus_per_node: int) -> int:
-    replica = a.tp * a.pp
-    # a node lies inside one replica if replicas span whole nodes; else it touches several
-    return replica if replica >= gpus_per_node else replica * math.ceil(gpus_per_node / replica)
+def _shrink_nodes(a: Assumptions, gpus_per_node: int) -> int:
+    """Nodes that leave the job when one node is lost and no spare is left.
+
+    The job drops the model replica(s) holding the lost node: a replica of tp x pp GPUs spans
+    tp*pp / gpus_per_node nodes (its healthy nodes become spares); a replica smaller than a
+    node drops with the node.
+    """
+    return max(1, (a.tp * a.pp) // gpus_per_node)
+
+
+def _exposed(a: Assumptions, background_s: float, step_s: float) -> float:
+    """Part of per-step background protection work that the step's compute cannot hide."""
+    return max(0.0, background_s - a.protect_overlap * step_s)
 
 
 def build_costs(policy: str, sc: Scenario, cal: Calibration) -> PolicyCosts:
@@ -211,7 +229,7 @@ def build_costs(policy: str, sc: Scenario, cal: Calibration) -> PolicyCosts:
                         "restart_s": restart})
     if policy == "memory-restart":
         b = checkpoint_bytes_per_gpu(a, n)
-        protect = b / pcie + (a.gemini_replicas - 1) * b / net
+        protect = b / pcie + _exposed(a, (a.gemini_replicas - 1) * b / net, step)
         if cal.mr_restore_s and cal.bench_state_bytes:
             local = b * cal.mr_restore_s / cal.bench_state_bytes
         else:
@@ -237,7 +255,7 @@ def build_costs(policy: str, sc: Scenario, cal: Calibration) -> PolicyCosts:
         tier2 = b * a.tier2_k / net
         h2d = b / pcie
         weights = w / net
-        protect = b / pcie + b / cal.encode_bps + b * a.tier2_m / net
+        protect = b / pcie + _exposed(a, b / cal.encode_bps + b * a.tier2_m / net, step)
         redo = max(0.0, cal.leto_lost_steps - 1.0) * (step + protect)
         return PolicyCosts(
             policy, step, protect,
@@ -248,7 +266,8 @@ def build_costs(policy: str, sc: Scenario, cal: Calibration) -> PolicyCosts:
             shrink_recover_s=rebuild + tier2 + h2d,
             grow_s=rebuild + b / net + h2d + weights,
             redo_s=redo,
-            shrink_gpus=_shrink_gpus(a, sc.gpus_per_node),
+            shrink_nodes=_shrink_nodes(a, sc.gpus_per_node),
+            shrink_gpus=_shrink_nodes(a, sc.gpus_per_node) * sc.gpus_per_node,
             components={"protect_per_step_s": protect, "rebuild_s": rebuild,
                         "tier1_decode_s": tier1, "tier2_decode_s": tier2,
                         "weights_from_peer_s": weights, "h2d_s": h2d,
@@ -264,7 +283,8 @@ def _run(pc: PolicyCosts, fs: FailureStream, horizon: float, spares: int, repair
          gpus: int) -> tuple[dict[str, float], dict[str, int]]:
     """Walk failures and spare returns; return time per category and event counts."""
     acc = dict.fromkeys(("useful", *LOSS_KEYS), 0.0)
-    counts = {"failures": 0, "node_losses": 0, "shrinks": 0, "waits": 0, "max_short_nodes": 0}
+    counts = {"failures": 0, "node_losses": 0, "shrinks": 0, "grows": 0, "waits": 0,
+              "max_dropped_replicas": 0}
     times: list[float] = fs.times.tolist()
     lost: list[bool] = fs.node_lost.tolist()
     det: list[int] = fs.detection.tolist()
@@ -272,7 +292,9 @@ def _run(pc: PolicyCosts, fs: FailureStream, horizon: float, spares: int, repair
     inf = math.inf
 
     repairs: list[float] = []
-    free, missing, short = spares, 0, 0
+    free = spares
+    missing = 0  # nodes a restart-based job waits for
+    short = 0  # shrink units (replicas) a shrunk Leto job runs without
     running, run_start = True, 0.0
     d_start = det_end = fill_t = charged = 0.0
     rec = redo = 0.0
@@ -283,14 +305,16 @@ def _run(pc: PolicyCosts, fs: FailureStream, horizon: float, spares: int, repair
             return
         if unit == 0:  # free, continuous commit
             work, prot, rest = length, 0.0, 0.0
+        elif math.isinf(unit):  # never commits (checkpoint-restart without failures)
+            work, prot, rest = 0.0, 0.0, length
         else:
-            k = math.floor(length / unit) if math.isfinite(unit) else 0
+            k = math.floor(length / unit)
             work, prot = k * pc.work_s, k * pc.commit_s
             rest = length - k * unit
-            if tail:  # observed at the horizon: work in progress counts, the job goes on
-                work += min(rest, pc.work_s)
-                prot += max(0.0, rest - pc.work_s)
-                rest = 0.0
+        if tail:  # observed at the horizon: work in progress counts, the job goes on
+            work += min(rest, pc.work_s)
+            prot += max(0.0, rest - pc.work_s)
+            rest = 0.0
         thr = max(0.0, 1.0 - short * pc.shrink_gpus / gpus)
         acc["useful"] += work * thr
         acc["shrink"] += work * (1.0 - thr)
@@ -330,14 +354,17 @@ def _run(pc: PolicyCosts, fs: FailureStream, horizon: float, spares: int, repair
                 missing -= 1
                 if not missing:
                     fill_t = tr
-            elif short:
-                if running:  # grow back: a short reconfiguration, no detection
+                continue
+            free += 1
+            if short and free >= pc.shrink_nodes:
+                counts["grows"] += 1
+                if running:  # grow back: charge at the old throughput, then reconfigure
                     charge_run(run_start, tr, tail=False)
                     running, rec, redo = False, pc.grow_s, 0.0
                     d_start = det_end = fill_t = charged = tr
+                # while down, the replica rejoins within the recovery under way
+                free -= pc.shrink_nodes
                 short -= 1
-            else:
-                free += 1
             continue
         # a failure
         i += 1
@@ -355,8 +382,9 @@ def _run(pc: PolicyCosts, fs: FailureStream, horizon: float, spares: int, repair
                 new_rec = pc.recover_node_s
             elif pc.shrink and (short + 1) * pc.shrink_gpus < gpus:
                 short += 1
+                free += pc.shrink_nodes - 1  # healthy nodes of the dropped replica
                 counts["shrinks"] += 1
-                counts["max_short_nodes"] = max(counts["max_short_nodes"], short)
+                counts["max_dropped_replicas"] = max(counts["max_dropped_replicas"], short)
                 new_rec = pc.shrink_recover_s
             else:
                 missing += 1
@@ -387,8 +415,9 @@ class PolicyResult:
 
     @property
     def dominant_loss(self) -> str:
-        """The loss category that cost the most wall time."""
-        return max(self.lost, key=lambda k: self.lost[k])
+        """The loss category that cost the most wall time ("none" if nothing was lost)."""
+        key = max(self.lost, key=lambda k: self.lost[k])
+        return key if self.lost[key] > 0 else "none"
 
 
 @dataclass(frozen=True)
@@ -461,11 +490,40 @@ def sweep_sizes(sc: Scenario, lo: int = 1024, hi: int = 131072) -> list[int]:
     return sorted(set(sizes))
 
 
+@dataclass(frozen=True)
+class SweepPoint:
+    """Mean over ``replicas`` independent runs of one cluster size."""
+
+    gpus: int
+    spares: int
+    replicas: int
+    failures: float
+    productivity: dict[str, float]
+    lost: dict[str, dict[str, float]]
+
+
 def sweep(sc: Scenario, sizes: Iterable[int], policies: Sequence[str] = POLICIES,
-          calibration: Calibration | None = None) -> list[SimulationResult]:
-    """Simulate ``sc`` at each cluster size (same seed; spares per the scenario's rule)."""
+          calibration: Calibration | None = None, min_failures: int = 2000,
+          max_replicas: int = 64) -> list[SweepPoint]:
+    """Simulate ``sc`` at each cluster size (spares per the scenario's rule).
+
+    Small clusters see few failures in ``sc.days``; each size is repeated with independent
+    streams (replicas 0, 1, ...) until about ``min_failures`` failures are averaged over.
+    """
     cal = calibration if calibration is not None else load_calibration()
-    return [simulate(dataclasses.replace(sc, gpus=n), policies, cal) for n in sizes]
+    points: list[SweepPoint] = []
+    for n in sizes:
+        base = dataclasses.replace(sc, gpus=n)
+        expected = base.horizon_s / base.job_mtbf_s
+        reps = max(1, min(max_replicas, math.ceil(min_failures / max(expected, 1e-12))))
+        runs = [simulate(dataclasses.replace(base, replica=r), policies, cal)
+                for r in range(reps)]
+        prod = {p: sum(r.results[p].productivity for r in runs) / reps for p in policies}
+        lost = {p: {k: sum(r.results[p].lost[k] for r in runs) / reps for k in LOSS_KEYS}
+                for p in policies}
+        points.append(SweepPoint(n, base.spare_nodes, reps,
+                                 sum(r.failures for r in runs) / reps, prod, lost))
+    return points
 
 
 # --------------------------------------------------------------------------- closed form

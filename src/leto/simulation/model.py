@@ -134,16 +134,19 @@ class Assumptions:
     params: float = _f(405e9, "parameters",
                        "Llama 3 405B (Dubey et al. 2024), the run the failure data comes from")
     tp: int = _f(8, "GPUs", "tensor-parallel degree of Llama 3 405B (Dubey et al. 2024, Table 4)")
-    pp: int = _f(16, "GPUs", "pipeline-parallel degree of Llama 3 405B (Dubey et al. 2024, Table 4)")
+    pp: int = _f(16, "GPUs",
+                 "pipeline-parallel degree of Llama 3 405B (Dubey et al. 2024, Table 4)")
     tokens_per_gpu_step: float = _f(
         1024.0, "tokens",
-        "16M tokens per step / 16,384 GPUs (Dubey et al. 2024, Table 4); held per GPU (weak scaling)")
+        "16M tokens per step / 16,384 GPUs (Dubey et al. 2024, Table 4); held per GPU "
+        "(weak scaling)")
     achieved_tflops_per_gpu: float = _f(
         400.0, "TFLOP/s", "BF16 throughput per GPU at 16,384 GPUs (Dubey et al. 2024, Table 4)")
     optimizer_bytes_per_param: float = _f(
         12.0, "bytes", "mixed-precision Adam: fp32 master + momentum + variance, K=12 "
         "(Rajbhandari et al. 2020, ZeRO, Sec. 3.1); sharded over data parallel (ZeRO-1)")
-    weight_bytes_per_param: float = _f(2.0, "bytes", "bf16 parameters, replicated across data parallel")
+    weight_bytes_per_param: float = _f(
+        2.0, "bytes", "bf16 parameters, replicated across data parallel")
     # hardware
     net_gbps_per_gpu: float = _f(
         50.0, "GB/s", "400 Gb/s RoCE/InfiniBand per GPU (Dubey et al. 2024, Sec. 3.3.1)")
@@ -172,9 +175,14 @@ class Assumptions:
         "(torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp; pytorch PR #110947)")
     # Leto protection layout
     tier1_group: int = _f(
-        0, "ranks", "tier-1 erasure group inside a node; 0 = gpus per node (decode reads the group)")
+        0, "ranks",
+        "tier-1 erasure group inside a node; 0 = gpus per node (decode reads the group)")
     tier2_k: int = _f(8, "nodes", "ASSUMPTION: tier-2 Reed-Solomon data nodes per stripe")
     tier2_m: int = _f(2, "nodes", "ASSUMPTION: tier-2 parity nodes per stripe")
+    protect_overlap: float = _f(
+        0.0, "of a step", "ASSUMPTION: fraction of a step's compute that hides per-step "
+        "background protection (host encode, parity/replica transfer); 0 = all of it on the "
+        "critical path (conservative) until 'leto bench overhead' measures the implementation")
     # memory-restart (Gemini-like)
     gemini_replicas: int = _f(
         2, "copies", "ASSUMPTION: in-CPU-memory checkpoint copies (local + 1 peer), as in "
@@ -202,6 +210,8 @@ def with_overrides(base: Assumptions, overrides: Mapping[str, str]) -> Assumptio
             raise ValueError(f"assumption {key}: must be a finite number >= 0, got {text!r}")
         changes[key] = value
     result = dataclasses.replace(base, **changes)
+    if result.protect_overlap > 1:
+        raise ValueError("assumption protect_overlap: must be between 0 and 1")
     for key in ("params", "tp", "pp", "tokens_per_gpu_step", "achieved_tflops_per_gpu",
                 "net_gbps_per_gpu", "pcie_gbps", "storage_gbps_aggregate", "tier2_k",
                 "tier2_m", "gemini_replicas"):
@@ -338,16 +348,19 @@ def _number(value: Any, where: str, *, positive: bool = False) -> float:
 
 def _read_json(path: Path) -> Any:
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise CalibrationError(f"calibration file {str(path)!r} not found") from None
     except OSError as e:
         raise CalibrationError(f"calibration file {str(path)!r}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise CalibrationError(f"calibration file {str(path)!r} is not UTF-8 text") from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise CalibrationError(
-            f"calibration file {str(path)!r} is not valid JSON (line {e.lineno}: {e.msg})") from None
+            f"calibration file {str(path)!r} is not valid JSON (line {e.lineno}: {e.msg})"
+        ) from None
 
 
 _POSITIVE = {"restart_first_step_s", "ckpt_bytes", "ckpt_save_s", "ckpt_load_s", "memcpy_gbps",
@@ -397,9 +410,6 @@ def _section(doc: Mapping[str, Any], section: str, name: str) -> dict[str, tuple
         elif ratio is not None and off is not None:
             d = _number(ratio, f"{name}: overhead_ratio") * _number(off, f"{name}: step_s_off")
             out["protect_s_per_step"] = (d, f"{name}: overhead_ratio x step_s_off")
-        if off is not None:
-            out.setdefault("bench_step_s", (_number(off, f"{name}: step_s_off", positive=True),
-                                            f"{name}: step_s_off"))
     elif section == "recovery":
         take("state_bytes_per_rank", "bench_state_bytes", positive=True)
         systems = doc.get("systems")
@@ -455,14 +465,14 @@ def _parse(doc: Any, name: str) -> dict[str, tuple[float, str]]:
             if section in merged:
                 values.update(_section(doc[section], section, f"{name} [{section}]"))
         return values
-    section = _detect_section(doc)
-    if section is None:
+    detected = _detect_section(doc)
+    if detected is None:
         keys = ", ".join(sorted(map(str, doc))) or "none"
         raise CalibrationError(
             f"{name}: not a calibration: expected output of 'leto bench throughput|overhead|"
             f"recovery --json', a dict with keys throughput/overhead/recovery, or "
             f"'measurements'; found keys: {keys}")
-    return _section(doc, section, name)
+    return _section(doc, detected, name)
 
 
 def load_calibration(path: str | Path | None = None) -> Calibration:
@@ -475,7 +485,7 @@ def load_calibration(path: str | Path | None = None) -> Calibration:
     values = _parse(json.loads(ref.read_text()), _DEFAULT_FILE)
     if path is not None:
         p = Path(path)
-        values.update(_parse(_read_json(p), p.name))
+        values.update(_parse(_read_json(p), str(p)))
     missing = [k for k in _REQUIRED if k not in values]
     if missing:
         raise CalibrationError(f"calibration lacks {', '.join(missing)}")

@@ -9,14 +9,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn as nn
 
+from leto.control import runtime as rt
 from leto.control.comm import Comm
+from leto.control.membership import GenerationWatch, Plan, plan_key, read_plan
 from leto.control.runtime import RESULT_KEY, Job
+from leto.protection import keys
+from leto.protection.client import Protector
+from leto.protection.layout import Geometry, Layout
 from leto.training.optim import MASTER, AdamW
 
 DEFAULT_CHUNK_BYTES = 12 * 16384  # 192 KiB: 16384 elements of (master, exp_avg, exp_avg_sq)
@@ -54,15 +60,29 @@ class Trainer:
             p.data = self.flat_param[offset:offset + n].view_as(p)
             p.grad = self.flat_grad[offset:offset + n].view_as(p)
             offset += n
-        self.state = torch.zeros(self.n_chunks, _STATE_ROWS, self.chunk_elems, device=dev)
-        self.grad_shard = torch.zeros(self.n_chunks, self.chunk_elems, device=dev)
+        # Protection keeps two versions of the shard (ping-pong by step parity, see docs/protection.md)
+        copies = 2 if job.protection else 1
+        self.bufs = [torch.zeros(self.n_chunks, _STATE_ROWS, self.chunk_elems, device=dev) for _ in range(copies)]
+        self.gbufs = [torch.zeros(self.n_chunks, self.chunk_elems, device=dev) for _ in range(copies)]
         self.param_shard = torch.zeros(self.shard_elems, device=dev)
         self._scratch = torch.zeros(self.chunk_elems, device=dev)
         self._loss = torch.zeros(1, device=dev)
         self.step_count = 0  # optimizer steps applied
         self.last_loss = float("nan")
         self.comm: Comm | None = None
+        self.protector: Protector | None = None
+        self.watch: GenerationWatch | None = None
+        self.plan: Plan | None = None
         self._t_last = time.perf_counter()
+
+    @property
+    def state(self) -> torch.Tensor:
+        """This rank's unique state at `step_count`: [n_chunks, 3, chunk_elems]."""
+        return self.bufs[self.step_count % len(self.bufs)]
+
+    @property
+    def geometry(self) -> Geometry:
+        return Geometry(self.n_chunks, self.chunk_elems)
 
     # ----- membership
     @property
@@ -76,10 +96,30 @@ class Trainer:
         return self.job.world_size
 
     def _connect(self) -> None:
-        self.comm = Comm(self.job.store, 0, self.rank, self.world_size, self.job.timeout_s, device=self.job.device)
+        job = self.job
+        if job.proc_id != "solo":
+            self.plan = read_plan(job.store, 0)
+            self.watch = GenerationWatch(os.environ[rt.ENV_STORE], job.proc_id, 0, job.timeout_s)
+        abort = self.watch.reason if self.watch else (lambda: None)
+        self.comm = Comm(job.store, 0, self.rank, self.world_size, job.timeout_s, abort, job.device)
         self.comm.broadcast(self.flat_param, 0)  # all ranks start from rank 0's initialization
         shard = self.flat_param[self.rank * self.shard_elems:(self.rank + 1) * self.shard_elems]
         self.state[:, MASTER, :].copy_(shard.view(self.n_chunks, self.chunk_elems))
+        if job.protection and self.plan is not None:
+            self._protect(0, self.step_count)
+
+    def _protect(self, generation: int, base_step: int) -> None:
+        """Start protection of this generation: encode the full state at `base_step`."""
+        if self.protector is not None:
+            self.protector.close()
+        if self.rank == 0:
+            layout = Layout(generation, base_step, self.geometry, self.plan.node_of_rank, self.job.ec)
+            self.job.store.set(keys.layout(generation), layout.to_json())
+        layout = Layout.from_json(self.job.store.get(keys.layout(generation)))
+        self.protector = Protector(self.job.store, layout, self.rank, self.job.job_id, self.job.timeout_s,
+                                   self.watch.reason)
+        self.protector.stage_deltas(base_step, None, self.state)
+        self.protector.wait_delta_commit(base_step)
 
     # ----- the training loop
     def steps(self, total: int) -> Iterator[int]:
@@ -92,6 +132,16 @@ class Trainer:
         while self.step_count < total:
             yield self.step_count
         self.finish()
+        self.close()
+
+    def close(self) -> None:
+        """Leave the job: stop the watch thread, unmap protection, drop the process group."""
+        if self.watch is not None:
+            self.watch.stop()
+        if self.protector is not None:
+            self.protector.close()
+        if self.comm is not None:
+            self.comm.close()
 
     def step(self, loss_fn: Callable[[], torch.Tensor], weight: float | None = None, tokens: int = 0) -> float:
         """One training step. `weight` is this rank's share of the global batch (default 1/world);
@@ -99,18 +149,27 @@ class Trainer:
         if self.comm is None:
             raise RuntimeError("call step() inside `for step in trainer.steps(n)`")
         w = 1.0 / self.world_size if weight is None else weight
+        t, n = self.step_count, len(self.bufs)
+        prot = self.protector
+        if prot is not None and t > prot.base:  # protect the update of step t (docs/protection.md)
+            prot.wait_grad_commit(t)
+            prot.stage_deltas(t, self.bufs[(t - 1) % n], self.bufs[t % n])
         self.flat_grad.zero_()
         loss = loss_fn()
         (loss * w).backward()
         self._loss.fill_(loss.item() * w)
         self.comm.all_reduce(self._loss)
-        self.comm.reduce_scatter(self.grad_shard.view(-1), self.flat_grad)
-        t = self.step_count + 1
+        grads = self.gbufs[(t + 1) % n]
+        self.comm.reduce_scatter(grads.view(-1), self.flat_grad)
+        if prot is not None:
+            prot.stage_grads(t + 1, grads)
+            prot.wait_delta_commit(t)  # nobody needs step t-1 any more: its buffer may be overwritten
+        src, dst = self.bufs[t % n], self.bufs[(t + 1) % n]
         for c in range(self.n_chunks):
-            self.optimizer.update(self.state[c], self.grad_shard[c], self.state[c], t, self._scratch)
-        self.param_shard.copy_(self.state[:, MASTER, :].reshape(-1))
+            self.optimizer.update(src[c], grads[c], dst[c], t + 1, self._scratch)
+        self.param_shard.copy_(dst[:, MASTER, :].reshape(-1))
         self.comm.all_gather(self.flat_param, self.param_shard)
-        self.step_count = t
+        self.step_count = t + 1
         self.last_loss = float(self._loss.item())
         self._record(tokens)
         return self.last_loss

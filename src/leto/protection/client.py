@@ -1,0 +1,93 @@
+"""The worker's side of protection: hand chunks to the node's keeper and wait for commits."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from leto.control.comm import PeerFailure
+from leto.protection import keys
+from leto.protection.integrity import checksum
+from leto.protection.layout import Layout
+from leto.protection.shm import (H_DCOMMIT, H_GCOMMIT, KIND_DELTA, KIND_GRAD, S_CHUNK, S_CRC, S_KIND, S_READY,
+                                 S_STEP, Region)
+
+
+def as_bytes(t: torch.Tensor) -> np.ndarray:
+    """A uint8 view of a contiguous CPU tensor (no copy)."""
+    return t.detach().view(-1).numpy().view(np.uint8)
+
+
+class Protector:
+    """Stages one rank's gradients and state deltas into its keeper's shared memory."""
+
+    def __init__(self, store, layout: Layout, rank: int, job_id: str, timeout_s: float,
+                 abort_check: Callable[[], str | None]) -> None:
+        self.layout, self.rank, self.timeout_s, self.abort_check = layout, rank, timeout_s, abort_check
+        self.node = layout.node_of_rank[rank]
+        self.w = layout.local_index(rank)
+        self._wait_until(lambda: store.check([keys.ready(layout.generation, self.node)]), "keeper ready", poll=5e-3)
+        self.region = Region(layout, job_id, self.node, create=False)
+        self.hdr = self.region["slot_hdr"][self.w]
+        self.data = self.region["slot_data"][self.w]
+        self.seq = 0
+        self.base = layout.base_step
+
+    def _wait_until(self, pred: Callable[[], bool], what: str, poll: float = 1e-4) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        delay = 2e-5
+        while not pred():
+            reason = self.abort_check()
+            if reason:
+                raise PeerFailure(f"waiting for {what} aborted: {reason}")
+            if time.monotonic() > deadline:
+                raise PeerFailure(f"timed out after {self.timeout_s:.0f}s waiting for {what} "
+                                  f"(generation {self.layout.generation})")
+            time.sleep(delay)
+            delay = min(delay * 2, max(poll, 1e-3))
+
+    def _slot(self) -> int:
+        idx = self.seq % self.layout.ring_slots
+        if self.hdr[idx, S_READY] != 0:
+            self._wait_until(lambda: self.hdr[idx, S_READY] == 0, "a free staging slot")
+        return idx
+
+    def _publish(self, idx: int, kind: int, step: int, chunk: int, crc: int) -> None:
+        h = self.hdr[idx]
+        h[S_KIND], h[S_STEP], h[S_CHUNK], h[S_CRC] = kind, step, chunk, crc
+        h[S_READY] = 1  # last: the keeper applies only complete slots
+        self.seq += 1
+
+    def stage_grads(self, step: int, grads: torch.Tensor) -> None:
+        """Hand over this rank's gradient shard of `step` ([n_chunks, chunk_elems])."""
+        for c in range(grads.shape[0]):
+            src = as_bytes(grads[c])
+            idx = self._slot()
+            self.data[idx, :src.size] = src
+            self._publish(idx, KIND_GRAD, step, c, checksum(src))
+
+    def stage_deltas(self, step: int, old: torch.Tensor | None, new: torch.Tensor) -> None:
+        """Hand over `old XOR new` per chunk (the full chunk when `old` is None) at version `step`."""
+        for c in range(new.shape[0]):
+            nb = as_bytes(new[c])
+            idx = self._slot()
+            dst = self.data[idx, :nb.size]
+            if old is None:
+                dst[...] = nb
+            else:
+                np.bitwise_xor(as_bytes(old[c]), nb, out=dst)
+            self._publish(idx, KIND_DELTA, step, c, checksum(nb))
+
+    def wait_grad_commit(self, step: int) -> None:
+        h = self.region.header
+        self._wait_until(lambda: h[H_GCOMMIT] >= step, f"grad commit of step {step}")
+
+    def wait_delta_commit(self, step: int) -> None:
+        h = self.region.header
+        self._wait_until(lambda: h[H_DCOMMIT] >= step, f"delta commit of step {step}")
+
+    def close(self) -> None:
+        self.hdr = self.data = None  # type: ignore[assignment]
+        self.region.close()

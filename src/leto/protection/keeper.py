@@ -1,0 +1,387 @@
+"""The keeper: one process per node that holds the node's protection data in shared memory.
+
+It outlives worker crashes. Workers hand it chunks through staging slots; it folds them into
+tier-1 XOR parity, ships tier-2 contributions to other nodes' keepers over its own gloo group,
+folds the contributions it receives, and agrees with the other keepers, step by step, on what
+is committed (see docs/protection.md).
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from leto.control import runtime as rt
+from leto.protection import keys
+from leto.protection.codec import scale_into, xor_into
+from leto.protection.layout import Layout, Route
+from leto.protection.shm import (H_BASE, H_DCOMMIT, H_GCOMMIT, H_GEN, H_MAGIC, H_PID, H_STATE, KIND_DELTA,
+                                 KIND_GRAD, MAGIC, S_CHUNK, S_CRC, S_KIND, S_READY, S_STEP, STATE_DRAINED,
+                                 STATE_RUNNING, Region)
+
+HDR = 8           # int64 fields in a tier-2 message header
+TAG = {KIND_GRAD: 1, KIND_DELTA: 2}
+SEND_BUFFERS = 8  # in-flight tier-2 messages per link and kind
+CONTROL_EVERY_S = 0.02
+
+
+class _Link:
+    """Tier-2 traffic with one other keeper: a sender thread and receiver threads.
+
+    gloo's send/recv work objects cannot be polled (`is_completed()` stays False until
+    `wait()`), so each direction blocks in its own thread; the GIL is released while it waits.
+    """
+
+    def __init__(self, keeper: Keeper, node: int, send: bool, recv: bool) -> None:
+        self.keeper, self.node = keeper, node
+        self.peer_rank = keeper.layout.nodes.index(node)
+        self.sent = {k: 0 for k in TAG}
+        self.received = {k: 0 for k in TAG}
+        self.free: dict[int, queue.SimpleQueue[int]] = {}
+        self.bufs: dict[int, list[torch.Tensor]] = {}
+        self.outbox: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
+        self.error: str | None = None
+        if send:
+            for kind, nb in keeper.nbytes.items():
+                self.bufs[kind] = [torch.zeros(HDR * 8 + nb, dtype=torch.uint8) for _ in range(SEND_BUFFERS)]
+                self.free[kind] = queue.SimpleQueue()
+                for i in range(SEND_BUFFERS):
+                    self.free[kind].put(i)
+            threading.Thread(target=self._send_loop, daemon=True, name=f"keeper-send-{node}").start()
+        if recv:
+            for kind, nb in keeper.nbytes.items():
+                threading.Thread(target=self._recv_loop, args=(kind, nb), daemon=True,
+                                 name=f"keeper-recv-{node}-{kind}").start()
+
+    def take(self, kind: int) -> int | None:
+        try:
+            return self.free[kind].get_nowait()
+        except queue.Empty:
+            return None
+
+    def idle(self) -> bool:
+        return all(q.qsize() == SEND_BUFFERS for q in self.free.values())
+
+    def _send_loop(self) -> None:
+        while True:
+            item = self.outbox.get()
+            if item is None:
+                return
+            kind, i = item
+            try:
+                self.keeper.pg.send([self.bufs[kind][i]], self.peer_rank, TAG[kind]).wait()
+            except RuntimeError as e:
+                self.error = f"send to node {self.node} failed: {e}"
+                return
+            self.sent[kind] += 1
+            self.free[kind].put(i)
+
+    def _recv_loop(self, kind: int, nbytes: int) -> None:
+        buf = torch.zeros(HDR * 8 + nbytes, dtype=torch.uint8)
+        hdr = buf[:HDR * 8].numpy().view(np.int64)
+        body = buf[HDR * 8:].numpy()
+        while not self.keeper.closed:
+            try:
+                self.keeper.pg.recv([buf], self.peer_rank, TAG[kind]).wait()
+            except RuntimeError as e:
+                self.error = f"receive from node {self.node} failed: {e}"
+                return
+            if self.keeper.closed:
+                return
+            _, step, _, stripe, p, i, crc, _ = (int(x) for x in hdr)
+            with self.keeper.lock:
+                self.keeper.fold_remote(kind, step, stripe, p, i, crc, body)
+            self.received[kind] += 1
+
+
+class Keeper:
+    """Runs one generation's protection for one node."""
+
+    def __init__(self, store: dist.Store, job: str, node: int, layout: Layout, timeout_s: float) -> None:
+        self.store, self.job, self.node, self.layout = store, job, node, layout
+        self.gen = layout.generation
+        self.closed = False
+        self.lock = threading.Lock()
+        self.region = Region(layout, job, node, create=True)
+        h = self.region.header
+        h[H_MAGIC], h[H_GEN], h[H_BASE], h[H_PID] = MAGIC, self.gen, layout.base_step, os.getpid()
+        h[H_GCOMMIT], h[H_DCOMMIT] = layout.base_step, layout.base_step - 1
+        self.W = len(layout.local_ranks(node))
+        self.next_slot = [0] * self.W
+        g = layout.geometry
+        self.nbytes = {KIND_GRAD: g.grad_bytes, KIND_DELTA: g.state_bytes}
+        self.idx = layout.nodes.index(node)
+        # blocked point-to-point waits of an abandoned generation stay behind in their threads
+        self.pg = dist.ProcessGroupGloo(dist.PrefixStore(keys.keeper_pg(self.gen), store), self.idx,
+                                        len(layout.nodes), timedelta(seconds=max(timeout_s, 3600.0)))
+        senders, receivers = set(layout.senders_to(node)), set(layout.receivers_from(node))
+        self.parity = {s.index: (s, j) for s, j in layout.parity_stripes(node)}
+        self.expected, self.real = self._expected_counts()
+        self.links = {n: _Link(self, n, send=n in receivers, recv=n in senders)
+                      for n in sorted(senders | receivers) if n != node}
+        # barrier sequence: D(base), G(base+1), D(base+1), ...
+        self.next_barrier = (KIND_DELTA, layout.base_step)
+        self.barrier_work: dist.Work | None = None
+        self.barrier_buf = torch.zeros(1)
+        h[H_STATE] = STATE_RUNNING
+        store.set(keys.ready(self.gen, node), str(os.getpid()))
+
+    def _expected_counts(self) -> tuple[dict[int, np.ndarray], dict[tuple[int, int], np.ndarray]]:
+        """Per parity stripe: contributions expected at each offset, and which offsets of each
+        data position hold real chunks (not padding)."""
+        L = self.layout.segment_len
+        expected, real = {}, {}
+        for si, (s, _) in self.parity.items():
+            cnt = np.zeros(L, dtype=np.int64)
+            for p, dn in enumerate(s.data_nodes):
+                node, seg = self.layout.nodes[dn], s.segment_of(dn)
+                mask = np.array([self.layout.source_of(node, seg * L + i) is not None for i in range(L)], dtype=bool)
+                real[(si, p)] = mask
+                cnt += mask
+            expected[si] = cnt
+        return expected, real
+
+    # ----- folding
+    def _consume_slots(self) -> bool:
+        progress = False
+        hdrs, data = self.region["slot_hdr"], self.region["slot_data"]
+        for w in range(self.W):
+            for _ in range(self.layout.ring_slots):
+                idx = self.next_slot[w] % self.layout.ring_slots
+                h = hdrs[w, idx]
+                if h[S_READY] != 1:
+                    break
+                kind, step, chunk, crc = int(h[S_KIND]), int(h[S_STEP]), int(h[S_CHUNK]), int(h[S_CRC])
+                payload = data[w, idx, :self.nbytes[kind]]
+                if not self._ship(kind, step, w, chunk, crc, payload):
+                    return progress  # tier-2 send buffers are full; come back later
+                with self.lock:
+                    self._fold_local(kind, step, w, chunk, crc, payload)
+                h[S_READY] = 0
+                self.next_slot[w] += 1
+                progress = True
+        return progress
+
+    def _fold_local(self, kind: int, step: int, w: int, chunk: int, crc: int, payload: np.ndarray) -> None:
+        r = self.region
+        if kind == KIND_DELTA:
+            xor_into(r["p1"][chunk], payload)
+            r["crc1"][w, chunk] = crc
+            r["v1"][w, chunk] = step
+            return
+        b = step % 2
+        if r["g1_step"][b, chunk] != step:
+            r["g1"][b, chunk][...] = payload
+            r["g1_step"][b, chunk] = step
+            r["g1_count"][b, chunk] = 1
+        else:
+            xor_into(r["g1"][b, chunk], payload)
+            r["g1_count"][b, chunk] += 1
+        r["gcrc1"][w, b, chunk] = crc
+
+    def _ship(self, kind: int, step: int, w: int, chunk: int, crc: int, payload: np.ndarray) -> bool:
+        """Queue this chunk's tier-2 contributions; False when a link has no free buffer."""
+        rank = self.layout.local_ranks(self.node)[w]
+        routes = self.layout.routes(self.node, self.layout.position(rank, chunk))
+        taken: list[tuple[Route, _Link, int]] = []
+        for r in routes:
+            link = self.links[r.parity_node]
+            i = link.take(kind)
+            if i is None:
+                for _, other, j in taken:
+                    other.free[kind].put(j)
+                return False
+            taken.append((r, link, i))
+        for r, link, i in taken:
+            buf = link.bufs[kind][i]
+            buf[:HDR * 8].numpy().view(np.int64)[:] = (kind, step, self.idx, r.stripe, r.p, r.i, crc, self.gen)
+            body = buf[HDR * 8:].numpy()
+            if r.coef == 1:
+                body[...] = payload
+            else:
+                body[...] = 0
+                scale_into(body, r.coef, payload)
+            link.outbox.put((kind, i))
+        return True
+
+    def fold_remote(self, kind: int, step: int, stripe: int, p: int, i: int, crc: int, body: np.ndarray) -> None:
+        r = self.region
+        if kind == KIND_DELTA:
+            xor_into(r[f"p2_{stripe}"][i], body)
+            r[f"crc2_{stripe}"][p, i] = crc
+            r[f"v2_{stripe}"][p, i] = step
+            return
+        b = step % 2
+        if r[f"g2_step_{stripe}"][b, i] != step:
+            r[f"g2_{stripe}"][b, i][...] = body
+            r[f"g2_step_{stripe}"][b, i] = step
+            r[f"g2_count_{stripe}"][b, i] = 1
+        else:
+            xor_into(r[f"g2_{stripe}"][b, i], body)
+            r[f"g2_count_{stripe}"][b, i] += 1
+        r[f"gcrc2_{stripe}"][p, b, i] = crc
+
+    # ----- completeness and agreement
+    def grads_complete(self, step: int) -> bool:
+        r, b = self.region, step % 2
+        if not (np.all(r["g1_step"][b] == step) and np.all(r["g1_count"][b] == self.W)):
+            return False
+        for si, exp in self.expected.items():
+            real = exp > 0
+            if not np.all(r[f"g2_step_{si}"][b][real] == step):
+                return False
+            if not np.all(r[f"g2_count_{si}"][b][real] == exp[real]):
+                return False
+        return True
+
+    def deltas_complete(self, step: int) -> bool:
+        r = self.region
+        if not np.all(r["v1"] >= step):
+            return False
+        for (si, p), real in self.real.items():
+            if not np.all(r[f"v2_{si}"][p][real] >= step):
+                return False
+        return True
+
+    def _advance_barrier(self) -> bool:
+        h = self.region.header
+        kind, step = self.next_barrier
+        if self.barrier_work is not None:
+            if not self.barrier_work.is_completed():
+                return False
+            self.barrier_work.wait()
+            self.barrier_work = None
+            if kind == KIND_DELTA:
+                h[H_DCOMMIT] = step
+                if step == self.layout.base_step:
+                    self.store.set(keys.committed(self.gen, self.node), "1")
+                self.next_barrier = (KIND_GRAD, step + 1)
+            else:
+                h[H_GCOMMIT] = step
+                self.next_barrier = (KIND_DELTA, step)
+            return True
+        with self.lock:
+            done = self.deltas_complete(step) if kind == KIND_DELTA else self.grads_complete(step)
+        if done:
+            self.barrier_work = self.pg.allreduce([self.barrier_buf])
+            return True
+        return False
+
+    # ----- the loop
+    def run(self, should_stop: Callable[[], str | None]) -> str:
+        """Serve until `should_stop` returns a reason (drain, shutdown)."""
+        idle = 1e-4
+        next_control = 0.0
+        while True:
+            progress = self._consume_slots()
+            progress |= self._advance_barrier()
+            now = time.monotonic()
+            if now >= next_control:
+                next_control = now + CONTROL_EVERY_S
+                reason = should_stop()
+                if reason:
+                    return reason
+            if progress:
+                idle = 1e-4
+            else:
+                time.sleep(idle)
+                idle = min(idle * 2, 2e-3)
+
+    def report(self) -> dict:
+        """What recovery needs from this keeper (after draining)."""
+        r, h = self.region, self.region.header
+        g = int(h[H_GCOMMIT])
+        out = {"node": self.node, "generation": self.gen, "g_commit": g, "d_commit": int(h[H_DCOMMIT]),
+               "grads_complete_next": self.grads_complete(g + 1),
+               "v1": r["v1"].tolist(), "crc1": r["crc1"].tolist(), "gcrc1": r["gcrc1"].tolist(),
+               "g1_step": r["g1_step"].tolist(), "stripes": {}}
+        for si in self.parity:
+            out["stripes"][str(si)] = {k: r[f"{k}_{si}"].tolist() for k in ("v2", "crc2", "gcrc2", "g2_step")}
+        return out
+
+    def drain(self, live_nodes: set[int], timeout_s: float) -> dict:
+        """Apply everything staged and everything live peers sent, then report."""
+        deadline = time.monotonic() + timeout_s
+        while self._consume_slots() and time.monotonic() < deadline:
+            pass
+        for n, link in self.links.items():  # let our queued sends leave, then say how many
+            if not link.bufs:
+                continue
+            while n in live_nodes and not link.idle() and link.error is None and time.monotonic() < deadline:
+                time.sleep(1e-3)
+            self.store.set(keys.sent(self.gen, self.node, n), json.dumps(link.sent))
+        for n, link in self.links.items():  # wait for what live senders sent us
+            key = keys.sent(self.gen, n, self.node)
+            while n in live_nodes and n in self.layout.senders_to(self.node) and link.error is None \
+                    and time.monotonic() < deadline:
+                if self.store.check([key]):
+                    want = {int(k): v for k, v in json.loads(self.store.get(key)).items()}
+                    if all(link.received[k] >= v for k, v in want.items()):
+                        break
+                time.sleep(1e-3)
+        self.region.header[H_STATE] = STATE_DRAINED
+        with self.lock:
+            return self.report()
+
+    def close(self, unlink: bool) -> None:
+        self.closed = True
+        for link in self.links.values():
+            link.outbox.put(None)
+        self.region.close()
+        if unlink:
+            self.region.unlink()
+
+
+def main() -> None:
+    """Entry point of a keeper process (started by the controller)."""
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    torch.set_num_threads(1)
+    job = rt.init(device="cpu")
+    node = job.node
+    committed: Keeper | None = None   # the last generation whose protection is complete
+    gen = 0
+    while not job.shutdown_requested():
+        if not job.store.check([keys.layout(gen)]):
+            time.sleep(0.005)
+            continue
+        layout = Layout.from_json(job.store.get(keys.layout(gen)).decode())
+        if node not in layout.nodes:
+            gen += 1
+            continue
+        current = Keeper(job.store, job.job_id, node, layout, job.timeout_s)
+
+        def should_stop(gen: int = gen) -> str | None:
+            if job.shutdown_requested():
+                return "shutdown"
+            return "drain" if job.store.check([keys.drain(gen)]) else None
+
+        reason = current.run(should_stop)
+        if current.region.header[H_DCOMMIT] >= layout.base_step:
+            if committed is not None:
+                committed.close(unlink=True)
+            committed = current
+        if reason == "shutdown":
+            break
+        plan = json.loads(job.store.get(keys.drain(gen)))
+        src = committed if committed is not None else current
+        report = src.drain(set(plan["live_nodes"]), job.timeout_s)
+        report["generation_used"] = src.gen
+        job.store.set(keys.report(gen, node), json.dumps(report))
+        if current is not committed:
+            current.close(unlink=True)
+        gen = int(plan["next_generation"])
+    if committed is not None:
+        committed.close(unlink=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""Where every protected byte lives for one membership generation.
+
+The layout is a pure function of the membership (which rank runs on which node), the chunk
+geometry and `--ec k+m`; every worker and keeper computes the same one.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from leto.protection.codec import ErasureCode, make_code
+from leto.protection.placement import Stripe, plan_stripes
+
+GRAD_ROWS = 1
+STATE_ROWS = 3
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Chunking of one rank's shard: `n_chunks` chunks of `chunk_elems` elements."""
+
+    n_chunks: int
+    chunk_elems: int
+
+    @property
+    def state_bytes(self) -> int:
+        return STATE_ROWS * 4 * self.chunk_elems
+
+    @property
+    def grad_bytes(self) -> int:
+        return GRAD_ROWS * 4 * self.chunk_elems
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where the tier-2 contribution of one source chunk goes."""
+
+    parity_node: int
+    stripe: int
+    j: int          # parity block index within the stripe
+    p: int          # data position of the source node within the stripe
+    i: int          # chunk offset inside the stripe's segment
+    coef: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    generation: int
+    base_step: int                      # the step every rank's state is at when it starts
+    geometry: Geometry
+    node_of_rank: tuple[int, ...]
+    ec: tuple[int, int] | None          # requested tier-2 code
+    ring_slots: int = 8
+    notes: tuple[str, ...] = field(default=())
+
+    # ----- membership
+    @cached_property
+    def nodes(self) -> list[int]:
+        return sorted(set(self.node_of_rank))
+
+    def local_ranks(self, node: int) -> list[int]:
+        return [r for r, n in enumerate(self.node_of_rank) if n == node]
+
+    def local_index(self, rank: int) -> int:
+        return self.local_ranks(self.node_of_rank[rank]).index(rank)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.node_of_rank)
+
+    # ----- tier 2
+    @cached_property
+    def tier2(self) -> tuple[ErasureCode, list[Stripe]] | None:
+        """The code and stripes over node indices, or None when the membership cannot host it."""
+        if self.ec is None:
+            return None
+        k, m = self.ec
+        if len(self.nodes) % (k + m):
+            return None
+        return make_code(k, m), plan_stripes(len(self.nodes), k, m)
+
+    @cached_property
+    def positions_per_node(self) -> int:
+        """Chunk positions of a node's data (padded to the largest node)."""
+        return max(len(self.local_ranks(n)) for n in self.nodes) * self.geometry.n_chunks
+
+    @cached_property
+    def segment_len(self) -> int:
+        if self.tier2 is None:
+            return 0
+        k = self.tier2[0].k
+        return -(-self.positions_per_node // k)
+
+    def position(self, rank: int, chunk: int) -> int:
+        return self.local_index(rank) * self.geometry.n_chunks + chunk
+
+    def source_of(self, node: int, position: int) -> tuple[int, int] | None:
+        """(rank, chunk) held at a node's data position, or None for padding."""
+        w, c = divmod(position, self.geometry.n_chunks)
+        ranks = self.local_ranks(node)
+        return (ranks[w], c) if w < len(ranks) else None
+
+    def routes(self, node: int, position: int) -> list[Route]:
+        """The tier-2 parity destinations of the chunk at `position` of `node`'s data."""
+        if self.tier2 is None:
+            return []
+        code, stripes = self.tier2
+        idx = self.nodes.index(node)
+        seg, i = divmod(position, self.segment_len)
+        out = []
+        for s in stripes:
+            if idx in s.data_nodes and s.segment_of(idx) == seg:
+                p = s.data_nodes.index(idx)
+                for j, pn in enumerate(s.parity_nodes):
+                    out.append(Route(self.nodes[pn], s.index, j, p, i, code.parity_matrix[j][p]))
+        return out
+
+    def parity_stripes(self, node: int) -> list[tuple[Stripe, int]]:
+        """(stripe, j) for every stripe whose parity block j this node keeps."""
+        if self.tier2 is None:
+            return []
+        idx = self.nodes.index(node)
+        return [(s, s.parity_nodes.index(idx)) for s in self.tier2[1] if idx in s.parity_nodes]
+
+    def senders_to(self, node: int) -> list[int]:
+        """Nodes that ship tier-2 contributions to `node`."""
+        return sorted({self.nodes[d] for s, _ in self.parity_stripes(node) for d in s.data_nodes})
+
+    def receivers_from(self, node: int) -> list[int]:
+        return sorted({n for n in self.nodes if node in self.senders_to(n)})
+
+    # ----- serialization through the store
+    def to_json(self) -> str:
+        return json.dumps({"generation": self.generation, "base_step": self.base_step,
+                           "n_chunks": self.geometry.n_chunks, "chunk_elems": self.geometry.chunk_elems,
+                           "node_of_rank": list(self.node_of_rank), "ec": list(self.ec) if self.ec else None,
+                           "ring_slots": self.ring_slots, "notes": list(self.notes)})
+
+    @staticmethod
+    def from_json(text: str) -> Layout:
+        d = json.loads(text)
+        return Layout(d["generation"], d["base_step"], Geometry(d["n_chunks"], d["chunk_elems"]),
+                      tuple(d["node_of_rank"]), tuple(d["ec"]) if d["ec"] else None, d["ring_slots"],
+                      tuple(d["notes"]))

@@ -1,0 +1,116 @@
+"""The keeper's shared-memory region: one file in /dev/shm per node and generation.
+
+Keeper and workers compute the same array offsets from the `Layout`, so a worker maps its
+keeper's region by name and reads tables / writes staging slots in place (no copies beyond the
+one hand-off of the bytes themselves).
+"""
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+
+import numpy as np
+
+from leto.protection.layout import Layout
+
+SHM_DIR = Path("/dev/shm")
+
+# header fields (int64)
+H_MAGIC, H_GEN, H_BASE, H_GCOMMIT, H_DCOMMIT, H_PID, H_STATE, H_ERROR = range(8)
+MAGIC = 0x4C45544F  # "LETO"
+STATE_RUNNING, STATE_DRAINED = 1, 2
+
+# staging slot header fields (int64)
+S_READY, S_KIND, S_STEP, S_CHUNK, S_CRC, S_SEQ = range(6)
+KIND_GRAD, KIND_DELTA = 1, 2
+EMPTY = -1  # version of a chunk nothing was folded for yet
+
+
+def region_name(job: str, generation: int, node: int) -> str:
+    return f"leto-{job}-g{generation}-n{node}"
+
+
+def _specs(layout: Layout, node: int) -> list[tuple[str, tuple[int, ...], type]]:
+    g = layout.geometry
+    w = len(layout.local_ranks(node))
+    r = layout.ring_slots
+    specs: list[tuple[str, tuple[int, ...], type]] = [
+        ("header", (16,), np.int64),
+        ("slot_hdr", (w, r, 8), np.int64),
+        ("slot_data", (w, r, g.state_bytes), np.uint8),
+        ("p1", (g.n_chunks, g.state_bytes), np.uint8),
+        ("v1", (w, g.n_chunks), np.int64),
+        ("crc1", (w, g.n_chunks), np.int64),
+        ("g1", (2, g.n_chunks, g.grad_bytes), np.uint8),
+        ("g1_step", (2, g.n_chunks), np.int64),
+        ("g1_count", (2, g.n_chunks), np.int64),
+        ("gcrc1", (w, 2, g.n_chunks), np.int64),
+    ]
+    if layout.tier2 is not None:
+        k = layout.tier2[0].k
+        L = layout.segment_len
+        for s, _ in layout.parity_stripes(node):
+            specs += [
+                (f"p2_{s.index}", (L, g.state_bytes), np.uint8),
+                (f"v2_{s.index}", (k, L), np.int64),
+                (f"crc2_{s.index}", (k, L), np.int64),
+                (f"g2_{s.index}", (2, L, g.grad_bytes), np.uint8),
+                (f"g2_step_{s.index}", (2, L), np.int64),
+                (f"g2_count_{s.index}", (2, L), np.int64),
+                (f"gcrc2_{s.index}", (k, 2, L), np.int64),
+            ]
+    return specs
+
+
+class Region:
+    """Named numpy views over one node's shared-memory file."""
+
+    def __init__(self, layout: Layout, job: str, node: int, create: bool) -> None:
+        self.layout, self.node = layout, node
+        self.path = SHM_DIR / region_name(job, layout.generation, node)
+        specs = _specs(layout, node)
+        offsets, size = [], 0
+        for _, shape, dtype in specs:
+            size = -(-size // 64) * 64  # cache-line aligned arrays
+            offsets.append(size)
+            size += int(np.prod(shape)) * np.dtype(dtype).itemsize
+        self.nbytes = size
+        if create:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            os.ftruncate(fd, size)
+        else:
+            fd = os.open(self.path, os.O_RDWR)
+            if os.fstat(fd).st_size != size:
+                os.close(fd)
+                raise RuntimeError(f"shared region {self.path} has the wrong size for generation {layout.generation}")
+        try:
+            self._mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.arrays: dict[str, np.ndarray] = {}
+        for (name, shape, dtype), off in zip(specs, offsets):
+            self.arrays[name] = np.ndarray(shape, dtype=dtype, buffer=self._mm, offset=off)
+        if create:
+            for name in ("v1", "g1_step"):
+                self.arrays[name][...] = EMPTY
+            for name, arr in self.arrays.items():
+                if name.startswith(("v2_", "g2_step_")):
+                    arr[...] = EMPTY
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.arrays[name]
+
+    @property
+    def header(self) -> np.ndarray:
+        return self.arrays["header"]
+
+    def close(self) -> None:
+        self.arrays.clear()
+        try:
+            self._mm.close()
+        except BufferError:  # a view is still referenced somewhere; the mapping goes with the process
+            pass
+
+    def unlink(self) -> None:
+        self.path.unlink(missing_ok=True)
