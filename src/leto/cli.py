@@ -49,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--seed", type=int, default=0, help="seed of model init and data order [0]")
     train.add_argument("--model", default="tiny", help=f"size preset: {', '.join(PRESETS)} [tiny]")
     train.add_argument("--lr", type=float, default=3e-3, help="peak learning rate [3e-3]")
+    train.add_argument("--inject", action="append", default=[], metavar="KIND:rank=R|node=N:step=S[:phase=P]",
+                       help="inject a failure (kill, stop, node-kill); repeatable")
+    train.add_argument("--heartbeat-timeout", type=float, default=3.0,
+                       help="seconds without a heartbeat before a worker is declared hung [3]")
     train.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES,
                        help=f"bytes of unique state per protected chunk, a multiple of 12 [{DEFAULT_CHUNK_BYTES}]")
 
@@ -149,6 +153,18 @@ def _train(args: argparse.Namespace) -> int:
         raise UsageError(f"leto train: error: --chunk-bytes must be a positive multiple of 12, got {args.chunk_bytes}")
     if args.lr <= 0:
         raise UsageError(f"leto train: error: --lr must be positive, got {args.lr}")
+    from leto.recovery.inject import parse as parse_inject
+    for i, spec in enumerate(args.inject):
+        try:
+            inj = parse_inject(spec, i)
+        except ValueError as e:
+            raise UsageError(f"leto train: error: {e}") from e
+        if inj.rank is not None and not 0 <= inj.rank < args.workers:
+            raise UsageError(f"leto train: error: --inject {spec!r}: rank {inj.rank} is not in 0..{args.workers - 1}")
+        if inj.node is not None and not 0 <= inj.node < args.nodes:
+            raise UsageError(f"leto train: error: --inject {spec!r}: node {inj.node} is not in 0..{args.nodes - 1}")
+    if args.heartbeat_timeout <= 0:
+        raise UsageError(f"leto train: error: --heartbeat-timeout must be positive, got {args.heartbeat_timeout}")
     try:
         load_tokens()
     except CorpusError as e:
@@ -157,7 +173,8 @@ def _train(args: argparse.Namespace) -> int:
     command = ["-m", "leto.training.job", "--steps", str(args.steps), "--seed", str(args.seed),
                "--model", args.model, "--lr", str(args.lr), "--chunk-bytes", str(args.chunk_bytes)]
     spec = JobSpec(command, args.workers, args.spares, args.nodes, run_dir, args.timeout, total_steps=args.steps,
-                   protection=args.protection == "on", ec=args.ec)
+                   protection=args.protection == "on", ec=args.ec, heartbeat_timeout_s=args.heartbeat_timeout,
+                   inject=args.inject)
     code = Controller(spec).run()
     summary = json.loads((run_dir / "summary.json").read_text())
     if code == 0:

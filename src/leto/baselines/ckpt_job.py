@@ -98,6 +98,14 @@ def _max_over_ranks(trainer: Trainer, *values: float) -> list[float]:
     return t.tolist()
 
 
+def _set_step(trainer: Trainer, step: int) -> None:
+    """Make `trainer` be at `step`, about to load that step's state into `trainer.state`."""
+    trainer.step_count = step
+    held = getattr(trainer, "buf_step", None)  # which step each state buffer holds, if tracked
+    if isinstance(held, list) and held:
+        held[step % len(held)] = step
+
+
 class Checkpointer(Protocol):
     def restore(self, trainer: Trainer) -> int | None: ...
     def save(self, trainer: Trainer) -> float: ...
@@ -146,7 +154,7 @@ class DiskCheckpointer:
             return None
         if ptr.get("fingerprint") != self.fingerprint:
             raise CheckpointMismatch(f"{self.root / POINTER} was written by another job configuration")
-        trainer.step_count = step  # first: `trainer.state` may be a view chosen by the step
+        _set_step(trainer, step)  # first: `trainer.state` may be a buffer chosen by the step
         sd = self._state_dict(trainer, -1)
         self.dcp.load(sd, storage_reader=self.dcp.FileSystemReader(str(self.root / ptr["path"])))
         if int(sd["step"]) != step:
@@ -255,7 +263,7 @@ class MemoryCheckpointer:
         if not common:
             return None
         step = max(common)
-        trainer.step_count = step  # first: `trainer.state` may be a view chosen by the step
+        _set_step(trainer, step)  # first: `trainer.state` may be a buffer chosen by the step
         path = self.slot_path(self.root, trainer.rank, mine[step])
         with open(path, "rb") as f:
             if f.readinto(memoryview(trainer.state.numpy()).cast("B")) != nbytes:

@@ -7,6 +7,9 @@ group is left to time out in the background and never used again).
 """
 from __future__ import annotations
 
+import atexit
+import os
+import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -24,12 +27,12 @@ class Comm:
 
     def __init__(self, store: dist.Store, generation: int, rank: int, world_size: int,
                  timeout_s: float, abort_check: Callable[[], str | None] = lambda: None,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, name: str = "world") -> None:
         self.rank, self.world_size, self.generation = rank, world_size, generation
         self.timeout_s = timeout_s
         self.abort_check = abort_check
         self.device = device or torch.device("cpu")
-        prefix = dist.PrefixStore(f"pg/g{generation}/", store)
+        prefix = dist.PrefixStore(f"pg/g{generation}/{name}/", store)
         timeout = timedelta(seconds=timeout_s)
         if self.device.type == "cuda":
             opts = dist.ProcessGroupNCCL.Options()
@@ -88,5 +91,30 @@ class Comm:
         self.all_reduce(torch.zeros(1, device=self.device))
 
     def close(self) -> None:
-        """Drop the group (its gloo threads exit once no operation is in flight)."""
+        """Leave the group. A group abandoned after a failure may still have an operation stuck
+        in a gloo thread until the backend timeout, and destroying it would block until then; it
+        is parked instead, and the process exits without running those destructors."""
+        if self.pg is not None:
+            _ABANDONED.append(self.pg)
+            if len(_ABANDONED) == 1:
+                atexit.register(_exit_without_destructors)
         self.pg = None  # type: ignore[assignment]
+
+
+_ABANDONED: list[dist.ProcessGroup] = []
+_failed = [False]
+_prev_hook = sys.excepthook
+
+
+def _record_failure(*exc: object) -> None:
+    _failed[0] = True
+    _prev_hook(*exc)  # type: ignore[arg-type]
+
+
+sys.excepthook = _record_failure
+
+
+def _exit_without_destructors() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if _failed[0] else 0)

@@ -20,9 +20,12 @@ import torch.distributed as dist
 
 from leto.console import MetricsTail, StepDisplay
 from leto.control import runtime as rt
-from leto.control.membership import Plan, plan_key
+from leto.control.membership import Plan, heartbeat_key, plan_key
+from leto.protection import keys
+from leto.recovery.decision import Spare, next_plan
 
 _PR_SET_PDEATHSIG = 1
+POLL_S = 0.01
 _GRACE_S = 5.0
 
 
@@ -40,6 +43,8 @@ class JobSpec:
     quiet: bool = False              # no progress output (benchmarks)
     protection: bool = True          # start keepers and protect every step
     ec: tuple[int, int] | None = None  # tier-2 code; None: tier 1 only
+    heartbeat_timeout_s: float = 3.0   # a worker silent this long is declared hung and fenced
+    inject: list[str] = field(default_factory=list)  # fault injections (--inject)
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -88,6 +93,11 @@ class Controller:
                                    timeout=timedelta(seconds=spec.timeout_s))
         self.events: list[dict] = []
         self.job_id = f"{os.getpid()}-{self.store.port}"
+        self.members: dict[int, Proc] = {}    # rank -> its process in the current generation
+        self.handled: set[str] = set()         # processes whose failure was dealt with
+        self.pending: list[dict] = []          # recoveries waiting for their first step
+        self.dead_keeper_nodes: set[int] = set()
+        self.max_step = 0
 
     # ----- processes
     def _spawn(self, role: str, rank: int | None, node: int) -> Proc:
@@ -99,7 +109,8 @@ class Controller:
                     rt.ENV_NODES: str(self.spec.nodes), rt.ENV_RUN_DIR: str(self.run_dir),
                     rt.ENV_PROC_ID: proc_id, rt.ENV_TIMEOUT: str(self.spec.timeout_s),
                     rt.ENV_JOB_ID: self.job_id, rt.ENV_PROTECTION: "on" if self.spec.protection else "off",
-                    rt.ENV_EC: "+".join(map(str, self.spec.ec)) if self.spec.ec else "none"})
+                    rt.ENV_EC: "+".join(map(str, self.spec.ec)) if self.spec.ec else "none",
+                    rt.ENV_INJECT: json.dumps(self.spec.inject)})
         if rank is not None:
             env[rt.ENV_RANK] = str(rank)
         command = ["-m", "leto.protection.keeper"] if role == "keeper" else self.spec.command
@@ -149,7 +160,9 @@ class Controller:
         try:
             nodes = [node_of_rank(r, self.spec.workers, self.spec.nodes) for r in range(self.spec.workers)]
             workers = [self._spawn("worker", r, nodes[r]) for r in range(self.spec.workers)]
-            self.store.set(plan_key(0), Plan(0, tuple(nodes), tuple(w.proc_id for w in workers)).to_json())
+            self.members = dict(enumerate(workers))
+            self.plan = Plan(0, tuple(nodes), tuple(w.proc_id for w in workers))
+            self.store.set(plan_key(0), self.plan.to_json())
             for i in range(self.spec.spares):
                 self._spawn("shadow", None, i % self.spec.nodes)
             if self.spec.protection:
@@ -175,26 +188,141 @@ class Controller:
                 for rec in tail.read():
                     if "step" in rec and "event" not in rec:
                         display.step(rec)
+                        self._close_recoveries(rec)
                 if self._signal is not None:
                     display.message(f"leto: received {signal.Signals(self._signal).name}, stopping all processes")
                     return 128 + self._signal
-                workers = [p for p in self.procs if p.role == "worker"]
-                for p in self.procs:
-                    code = p.popen.poll()
-                    if code is None or code == 0:
-                        continue
-                    if p.role in ("worker", "shadow", "keeper"):
-                        what = f"{p.role} rank {p.rank}" if p.rank is not None else f"{p.role} {p.proc_id}"
-                        msg = f"{what} (pid {p.popen.pid}, node {p.node}) {describe_exit(code)}"
-                        self.event("failure", role=p.role, rank=p.rank, node=p.node, pid=p.popen.pid, cause=describe_exit(code))
-                        display.message(f"leto: {msg}; stopping the job")
-                        return 1
-                if workers and all(p.popen.returncode == 0 for p in workers):
+                failed = self._find_failures()
+                if failed:
+                    code = self._on_failures(failed)
+                    if code is not None:
+                        return code
+                members = [self.members[r] for r in sorted(self.members)]
+                if members and all(p.popen.poll() == 0 for p in members):
                     for rec in tail.read():
                         if "step" in rec and "event" not in rec:
                             display.step(rec)
+                            self._close_recoveries(rec)
                     return 0
-                time.sleep(0.05)
+                time.sleep(POLL_S)
+
+    def _find_failures(self) -> list[tuple[Proc, str]]:
+        """Processes that died (any non-zero exit) or stopped heartbeating (fenced here)."""
+        out = []
+        now = time.time()
+        for p in self.procs:
+            if p.proc_id in self.handled:
+                continue
+            code = p.popen.poll()
+            if code is not None:
+                if code != 0 or p.role == "keeper" or (p.role == "worker" and not self._job_done()):
+                    out.append((p, describe_exit(code)))
+                elif p.role == "shadow":
+                    self.handled.add(p.proc_id)
+                continue
+            if p.role == "worker":
+                last = self._heartbeat(p)
+                if last is not None and now - last > self.spec.heartbeat_timeout_s:
+                    _signal_quietly(p.popen, signal.SIGKILL)  # fence: a stopped process must never come back
+                    p.popen.wait()
+                    out.append((p, f"stopped heartbeating for {now - last:.1f}s (hung); fenced with SIGKILL"))
+        for p, _ in out:
+            self.handled.add(p.proc_id)
+        return out
+
+    def _heartbeat(self, p: Proc) -> float | None:
+        key = heartbeat_key(p.proc_id)
+        if not self.store.check([key]):
+            return None
+        return float(self.store.get(key))
+
+    def _job_done(self) -> bool:
+        return self.store.check([rt.RESULT_KEY])
+
+    def _on_failures(self, failed: list[tuple[Proc, str]]) -> int | None:
+        """Decide generation g+1 and announce it; returns an exit code when the job must stop."""
+        t_detect = time.time()
+        for p, why in failed:
+            what = f"{p.role} rank {p.rank}" if p.rank is not None else f"{p.role} {p.proc_id}"
+            self.display.message(f"leto: {what} (pid {p.popen.pid}, node {p.node}) {why}")
+            self.event("failure", role=p.role, rank=p.rank, node=p.node, pid=p.popen.pid, cause=why)
+        dead_keepers = {p.node for p, _ in failed if p.role == "keeper"}
+        lost_ranks = {r for r, p in self.members.items() if p.proc_id in self.handled}
+        lost_nodes = {n for n in dead_keepers
+                      if all(p.proc_id in self.handled for p in self.procs if p.node == n and p.role == "worker"
+                             and p.rank is not None and self.members.get(p.rank) is p)}
+        if not lost_ranks and not dead_keepers:
+            self._replenish()
+            return None  # only idle shadows died
+        if not self.spec.protection:
+            self.display.message("leto: protection is off, so the lost state cannot be rebuilt; stopping the job")
+            return 1
+        spares = [Spare(p.proc_id, p.node) for p in self.procs
+                  if p.role == "shadow" and p.popen.poll() is None and p.proc_id not in self.handled]
+        while len(spares) < len(lost_ranks):  # no warm shadow left: start cold ones and wait for them
+            p = self._spawn("shadow", None, self._spare_node(lost_nodes))
+            spares.append(Spare(p.proc_id, p.node))
+        cause = "; ".join(sorted({why for _, why in failed}))
+        new, adopted = next_plan(self.plan, lost_ranks, lost_nodes, spares, cause)
+        live_nodes = sorted({n for n in self.plan.node_of_rank if n not in self.dead_keeper_nodes | dead_keepers})
+        self.store.set(keys.drain(self.plan.generation), json.dumps(
+            {"live_nodes": live_nodes, "next_generation": new.generation}))
+        self.store.set(plan_key(new.generation), new.to_json())
+        for r, spare in adopted.items():
+            proc = next(p for p in self.procs if p.proc_id == spare.proc_id)
+            proc.role, proc.rank = "worker", r
+            self.members[r] = proc
+        self.plan = new
+        self.dead_keeper_nodes |= dead_keepers
+        t_fail = min(self._failure_time(p, t_detect) for p, _ in failed)
+        self.pending.append({"generation": new.generation, "failed_ranks": sorted(lost_ranks),
+                             "failed_nodes": sorted(lost_nodes), "cause": cause, "t_fail": t_fail,
+                             "t_detect": t_detect, "adopted_by": {str(r): s.proc_id for r, s in adopted.items()}})
+        for n in dead_keepers - lost_nodes:  # the node lives: give it a new keeper
+            self._spawn("keeper", None, n)
+            self.dead_keeper_nodes.discard(n)
+        self._replenish()
+        self._write_procs()
+        return None
+
+    def _failure_time(self, p: Proc, t_detect: float) -> float:
+        """When the failure happened: the injector's record, else the last heartbeat before it."""
+        key = f"control/inject/time/{p.proc_id}"
+        if self.store.check([key]):
+            return float(self.store.get(key))
+        last = self._heartbeat(p) if p.role == "worker" else None
+        return min(t_detect, last) if last is not None else t_detect
+
+    def _spare_node(self, lost_nodes: set[int]) -> int:
+        live = [n for n in range(self.spec.nodes) if n not in lost_nodes | self.dead_keeper_nodes]
+        return min(live or [0], key=lambda n: sum(1 for p in self.procs if p.node == n and p.popen.poll() is None))
+
+    def _replenish(self) -> None:
+        """Keep --spares shadows: start new ones in the background after adoptions."""
+        live = [p for p in self.procs if p.role == "shadow" and p.popen.poll() is None]
+        for _ in range(self.spec.spares - len(live)):
+            self._spawn("shadow", None, self._spare_node(set()))
+        self._write_procs()
+
+    def _close_recoveries(self, rec: dict) -> None:
+        """The first step completed after a recovery closes its record."""
+        for pending in list(self.pending):
+            if rec.get("time", 0) <= pending["t_detect"]:
+                continue
+            key = f"control/recovery/{pending['generation']}"
+            info = json.loads(self.store.get(key)) if self.store.check([key]) else {}
+            done = {k: v for k, v in pending.items() if k not in ("t_fail", "t_detect")}
+            done.update({"tier": info.get("tier"), "step": info.get("step"),
+                         "detect_s": round(pending["t_detect"] - pending["t_fail"], 4),
+                         "restore_s": info.get("restore_s"),
+                         "total_s": round(rec["time"] - pending["t_fail"], 4),
+                         "lost_steps": None if info.get("step") is None else max(0, self.max_step - info["step"])})
+            self.pending.remove(pending)
+            self.event("recovery", **done)
+            self.display.message(f"leto: recovered generation {done['generation']} ({done['cause']}) via "
+                                 f"{done['tier']} at step {done['step']}: detect {done['detect_s']:.3f}s, "
+                                 f"restore {done['restore_s']}s, total {done['total_s']:.3f}s")
+        self.max_step = max(self.max_step, rec["step"])
 
     def _write_summary(self, wall_s: float, code: int) -> None:
         result: dict = {"steps": None, "final_loss": None, "digest": None}

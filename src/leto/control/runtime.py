@@ -22,6 +22,7 @@ ENV_TIMEOUT = "LETO_TIMEOUT_S"    # collective / store wait timeout
 ENV_JOB_ID = "LETO_JOB_ID"        # names the job's shared-memory files
 ENV_PROTECTION = "LETO_PROTECTION"  # on | off
 ENV_EC = "LETO_EC"                # tier-2 code "k+m", or "none"
+ENV_INJECT = "LETO_INJECT"        # fault injections, a JSON list of --inject specs
 
 SHUTDOWN_KEY = "control/shutdown"
 RESULT_KEY = "control/result"

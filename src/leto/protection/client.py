@@ -68,9 +68,11 @@ class Protector:
             self.data[idx, :src.size] = src
             self._publish(idx, KIND_GRAD, step, c, checksum(src))
 
-    def stage_deltas(self, step: int, old: torch.Tensor | None, new: torch.Tensor) -> None:
+    def stage_deltas(self, step: int, old: torch.Tensor | None, new: torch.Tensor,
+                     before_chunk: Callable[[int], None] = lambda c: None) -> None:
         """Hand over `old XOR new` per chunk (the full chunk when `old` is None) at version `step`."""
         for c in range(new.shape[0]):
+            before_chunk(c)
             nb = as_bytes(new[c])
             idx = self._slot()
             dst = self.data[idx, :nb.size]

@@ -301,7 +301,7 @@ class Keeper:
         r, h = self.region, self.region.header
         g = int(h[H_GCOMMIT])
         out = {"node": self.node, "generation": self.gen, "g_commit": g, "d_commit": int(h[H_DCOMMIT]),
-               "grads_complete_next": self.grads_complete(g + 1),
+               "grads_complete": [s for s in (g, g + 1) if self.grads_complete(s)],
                "v1": r["v1"].tolist(), "crc1": r["crc1"].tolist(), "gcrc1": r["gcrc1"].tolist(),
                "g1_step": r["g1_step"].tolist(), "stripes": {}}
         for si in self.parity:
@@ -350,6 +350,14 @@ def main() -> None:
     committed: Keeper | None = None   # the last generation whose protection is complete
     gen = 0
     while not job.shutdown_requested():
+        if job.store.check([keys.drain(gen)]):  # abandoned before it started: report the committed one
+            plan = json.loads(job.store.get(keys.drain(gen)))
+            if committed is not None:
+                report = committed.drain(set(plan["live_nodes"]), job.timeout_s)
+                report["generation_used"] = committed.gen
+                job.store.set(keys.report(gen, node), json.dumps(report))
+            gen = int(plan["next_generation"])
+            continue
         if not job.store.check([keys.layout(gen)]):
             time.sleep(0.005)
             continue

@@ -17,12 +17,14 @@ import torch
 import torch.nn as nn
 
 from leto.control import runtime as rt
-from leto.control.comm import Comm
+from leto.control.comm import Comm, PeerFailure
 from leto.control.membership import GenerationWatch, Plan, plan_key, read_plan
 from leto.control.runtime import RESULT_KEY, Job
 from leto.protection import keys
 from leto.protection.client import Protector
 from leto.protection.layout import Geometry, Layout
+from leto.recovery.inject import Injector
+from leto.recovery.rebuild import RecoveryError
 from leto.training.optim import MASTER, AdamW
 
 DEFAULT_CHUNK_BYTES = 12 * 16384  # 192 KiB: 16384 elements of (master, exp_avg, exp_avg_sq)
@@ -64,6 +66,12 @@ class Trainer:
         copies = 2 if job.protection else 1
         self.bufs = [torch.zeros(self.n_chunks, _STATE_ROWS, self.chunk_elems, device=dev) for _ in range(copies)]
         self.gbufs = [torch.zeros(self.n_chunks, self.chunk_elems, device=dev) for _ in range(copies)]
+        self.buf_step = [0] + [-1] * (copies - 1)   # the step each state buffer holds
+        self.gbuf_step = [-1] * copies              # the step each gradient buffer holds
+        self.generation = 0
+        self.recoveries: list[dict] = []
+        specs = json.loads(os.environ.get(rt.ENV_INJECT, "[]"))
+        self.injector = Injector(job.store, specs, job.run_dir, job.proc_id) if specs else None
         self.param_shard = torch.zeros(self.shard_elems, device=dev)
         self._scratch = torch.zeros(self.chunk_elems, device=dev)
         self._loss = torch.zeros(1, device=dev)
@@ -125,9 +133,9 @@ class Trainer:
     def steps(self, total: int) -> Iterator[int]:
         """Yield the step numbers to run (0-based); shadows wait here until the job ends."""
         if self.job.is_shadow:
-            self._idle_until_shutdown()
-            return
-        if self.comm is None:
+            if not self._wait_for_adoption():
+                return
+        elif self.comm is None:
             self._connect()
         while self.step_count < total:
             yield self.step_count
@@ -143,31 +151,96 @@ class Trainer:
         if self.comm is not None:
             self.comm.close()
 
-    def step(self, loss_fn: Callable[[], torch.Tensor], weight: float | None = None, tokens: int = 0) -> float:
+    def step(self, loss_fn: Callable[[], torch.Tensor], weight: float | None = None, tokens: int = 0) -> float | None:
         """One training step. `weight` is this rank's share of the global batch (default 1/world);
-        `tokens` is the number of tokens in the global batch (for metrics). Returns the global loss."""
+        `tokens` is the number of tokens in the global batch (for metrics). Returns the global loss,
+        or None when a failure interrupted the step: the job recovered in place and `steps()`
+        yields the step to redo next."""
         if self.comm is None:
             raise RuntimeError("call step() inside `for step in trainer.steps(n)`")
+        try:
+            return self._step(loss_fn, weight, tokens)
+        except PeerFailure as e:
+            if self.watch is None or not self.job.protection:
+                raise
+            self._recover(str(e))
+            return None
+
+    def _recover(self, why: str) -> None:
+        from leto.recovery.inplace import join, latest_generation
+        while True:
+            gen = latest_generation(self.job.store, self.generation)
+            if gen == self.generation:  # the failure was seen here first: wait for the controller's plan
+                deadline = time.monotonic() + self.job.timeout_s
+                while latest_generation(self.job.store, self.generation) == self.generation:
+                    if time.monotonic() > deadline:
+                        raise PeerFailure(f"{why}; and no new generation was announced")
+                    time.sleep(2e-3)
+                continue
+            try:
+                self.recoveries.append(join(self, gen))
+                return
+            except PeerFailure:
+                continue  # another failure during recovery: join the next generation
+
+    def _fault(self, phase: str, step: int, chunk: int | None = None) -> None:
+        """Fault injection point; mid-chunk phases fire halfway through the chunks."""
+        if self.injector is not None and (chunk is None or chunk == self.n_chunks // 2):
+            self.injector.at(phase, step, self.rank, self.plan.node_of_rank if self.plan else ())
+
+    def chunk_at(self, step: int, c: int) -> torch.Tensor:
+        """This rank's state chunk `c` at `step` (one of the two it keeps)."""
+        i = step % len(self.bufs)
+        if self.buf_step[i] != step:
+            raise RecoveryError(f"rank {self.rank} does not hold step {step} (it holds {self.buf_step})")
+        return self.bufs[i][c]
+
+    def grad_at(self, step: int, c: int) -> torch.Tensor:
+        i = step % len(self.gbufs)
+        if self.gbuf_step[i] != step:
+            raise RecoveryError(f"rank {self.rank} does not hold gradients of step {step} (it holds {self.gbuf_step})")
+        return self.gbufs[i][c]
+
+    def bring_to(self, step: int) -> None:
+        """A survivor's own state at `step`: it holds it, or finishes the update of `step`."""
+        n = len(self.bufs)
+        if self.buf_step[step % n] == step:
+            return
+        self.chunk_at(step - 1, 0)  # raises unless step-1 is held
+        old, grads, dst = self.bufs[(step - 1) % n], self.gbufs[step % n], self.bufs[step % n]
+        self.grad_at(step, 0)
+        for c in range(self.n_chunks):
+            self.optimizer.update(old[c], grads[c], dst[c], step, self._scratch)
+        self.buf_step[step % n] = step
+
+    def _step(self, loss_fn: Callable[[], torch.Tensor], weight: float | None, tokens: int) -> float:
         w = 1.0 / self.world_size if weight is None else weight
         t, n = self.step_count, len(self.bufs)
-        prot = self.protector
+        prot, fault = self.protector, self._fault
+        fault("forward", t + 1)
         if prot is not None and t > prot.base:  # protect the update of step t (docs/protection.md)
             prot.wait_grad_commit(t)
-            prot.stage_deltas(t, self.bufs[(t - 1) % n], self.bufs[t % n])
+            prot.stage_deltas(t, self.bufs[(t - 1) % n], self.bufs[t % n], lambda c: fault("parity", t + 1, c))
         self.flat_grad.zero_()
         loss = loss_fn()
+        fault("backward", t + 1)
         (loss * w).backward()
         self._loss.fill_(loss.item() * w)
         self.comm.all_reduce(self._loss)
         grads = self.gbufs[(t + 1) % n]
+        fault("reduce-scatter", t + 1)
         self.comm.reduce_scatter(grads.view(-1), self.flat_grad)
+        self.gbuf_step[(t + 1) % n] = t + 1
         if prot is not None:
             prot.stage_grads(t + 1, grads)
             prot.wait_delta_commit(t)  # nobody needs step t-1 any more: its buffer may be overwritten
         src, dst = self.bufs[t % n], self.bufs[(t + 1) % n]
         for c in range(self.n_chunks):
+            fault("update", t + 1, c)
             self.optimizer.update(src[c], grads[c], dst[c], t + 1, self._scratch)
+        self.buf_step[(t + 1) % n] = t + 1
         self.param_shard.copy_(dst[:, MASTER, :].reshape(-1))
+        fault("all-gather", t + 1)
         self.comm.all_gather(self.flat_param, self.param_shard)
         self.step_count = t + 1
         self.last_loss = float(self._loss.item())
@@ -213,6 +286,28 @@ class Trainer:
                 {"steps": self.step_count, "final_loss": self.last_loss, "digest": digest}))
         return digest
 
-    def _idle_until_shutdown(self) -> None:
+    def _wait_for_adoption(self) -> bool:
+        """A shadow waits, fully initialized, until a generation names it; False at shutdown."""
+        from leto.recovery.inplace import join
+        gen = 1
         while not self.job.shutdown_requested():
-            time.sleep(0.05)
+            if not self.job.store.check([plan_key(gen)]):
+                time.sleep(0.01)
+                continue
+            plan = read_plan(self.job.store, gen)
+            if plan.rank_of(self.job.proc_id) is None:
+                gen += 1
+                continue
+            self.job.role = "worker"
+            self.watch = GenerationWatch(os.environ[rt.ENV_STORE], self.job.proc_id, gen, self.job.timeout_s)
+            self.generation = gen
+            while True:
+                try:
+                    self.recoveries.append(join(self, gen))
+                    return True
+                except PeerFailure:
+                    from leto.recovery.inplace import latest_generation
+                    gen = latest_generation(self.job.store, gen)
+                    if read_plan(self.job.store, gen).rank_of(self.job.proc_id) is None:
+                        return False  # replaced again before it finished adopting
+        return False

@@ -1,0 +1,117 @@
+"""In-place recovery, worker side: survivors and adopting shadows join the next generation.
+
+Survivors keep their process, parameters, optimizer shards and data pipeline; an adopting shadow
+brings its pre-built model and buffers. Together they decode what was lost, agree on the
+recovery step, rebuild the process group inside the running processes and re-protect.
+"""
+from __future__ import annotations
+
+import json
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from leto.control.comm import Comm, PeerFailure
+from leto.control.membership import Plan, plan_key, read_plan
+from leto.protection import keys
+from leto.protection.layout import Layout
+from leto.recovery.rebuild import Rebuilder, RecoveryError, make_plan
+from leto.training.optim import MASTER
+
+if TYPE_CHECKING:
+    from leto.training.trainer import Trainer
+
+
+def recovery_key(gen: int) -> str:
+    return f"control/recovery/{gen}"
+
+
+def _wait_keys(tr: Trainer, names: list[str], what: str) -> None:
+    deadline = time.monotonic() + tr.job.timeout_s
+    while not tr.job.store.check(names):
+        if tr.watch is not None and tr.watch.reason():
+            raise PeerFailure(f"waiting for {what}: {tr.watch.reason()}")
+        if time.monotonic() > deadline:
+            raise RecoveryError(f"timed out after {tr.job.timeout_s:.0f}s waiting for {what}")
+        time.sleep(1e-3)
+
+
+def latest_generation(store, start: int) -> int:
+    g = start
+    while store.check([plan_key(g + 1)]):
+        g += 1
+    return g
+
+
+def join(tr: Trainer, gen: int) -> dict:
+    """Join generation `gen` (announced by the controller); returns the recovery record."""
+    t0 = time.time()
+    store, job = tr.job.store, tr.job
+    plan = read_plan(store, gen)
+    rank = plan.rank_of(job.proc_id)
+    if rank is None:
+        raise RecoveryError(f"process {job.proc_id} is not part of generation {gen}")
+    tr.watch.advance(gen)
+    tr.generation, tr.plan, job.rank = gen, plan, rank
+    if tr.comm is not None:
+        tr.comm.close()
+    tr.comm = Comm(store, gen, rank, tr.world_size, job.timeout_s, tr.watch.reason, job.device)
+
+    drain = json.loads(store.get(keys.drain(gen - 1))) if store.check([keys.drain(gen - 1)]) else None
+    if drain is None:
+        raise RecoveryError(f"generation {gen} has no protection to rebuild from (protection off?)")
+    live = drain["live_nodes"]
+    _wait_keys(tr, [keys.report(gen - 1, n) for n in live], f"keeper reports of generation {gen - 1}")
+    reports = {n: json.loads(store.get(keys.report(gen - 1, n))) for n in live}
+    used = {r["generation_used"] for r in reports.values()}
+    if len(used) != 1:
+        raise RecoveryError(f"keepers report different protection generations {sorted(used)}")
+    layout = Layout.from_json(store.get(keys.layout(used.pop())))
+    rplan = make_plan(layout, plan, reports)
+    T = rplan.step
+    adopted = rank in rplan.lost
+    t_decode = time.time()
+    if not adopted:
+        tr.bring_to(T)
+    rb = Rebuilder(layout, rplan, reports, rank, job.job_id, tr.chunk_at, tr.grad_at, tr.comm,
+                   lambda name, members: _subgroup(tr, gen, name, members))
+    rb.run()
+    if adopted:
+        _install(tr, rb, T)
+    tr.step_count = T
+    tr.param_shard.copy_(tr.state[:, MASTER, :].reshape(-1))
+    tr.comm.all_gather(tr.flat_param, tr.param_shard)
+    restore_s = time.time() - t_decode
+    if job.protection:
+        tr._protect(gen, T)
+    record = {"generation": gen, "failed_ranks": list(plan.failed_ranks), "failed_nodes": list(plan.failed_nodes),
+              "cause": plan.cause, "tier": rplan.tier, "step": T, "restore_s": round(restore_s, 4),
+              "join_s": round(time.time() - t0, 4)}
+    if rank == 0:
+        store.set(recovery_key(gen), json.dumps(record))
+    return record
+
+
+def _subgroup(tr: Trainer, gen: int, name: str, members: tuple[int, ...]) -> Comm:
+    return Comm(tr.job.store, gen, members.index(tr.rank), len(members), tr.job.timeout_s, tr.watch.reason,
+                tr.job.device, name=name)
+
+
+def _install(tr: Trainer, rb: Rebuilder, T: int) -> None:
+    """An adopter writes the decoded chunks at step T, replaying those still at T-1."""
+    dst = tr.bufs[T % len(tr.bufs)]
+    missing = [c for c in range(tr.n_chunks) if c not in rb.result_state]
+    if missing:
+        raise RecoveryError(f"rank {tr.rank}: chunks {missing} were not rebuilt")
+    scratch = torch.zeros(3, tr.chunk_elems)
+    for c in range(tr.n_chunks):
+        data = torch.from_numpy(rb.result_state[c].view(np.float32).reshape(3, tr.chunk_elems))
+        if rb.result_version[c] == T:
+            dst[c].copy_(data)
+        else:  # replay the interrupted update of this chunk
+            grad = torch.from_numpy(rb.result_grad[c].view(np.float32))
+            scratch.copy_(data)
+            tr.optimizer.update(scratch, grad, dst[c], T, tr._scratch)
+    tr.buf_step[T % len(tr.bufs)] = T
