@@ -143,6 +143,19 @@ def test_a_torn_memory_checkpoint_is_not_loaded(reference: dict, launcher: Launc
     assert s["digest"] == reference["digest"]
 
 
+def test_torchft_survivors_go_on_after_a_sigkill(launcher: Launcher, tmp_path: Path) -> None:
+    pytest.importorskip("torchft", reason="the optional torchft baseline needs `pip install torchft==0.2.0`")
+    run_dir = tmp_path / "run"
+    popen = start_baseline(launcher, run_dir, "--system", "torchft")
+    kill_at_step(run_dir, rank=1, step=5, timeout_s=60)
+    s = finish(popen, run_dir)
+    assert s["steps"] == STEPS and s["replicas_agree"] and s["restarts"] == 1
+    (rec,) = s["recoveries"]
+    assert rec["failed_at_step"] >= 5 and rec["lost_steps"] == 0  # no committed step is lost
+    assert rec["first_step_s"] is not None and rec["rejoin_s"] is not None
+    assert not [p["pid"] for p in read_procs(run_dir) if p["role"] != "controller" and alive(p["pid"])]
+
+
 def test_memory_commit_markers_guard_every_slot(tmp_path: Path) -> None:
     nbytes, fp = 48, "abc"
     for slot, step in ((0, 8), (1, 9)):

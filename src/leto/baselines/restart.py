@@ -259,8 +259,8 @@ def run_baseline(system: str, *, workers: int, nodes: int, steps: int, seed: int
     if system == "torchft":
         from leto.baselines import torchft_job
         try:
-            return torchft_job.run(workers=workers, steps=steps, seed=seed, model=model, run_dir=run_dir,
-                                   injector=injector, quiet=quiet, **options)
+            return torchft_job.run(workers=workers, nodes=nodes, steps=steps, seed=seed, model=model,
+                                   run_dir=run_dir, injector=injector, quiet=quiet, **options)
         finally:
             if injector is not None:
                 injector.stop()
@@ -304,6 +304,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+_SHOWN = ("detect_s", "teardown_s", "restart_s", "restore_s", "first_step_s", "total_s", "rejoin_s")
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     run_dir = a.run_dir or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{a.system}"
@@ -316,14 +319,13 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         print(json.dumps(summary))
     else:
-        ck = summary.get("ckpt", {})
+        ck = summary.get("ckpt")
+        saves = f"; checkpoint every {ck['every']} steps, median save {ck['save_s_median']}s" if ck else ""
         print(f"{a.system}: {summary['steps']} steps in {summary['wall_s']:.1f}s, exit {summary['exit_code']}, "
-              f"{summary.get('restarts', 0)} restarts, digest {str(summary['digest'])[:16]}; checkpoint every "
-              f"{ck.get('every')} steps, median save {ck.get('save_s_median')}s")
+              f"{summary.get('restarts', 0)} restarts, digest {str(summary['digest'])[:16]}{saves}")
         for r in summary["recoveries"]:
-            print(f"  {r['cause']} at step {r['failed_at_step']}: detect {r['detect_s']}s, restart "
-                  f"{r['restart_s']}s, restore {r['restore_s']}s, first step {r['first_step_s']}s, "
-                  f"back to step {r['failed_at_step'] + 1} {r['total_s']}s, lost {r['lost_steps']} steps")
+            parts = [f"{k.removesuffix('_s')} {r[k]}s" for k in _SHOWN if r.get(k) is not None]
+            print(f"  {r['cause']} at step {r['failed_at_step']}: {', '.join(parts)}, lost {r['lost_steps']} steps")
         print(f"summary: {run_dir / 'summary.json'}")
     return int(summary["exit_code"] or 0)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -37,9 +38,29 @@ class Comm:
         if self.device.type == "cuda":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
-            self.pg: dist.ProcessGroup = dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
+            make = lambda: dist.ProcessGroupNCCL(prefix, rank, world_size, opts)  # noqa: E731
         else:
-            self.pg = dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
+            make = lambda: dist.ProcessGroupGloo(prefix, rank, world_size, timeout)  # noqa: E731
+        self.pg: dist.ProcessGroup = self._rendezvous(make)
+
+    def _rendezvous(self, make: Callable[[], dist.ProcessGroup]) -> dist.ProcessGroup:
+        """Build the group in a helper thread: its store rendezvous cannot be interrupted, and
+        a peer that died before joining must not hold this process until the store timeout."""
+        box: list = []
+        thread = threading.Thread(target=lambda: box.append(_call(make)), daemon=True, name="leto-rendezvous")
+        thread.start()
+        deadline = time.monotonic() + self.timeout_s
+        while thread.is_alive():
+            thread.join(timeout=1e-3)
+            reason = self.abort_check()
+            if reason and thread.is_alive():
+                raise PeerFailure(f"joining generation {self.generation} aborted: {reason}")
+            if time.monotonic() > deadline and thread.is_alive():
+                raise PeerFailure(f"joining generation {self.generation} timed out after {self.timeout_s:.0f}s")
+        result = box[0]
+        if isinstance(result, BaseException):
+            raise PeerFailure(f"joining generation {self.generation} failed: {result}") from result
+        return result
 
     def _wait(self, work: dist.Work, what: str) -> None:
         deadline = time.monotonic() + self.timeout_s
@@ -99,6 +120,13 @@ class Comm:
             if len(_ABANDONED) == 1:
                 atexit.register(_exit_without_destructors)
         self.pg = None  # type: ignore[assignment]
+
+
+def _call(make: Callable[[], dist.ProcessGroup]) -> dist.ProcessGroup | BaseException:
+    try:
+        return make()
+    except BaseException as e:  # handed to the waiting thread
+        return e
 
 
 _ABANDONED: list[dist.ProcessGroup] = []

@@ -26,6 +26,7 @@ from leto.recovery.decision import Spare, next_plan
 
 _PR_SET_PDEATHSIG = 1
 POLL_S = 0.01
+FAILURE_GRACE_S = 0.05
 _GRACE_S = 5.0
 
 
@@ -193,7 +194,9 @@ class Controller:
                     display.message(f"leto: received {signal.Signals(self._signal).name}, stopping all processes")
                     return 128 + self._signal
                 failed = self._find_failures()
-                if failed:
+                if failed:  # processes of one node die within moments of each other: gather them
+                    time.sleep(FAILURE_GRACE_S)
+                    failed += self._find_failures()
                     code = self._on_failures(failed)
                     if code is not None:
                         return code
