@@ -93,3 +93,28 @@ def summary(run_dir: Path) -> dict:
 def step_records(run_dir: Path) -> list[dict]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if "event" not in r]
+
+
+JOB = ("--workers", "4", "--nodes", "2", "--spares", "1", "--steps", "10", "--seed", "0")
+_REFERENCE: dict[tuple[str, ...], str] = {}
+
+
+def train(launcher: Launcher, run_dir: Path, *args: str, timeout: float = 240) -> tuple[subprocess.CompletedProcess, dict | None]:
+    """Run `leto train` to its end; returns the process result and its summary (if written)."""
+    res = launcher.run("train", "--run-dir", str(run_dir), *args, run_dir=run_dir, timeout=timeout)
+    path = run_dir / "summary.json"
+    return res, (json.loads(path.read_text()) if path.exists() else None)
+
+
+def reference_digest(launcher: Launcher, tmp: Path, *args: str) -> str:
+    """The failure-free digest of a config (computed once per test session, protection off)."""
+    key = tuple(args)
+    if key not in _REFERENCE:
+        res, s = train(launcher, tmp / "reference", *args, "--protection", "off")
+        assert res.returncode == 0, res.stderr[-3000:]
+        _REFERENCE[key] = s["digest"]
+    return _REFERENCE[key]
+
+
+def no_process_left(run_dir: Path) -> list[int]:
+    return [p["pid"] for p in read_procs(run_dir) if p["role"] != "controller" and alive(p["pid"])]

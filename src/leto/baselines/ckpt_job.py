@@ -24,6 +24,7 @@ import os
 import shutil
 import statistics
 import time
+from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
 from typing import Protocol
@@ -107,10 +108,23 @@ def _set_step(trainer: Trainer, step: int) -> None:
 
 
 class Checkpointer(Protocol):
-    def restore(self, trainer: Trainer) -> int | None: ...
-    def save(self, trainer: Trainer) -> float: ...
-    def poll(self) -> None: ...
-    def close(self) -> None: ...
+    """What the job needs from a checkpoint store (every method is called on every rank)."""
+
+    def restore(self, trainer: Trainer) -> int | None:
+        """Load the newest checkpoint every rank can load; its step, or None (start from scratch)."""
+        ...
+
+    def save(self, trainer: Trainer) -> float:
+        """Checkpoint the trainer's current step; returns the seconds training was blocked."""
+        ...
+
+    def poll(self) -> None:
+        """Commit a background save that has finished."""
+        ...
+
+    def close(self) -> None:
+        """Finish (commit) what is in flight."""
+        ...
 
 
 # ----- disk: torch.distributed.checkpoint
@@ -129,7 +143,7 @@ class DiskCheckpointer:
         self.dcp = dcp
         self.root, self.job, self.fingerprint = root, job, fingerprint
         self.async_save, self.keep = async_save, keep
-        self.pending: tuple[int, float, object] | None = None   # (step, t0, future)
+        self.pending: tuple[int, float, Future] | None = None   # (step, t0, future) of an async save
         root.mkdir(parents=True, exist_ok=True)
         if not dist.is_initialized():
             dist.init_process_group("gloo", store=dist.PrefixStore("leto-dcp/", job.store), rank=job.rank,
@@ -196,7 +210,7 @@ class DiskCheckpointer:
             shutil.rmtree(self.root / old, ignore_errors=True)
 
     def poll(self) -> None:
-        if self.pending is not None and self.pending[2].done():  # type: ignore[attr-defined]
+        if self.pending is not None and self.pending[2].done():
             self._wait_pending()
 
     def _wait_pending(self) -> None:
@@ -204,7 +218,7 @@ class DiskCheckpointer:
             return
         step, t0, fut = self.pending
         self.pending = None
-        fut.result()  # type: ignore[attr-defined]  # re-raises a failed save
+        fut.result(timeout=2 * self.job.timeout_s)  # re-raises a failed save
         self._commit(step, time.perf_counter() - t0)
 
     def close(self) -> None:

@@ -182,13 +182,13 @@ class RestartSupervisor:
         restored = restores[0]["step"] if restores else 0
         first = min((r["time"] for r in nxt.steps()), default=None)
         regain = [r["time"] for r in nxt.steps() if r["step"] == failed_at + 1]
-        what = (f"{fail.get('role', 'worker')} rank {fail['rank']}" if fail.get("rank") is not None
-                else f"{fail.get('role', 'process')} on node {fail.get('node')}")
         rnd = lambda x: round(x, 3) if x is not None else None  # noqa: E731
+        ranks = sorted({f["rank"] for f in failures if f.get("rank") is not None})
+        nodes = sorted({f["node"] for f in failures if f.get("node") is not None})
         return {
-            "cause": f"{what} {fail.get('cause', '')}".strip(),
+            "cause": _cause(failures, fail),
             "injected": kill.spec if kill else None,
-            "rank": fail.get("rank"), "node": fail.get("node"),
+            "rank": fail.get("rank"), "node": fail.get("node"), "failed_ranks": ranks, "failed_nodes": nodes,
             "failed_at_step": failed_at, "restored_step": restored,
             "lost_steps": failed_at - restored,
             "detect_s": rnd(t_det - t_fail) if kill else None,
@@ -240,6 +240,17 @@ class RestartSupervisor:
         with open(self.spec.run_dir / "metrics.jsonl", "w") as f:
             for _, _, rec in recs:
                 f.write(json.dumps(rec) + "\n")
+
+
+def _cause(failures: list[dict], first: dict) -> str:
+    if len(failures) <= 1:
+        who = (f"{first.get('role', 'worker')} rank {first['rank']}" if first.get("rank") is not None
+               else f"{first.get('role', 'process')} on node {first.get('node')}")
+        return f"{who} {first.get('cause', '')}".strip()
+    ranks = ", ".join(str(r) for r in sorted(f["rank"] for f in failures if f.get("rank") is not None))
+    nodes = ", ".join(sorted({str(f.get("node")) for f in failures}))
+    causes = "; ".join(sorted({f.get("cause", "") for f in failures}))
+    return f"workers {ranks} (node {nodes}): {causes}"
 
 
 def run_baseline(system: str, *, workers: int, nodes: int, steps: int, seed: int, model: str, run_dir: Path,

@@ -218,9 +218,9 @@ class Controller:
                 continue
             code = p.popen.poll()
             if code is not None:
-                if code != 0 or p.role == "keeper" or (p.role == "worker" and not self._job_done()):
+                if code != 0 or p.role == "keeper":
                     out.append((p, describe_exit(code)))
-                elif p.role == "shadow":
+                else:  # a worker or shadow that finished
                     self.handled.add(p.proc_id)
                 continue
             if p.role == "worker":
@@ -239,21 +239,22 @@ class Controller:
             return None
         return float(self.store.get(key))
 
-    def _job_done(self) -> bool:
-        return self.store.check([rt.RESULT_KEY])
-
     def _on_failures(self, failed: list[tuple[Proc, str]]) -> int | None:
         """Decide generation g+1 and announce it; returns an exit code when the job must stop."""
         t_detect = time.time()
+        if self.store.check([rt.FATAL_KEY]):
+            msg = self.store.get(rt.FATAL_KEY).decode()
+            self.event("fatal", cause=msg)
+            self.display.message(f"leto: cannot recover: {msg}; stopping the job")
+            return 1
         for p, why in failed:
             what = f"{p.role} rank {p.rank}" if p.rank is not None else f"{p.role} {p.proc_id}"
             self.display.message(f"leto: {what} (pid {p.popen.pid}, node {p.node}) {why}")
             self.event("failure", role=p.role, rank=p.rank, node=p.node, pid=p.popen.pid, cause=why)
         dead_keepers = {p.node for p, _ in failed if p.role == "keeper"}
-        lost_ranks = {r for r, p in self.members.items() if p.proc_id in self.handled}
+        lost_ranks = {r for r, p in self.members.items() if any(p is f for f, _ in failed)}
         lost_nodes = {n for n in dead_keepers
-                      if all(p.proc_id in self.handled for p in self.procs if p.node == n and p.role == "worker"
-                             and p.rank is not None and self.members.get(p.rank) is p)}
+                      if all(p.popen.poll() not in (None, 0) for p in self.members.values() if p.node == n)}
         if not lost_ranks and not dead_keepers:
             self._replenish()
             return None  # only idle shadows died
@@ -278,9 +279,16 @@ class Controller:
         self.plan = new
         self.dead_keeper_nodes |= dead_keepers
         t_fail = min(self._failure_time(p, t_detect) for p, _ in failed)
-        self.pending.append({"generation": new.generation, "failed_ranks": sorted(lost_ranks),
-                             "failed_nodes": sorted(lost_nodes), "cause": cause, "t_fail": t_fail,
-                             "t_detect": t_detect, "adopted_by": {str(r): s.proc_id for r, s in adopted.items()}})
+        record = {"generation": new.generation, "failed_ranks": sorted(lost_ranks), "failed_nodes": sorted(lost_nodes),
+                  "cause": cause, "t_fail": t_fail, "t_detect": t_detect,
+                  "adopted_by": {str(r): s.proc_id for r, s in adopted.items()}, "interrupted": []}
+        for old in self.pending:  # a failure during a recovery: one record, from the first failure
+            record["failed_ranks"] = sorted(set(record["failed_ranks"]) | set(old["failed_ranks"]))
+            record["failed_nodes"] = sorted(set(record["failed_nodes"]) | set(old["failed_nodes"]))
+            record["cause"] = f"{old['cause']}; then during its recovery: {record['cause']}"
+            record["t_fail"], record["t_detect"] = min(old["t_fail"], t_fail), min(old["t_detect"], t_detect)
+            record["interrupted"] += old["interrupted"] + [old["generation"]]
+        self.pending = [record]
         for n in dead_keepers - lost_nodes:  # the node lives: give it a new keeper
             self._spawn("keeper", None, n)
             self.dead_keeper_nodes.discard(n)

@@ -26,6 +26,7 @@ ENV_INJECT = "LETO_INJECT"        # fault injections, a JSON list of --inject sp
 
 SHUTDOWN_KEY = "control/shutdown"
 RESULT_KEY = "control/result"
+FATAL_KEY = "control/fatal"       # set by a worker that found the job unrecoverable
 
 
 @dataclass

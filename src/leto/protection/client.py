@@ -60,9 +60,10 @@ class Protector:
         h[S_READY] = 1  # last: the keeper applies only complete slots
         self.seq += 1
 
-    def stage_grads(self, step: int, grads: torch.Tensor) -> None:
+    def stage_grads(self, step: int, grads: torch.Tensor, before_chunk: Callable[[int], None] = lambda c: None) -> None:
         """Hand over this rank's gradient shard of `step` ([n_chunks, chunk_elems])."""
         for c in range(grads.shape[0]):
+            before_chunk(c)
             src = as_bytes(grads[c])
             idx = self._slot()
             self.data[idx, :src.size] = src

@@ -132,6 +132,7 @@ class Keeper:
         self.next_barrier = (KIND_DELTA, layout.base_step)
         self.barrier_work: dist.Work | None = None
         self.barrier_buf = torch.zeros(1)
+        self.broken = False
         h[H_STATE] = STATE_RUNNING
         store.set(keys.ready(self.gen, node), str(os.getpid()))
 
@@ -255,10 +256,16 @@ class Keeper:
     def _advance_barrier(self) -> bool:
         h = self.region.header
         kind, step = self.next_barrier
+        if self.broken:
+            return False
         if self.barrier_work is not None:
-            if not self.barrier_work.is_completed():
+            try:
+                if not self.barrier_work.is_completed():
+                    return False
+                self.barrier_work.wait()
+            except RuntimeError:  # another keeper died: nothing more commits in this generation
+                self.broken = True
                 return False
-            self.barrier_work.wait()
             self.barrier_work = None
             if kind == KIND_DELTA:
                 h[H_DCOMMIT] = step
@@ -341,6 +348,15 @@ class Keeper:
             self.region.unlink()
 
 
+def _report(committed: Keeper | None, live_nodes: set[int], job: rt.Job) -> dict:
+    """Drain and describe the last committed generation; a keeper with none says so."""
+    if committed is None:
+        return {"node": job.node, "empty": True}
+    report = committed.drain(live_nodes, job.timeout_s)
+    report["generation_used"] = committed.gen
+    return report
+
+
 def main() -> None:
     """Entry point of a keeper process (started by the controller)."""
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
@@ -352,10 +368,7 @@ def main() -> None:
     while not job.shutdown_requested():
         if job.store.check([keys.drain(gen)]):  # abandoned before it started: report the committed one
             plan = json.loads(job.store.get(keys.drain(gen)))
-            if committed is not None:
-                report = committed.drain(set(plan["live_nodes"]), job.timeout_s)
-                report["generation_used"] = committed.gen
-                job.store.set(keys.report(gen, node), json.dumps(report))
+            job.store.set(keys.report(gen, node), json.dumps(_report(committed, set(plan["live_nodes"]), job)))
             gen = int(plan["next_generation"])
             continue
         if not job.store.check([keys.layout(gen)]):
@@ -380,10 +393,7 @@ def main() -> None:
         if reason == "shutdown":
             break
         plan = json.loads(job.store.get(keys.drain(gen)))
-        src = committed if committed is not None else current
-        report = src.drain(set(plan["live_nodes"]), job.timeout_s)
-        report["generation_used"] = src.gen
-        job.store.set(keys.report(gen, node), json.dumps(report))
+        job.store.set(keys.report(gen, node), json.dumps(_report(committed, set(plan["live_nodes"]), job)))
         if current is not committed:
             current.close(unlink=True)
         gen = int(plan["next_generation"])

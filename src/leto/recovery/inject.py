@@ -1,9 +1,13 @@
 """Fault injection for tests and demos: real signals at chosen steps and phases.
 
-`--inject KIND:rank=R|node=N:step=S[:phase=P]`, repeatable. KIND is `kill` (SIGKILL the rank),
-`stop` (SIGSTOP it: a hang) or `node-kill` (SIGKILL every process of node N: workers, shadows,
-keeper). Step S is the 1-based step being computed; the phase is where in it (default forward).
-Each injection fires once per job, even if the step is redone after recovery.
+`--inject KIND:rank=R|node=N:step=S[:phase=P][:chunk=C]`, repeatable. KIND is `kill` (SIGKILL
+the rank), `stop` (SIGSTOP it: a hang) or `node-kill` (SIGKILL every process of node N: workers,
+shadows, keeper). Step S is the 1-based step being computed; the phase is where in it (default
+forward): forward, backward, reduce-scatter, grads (staging gradient chunks), update (the chunked
+optimizer update), all-gather, parity (staging the state deltas of the previous step, which happens
+at the start of step S), recovery (while joining the first recovery at or after step S). In the
+chunked phases the failure hits just before chunk C (default: the middle chunk). Each injection
+fires once per job, even if the step is redone after recovery.
 """
 from __future__ import annotations
 
@@ -15,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 KINDS = ("kill", "stop", "node-kill")
-PHASES = ("forward", "backward", "reduce-scatter", "parity", "update", "all-gather")
+PHASES = ("forward", "backward", "reduce-scatter", "grads", "update", "all-gather", "parity", "recovery")
+CHUNKED = ("grads", "update", "parity")  # phases that run chunk by chunk (chunk=C picks the boundary)
 
 
 @dataclass(frozen=True)
@@ -26,6 +31,7 @@ class Injection:
     phase: str = "forward"
     rank: int | None = None
     node: int | None = None
+    chunk: int | None = None
 
 
 def parse(spec: str, index: int = 0) -> Injection:
@@ -37,27 +43,30 @@ def parse(spec: str, index: int = 0) -> Injection:
     fields: dict[str, str] = {}
     for part in parts[1:]:
         key, sep, value = part.partition("=")
-        if not sep or key not in ("rank", "node", "step", "phase"):
-            raise ValueError(f"--inject {spec!r}: bad field {part!r}; expected rank=R, node=N, step=S, phase=P")
+        if not sep or key not in ("rank", "node", "step", "phase", "chunk"):
+            raise ValueError(f"--inject {spec!r}: bad field {part!r}; expected rank=R, node=N, step=S, phase=P, chunk=C")
         fields[key] = value
     try:
         step = int(fields["step"])
         rank = int(fields["rank"]) if "rank" in fields else None
         node = int(fields["node"]) if "node" in fields else None
+        chunk = int(fields["chunk"]) if "chunk" in fields else None
     except KeyError:
         raise ValueError(f"--inject {spec!r}: step=S is required") from None
     except ValueError:
-        raise ValueError(f"--inject {spec!r}: rank, node and step must be integers") from None
+        raise ValueError(f"--inject {spec!r}: rank, node, step and chunk must be integers") from None
     phase = fields.get("phase", "forward")
     if phase not in PHASES:
         raise ValueError(f"--inject {spec!r}: unknown phase {phase!r}; use one of {', '.join(PHASES)}")
+    if chunk is not None and phase not in CHUNKED:
+        raise ValueError(f"--inject {spec!r}: chunk=C only applies to phases {', '.join(CHUNKED)}")
     if step < 1:
         raise ValueError(f"--inject {spec!r}: step must be at least 1")
     if kind == "node-kill" and node is None:
         raise ValueError(f"--inject {spec!r}: node-kill needs node=N")
     if kind != "node-kill" and rank is None:
         raise ValueError(f"--inject {spec!r}: {kind} needs rank=R")
-    return Injection(index, kind, step, phase, rank, node)
+    return Injection(index, kind, step, phase, rank, node, chunk)
 
 
 class Injector:
@@ -67,9 +76,12 @@ class Injector:
         self.store, self.run_dir, self.proc_id = store, run_dir, proc_id
         self.todo = [parse(s, i) for i, s in enumerate(specs)]
 
-    def at(self, phase: str, step: int, rank: int, node_of_rank: tuple[int, ...]) -> None:
+    def at(self, phase: str, step: int, rank: int, node_of_rank: tuple[int, ...], chunk: int | None = None,
+           n_chunks: int = 0) -> None:
         for inj in self.todo:
-            if inj.step != step or inj.phase != phase:
+            if inj.phase != phase or (inj.step > step if phase == "recovery" else inj.step != step):
+                continue
+            if chunk is not None and chunk != (n_chunks // 2 if inj.chunk is None else inj.chunk):
                 continue
             if inj.kind == "node-kill":
                 if inj.node is None or rank != min((r for r, n in enumerate(node_of_rank) if n == inj.node), default=-1):

@@ -65,19 +65,39 @@ def join(tr: Trainer, gen: int) -> dict:
     live = drain["live_nodes"]
     _wait_keys(tr, [keys.report(gen - 1, n) for n in live], f"keeper reports of generation {gen - 1}")
     reports = {n: json.loads(store.get(keys.report(gen - 1, n))) for n in live}
+    reports = {n: r for n, r in reports.items() if not r.get("empty")}  # a new keeper holds nothing yet
+    if not reports:
+        raise RecoveryError("no keeper holds committed protection data: nothing to rebuild from")
     used = {r["generation_used"] for r in reports.values()}
     if len(used) != 1:
         raise RecoveryError(f"keepers report different protection generations {sorted(used)}")
-    layout = Layout.from_json(store.get(keys.layout(used.pop())))
-    rplan = make_plan(layout, plan, reports)
+    used_gen = used.pop()
+    layout = Layout.from_json(store.get(keys.layout(used_gen)))
+    writers = read_plan(store, used_gen).proc_of_rank  # who wrote the protection data
+    lost = {r for r in range(tr.world_size) if plan.proc_of_rank[r] != writers[r]}
+    if tr.injector is not None:
+        tr.injector.at("recovery", tr.step_count + 1, rank, plan.node_of_rank)
+    rplan = make_plan(layout, plan, reports, lost)
     T = rplan.step
     adopted = rank in rplan.lost
     t_decode = time.time()
     if not adopted:
         tr.bring_to(T)
-    rb = Rebuilder(layout, rplan, reports, rank, job.job_id, tr.chunk_at, tr.grad_at, tr.comm,
-                   lambda name, members: _subgroup(tr, gen, name, members))
-    rb.run()
+    repaired: list[str] = []
+    while True:
+        rb = Rebuilder(layout, rplan, reports, rank, job.job_id, tr.chunk_at, tr.grad_at, tr.comm,
+                       lambda name, members: _subgroup(tr, gen, name, members))
+        rb.run()
+        bad = _agree_on_corruption(tr, layout, rb.corrupt)
+        if not bad["tier1"] and not bad["tier2"]:
+            break
+        if bad["tier2"] or set(bad["tier1"]) <= set(rplan.force_tier2):
+            what = ", ".join([f"tier-1 data of node {n}" for n in bad["tier1"]] +
+                             [f"tier-2 stripe {s}" for s in bad["tier2"]])
+            raise RecoveryError(f"decoded state failed its checksums ({what}) and no other redundancy "
+                                f"is left: stopping rather than continue on corrupt state")
+        repaired += [f"tier-1 data of node {n} failed its checksums; rebuilt from tier 2" for n in bad["tier1"]]
+        rplan = make_plan(layout, plan, reports, lost, frozenset(bad["tier1"]) | rplan.force_tier2)
     if adopted:
         _install(tr, rb, T)
     tr.step_count = T
@@ -86,12 +106,23 @@ def join(tr: Trainer, gen: int) -> dict:
     restore_s = time.time() - t_decode
     if job.protection:
         tr._protect(gen, T)
-    record = {"generation": gen, "failed_ranks": list(plan.failed_ranks), "failed_nodes": list(plan.failed_nodes),
+    record = {"generation": gen, "failed_ranks": sorted(lost), "failed_nodes": list(plan.failed_nodes),
               "cause": plan.cause, "tier": rplan.tier, "step": T, "restore_s": round(restore_s, 4),
-              "join_s": round(time.time() - t0, 4)}
+              "join_s": round(time.time() - t0, 4), "repaired": repaired}
     if rank == 0:
         store.set(recovery_key(gen), json.dumps(record))
     return record
+
+
+def _agree_on_corruption(tr: Trainer, layout: Layout, corrupt: set[tuple[str, int]]) -> dict[str, list[int]]:
+    """Only the adopter can check a decoded chunk; everyone must learn what failed."""
+    n_stripes = len(layout.tier2[1]) if layout.tier2 else 0
+    flags = torch.zeros(len(layout.nodes) + n_stripes, dtype=torch.int32)
+    for kind, idx in corrupt:
+        flags[layout.nodes.index(idx) if kind == "tier1" else len(layout.nodes) + idx] = 1
+    tr.comm.all_reduce(flags, torch.distributed.ReduceOp.MAX)
+    return {"tier1": [layout.nodes[i] for i in range(len(layout.nodes)) if flags[i]],
+            "tier2": [i for i in range(n_stripes) if flags[len(layout.nodes) + i]]}
 
 
 def _subgroup(tr: Trainer, gen: int, name: str, members: tuple[int, ...]) -> Comm:

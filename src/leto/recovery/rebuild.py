@@ -60,16 +60,20 @@ class RebuildPlan:
     lost: tuple[int, ...]
     tier1: list[Tier1Job]
     tier2: list[Tier2Job]
+    force_tier2: frozenset[int] = frozenset()
 
     @property
     def tier(self) -> str:
         return "tier2" if self.tier2 else ("tier1" if self.tier1 else "none")
 
 
-def make_plan(layout: Layout, new: Plan, reports: dict[int, dict]) -> RebuildPlan:
-    """Which tier rebuilds which lost rank, and who contributes."""
+def make_plan(layout: Layout, new: Plan, reports: dict[int, dict], lost_ranks: set[int],
+              force_tier2: frozenset[int] = frozenset()) -> RebuildPlan:
+    """Which tier rebuilds which lost rank, and who contributes. A rank is lost when its
+    process differs from the one the protection data was written by. Nodes in `force_tier2`
+    are rebuilt from tier 2 (their tier-1 data failed its checksums)."""
     step = recovery_step(reports)
-    lost = tuple(sorted(new.failed_ranks))
+    lost = tuple(sorted(lost_ranks))
     new_node = new.node_of_rank
     tier1, t2_nodes = [], set()
     for n in layout.nodes:
@@ -78,12 +82,12 @@ def make_plan(layout: Layout, new: Plan, reports: dict[int, dict]) -> RebuildPla
             continue
         members = sorted({r for r in range(new_node.__len__()) if new_node[r] == n} | set(lost_here))
         readers = [r for r in members if new_node[r] == n]
-        if n in reports and len(lost_here) == 1 and readers:
+        if n in reports and len(lost_here) == 1 and readers and n not in force_tier2:
             tier1.append(Tier1Job(n, lost_here[0], tuple(members), readers[0]))
         else:
             t2_nodes.add(n)
     tier2 = _tier2_jobs(layout, new, reports, t2_nodes, lost) if t2_nodes else []
-    return RebuildPlan(step, lost, tier1, tier2)
+    return RebuildPlan(step, lost, tier1, tier2, force_tier2)
 
 
 def _tier2_jobs(layout: Layout, new: Plan, reports: dict[int, dict], lost_nodes: set[int],
@@ -138,7 +142,7 @@ class Rebuilder:
         self.result_version: dict[int, int] = {}
         self.result_crc: dict[int, int] = {}
         self.result_grad: dict[int, np.ndarray] = {}
-        self.result_gcrc: dict[int, int] = {}
+        self.corrupt: set[tuple[str, int]] = set()   # ("tier1", node) / ("tier2", stripe) that failed checksums
         self.sb, self.gb = g.state_bytes, g.grad_bytes
 
     def _region(self, node: int) -> Region:
@@ -180,8 +184,9 @@ class Rebuilder:
         comm.all_reduce(buf, dist.ReduceOp.BXOR)
         if self.rank == job.lost_rank:
             for c in range(n):
-                self._keep(c, acc[c, :self.sb], rep["v1"][w_lost][c], rep["crc1"][w_lost][c],
-                           acc[c, self.sb:], rep["gcrc1"][w_lost][b][c], f"tier 1 (node {job.node})")
+                if not self._keep(c, acc[c, :self.sb], rep["v1"][w_lost][c], rep["crc1"][w_lost][c],
+                                  acc[c, self.sb:], rep["gcrc1"][w_lost][b][c]):
+                    self.corrupt.add(("tier1", job.node))
 
     # ----- tier 2: Reed-Solomon stripe decode over the whole new group
     def _tier2(self, job: Tier2Job) -> None:
@@ -222,20 +227,18 @@ class Rebuilder:
                 src = lay.source_of(node, seg * L + i)
                 if src is None or src[0] != self.rank or src[0] not in self.plan.lost:
                     continue
-                self._keep(src[1], acc[mi, i, :self.sb], rep["v2"][e][i], rep["crc2"][e][i],
-                           acc[mi, i, self.sb:], rep["gcrc2"][e][b][i], f"tier 2 (stripe {s.index})")
+                if not self._keep(src[1], acc[mi, i, :self.sb], rep["v2"][e][i], rep["crc2"][e][i],
+                                  acc[mi, i, self.sb:], rep["gcrc2"][e][b][i]):
+                    self.corrupt.add(("tier2", s.index))
 
-    def _keep(self, c: int, state: np.ndarray, version: int, crc: int, grad: np.ndarray, gcrc: int, how: str) -> None:
+    def _keep(self, c: int, state: np.ndarray, version: int, crc: int, grad: np.ndarray, gcrc: int) -> bool:
+        """Keep a decoded chunk if its version and checksums are right; False if it is corrupt."""
         T = self.plan.step
-        if version not in (T - 1, T):
-            raise RecoveryError(f"rank {self.rank} chunk {c}: {how} holds version {version}, "
-                                f"expected {T - 1} or {T}")
-        if checksum(state) != crc:
-            raise RecoveryError(f"rank {self.rank} chunk {c}: decoded state fails its checksum ({how}, "
-                                f"version {version})")
-        self.result_state[c], self.result_version[c], self.result_crc[c] = state.copy(), version, crc
+        if version not in (T - 1, T) or checksum(state) != crc:
+            return False
+        if version == T - 1 and checksum(grad) != gcrc:
+            return False
+        self.result_state[c], self.result_version[c] = state.copy(), version
         if version == T - 1:
-            if checksum(grad) != gcrc:
-                raise RecoveryError(f"rank {self.rank} chunk {c}: decoded gradient of step {T} fails its "
-                                    f"checksum ({how})")
             self.result_grad[c] = grad.copy()
+        return True

@@ -19,7 +19,7 @@ import torch.nn as nn
 from leto.control import runtime as rt
 from leto.control.comm import Comm, PeerFailure
 from leto.control.membership import GenerationWatch, Plan, plan_key, read_plan
-from leto.control.runtime import RESULT_KEY, Job
+from leto.control.runtime import FATAL_KEY, RESULT_KEY, Job
 from leto.protection import keys
 from leto.protection.client import Protector
 from leto.protection.layout import Geometry, Layout
@@ -182,11 +182,14 @@ class Trainer:
                 return
             except PeerFailure:
                 continue  # another failure during recovery: join the next generation
+            except RecoveryError as e:
+                self.job.store.set(FATAL_KEY, f"rank {self.rank}: {e}")
+                raise
 
     def _fault(self, phase: str, step: int, chunk: int | None = None) -> None:
-        """Fault injection point; mid-chunk phases fire halfway through the chunks."""
-        if self.injector is not None and (chunk is None or chunk == self.n_chunks // 2):
-            self.injector.at(phase, step, self.rank, self.plan.node_of_rank if self.plan else ())
+        """A fault injection point (--inject)."""
+        if self.injector is not None:
+            self.injector.at(phase, step, self.rank, self.plan.node_of_rank if self.plan else (), chunk, self.n_chunks)
 
     def chunk_at(self, step: int, c: int) -> torch.Tensor:
         """This rank's state chunk `c` at `step` (one of the two it keeps)."""
@@ -232,7 +235,7 @@ class Trainer:
         self.comm.reduce_scatter(grads.view(-1), self.flat_grad)
         self.gbuf_step[(t + 1) % n] = t + 1
         if prot is not None:
-            prot.stage_grads(t + 1, grads)
+            prot.stage_grads(t + 1, grads, lambda c: fault("grads", t + 1, c))
             prot.wait_delta_commit(t)  # nobody needs step t-1 any more: its buffer may be overwritten
         src, dst = self.bufs[t % n], self.bufs[(t + 1) % n]
         for c in range(self.n_chunks):
@@ -305,6 +308,9 @@ class Trainer:
                 try:
                     self.recoveries.append(join(self, gen))
                     return True
+                except RecoveryError as e:
+                    self.job.store.set(FATAL_KEY, f"rank {self.rank}: {e}")
+                    raise
                 except PeerFailure:
                     from leto.recovery.inplace import latest_generation
                     gen = latest_generation(self.job.store, gen)

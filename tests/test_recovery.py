@@ -1,0 +1,136 @@
+"""In-place recovery: real processes are killed or stopped, and the job must end with exactly
+the digest of a failure-free run of the same seed and config."""
+from __future__ import annotations
+
+import json
+import random
+import signal
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import JOB, no_process_left, read_procs, reference_digest, step_records, train, wait_for
+
+RECORD_KEYS = {"generation", "failed_ranks", "failed_nodes", "cause", "tier", "detect_s", "restore_s",
+               "total_s", "lost_steps"}
+
+
+def check_recovered(res, summary: dict, digest: str, run_dir: Path, recoveries: int = 1) -> list[dict]:
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    assert summary["digest"] == digest
+    recs = summary["recoveries"]
+    assert len(recs) == recoveries, recs
+    for r in recs:
+        assert RECORD_KEYS <= r.keys()
+        assert r["lost_steps"] <= 1  # at most the step in flight
+        assert r["total_s"] >= r["detect_s"] >= 0
+    assert [r["step"] for r in step_records(run_dir)][-1] == 10
+    assert not no_process_left(run_dir)
+    return recs
+
+
+@pytest.mark.parametrize("rank, phase", [
+    (1, "forward"), (0, "backward"), (2, "reduce-scatter"), (3, "grads"),
+    (1, "update"), (0, "all-gather"), (2, "parity"),
+])
+def test_a_killed_worker_is_replaced_in_place_in_any_phase(launcher, tmp_path: Path, rank: int, phase: str) -> None:
+    digest = reference_digest(launcher, tmp_path, *JOB)
+    res, s = train(launcher, tmp_path / "run", *JOB, "--inject", f"kill:rank={rank}:step=5:phase={phase}")
+    rec = check_recovered(res, s, digest, tmp_path / "run")[0]
+    assert rec["failed_ranks"] == [rank] and rec["tier"] == "tier1"
+    assert "SIGKILL" in rec["cause"]
+    procs = read_procs(tmp_path / "run")
+    assert sum(p["role"] == "shadow" for p in procs) >= 0  # the run ended; shadows were replenished during it
+
+
+def test_a_whole_node_lost_is_rebuilt_from_tier2(launcher, tmp_path: Path) -> None:
+    digest = reference_digest(launcher, tmp_path, *JOB)
+    res, s = train(launcher, tmp_path / "run", *JOB, "--inject", "node-kill:node=1:step=6:phase=update")
+    rec = check_recovered(res, s, digest, tmp_path / "run")[0]
+    assert rec["failed_nodes"] == [1] and rec["failed_ranks"] == [2, 3] and rec["tier"] == "tier2"
+
+
+def test_two_nodes_of_a_2_plus_2_stripe_lost_at_once(launcher, tmp_path: Path) -> None:
+    job = ("--workers", "4", "--nodes", "4", "--spares", "2", "--ec", "2+2", "--steps", "10", "--seed", "0")
+    digest = reference_digest(launcher, tmp_path, *JOB)  # node layout does not change the math
+    res, s = train(launcher, tmp_path / "run", *job, "--inject", "node-kill:node=0:step=4",
+                   "--inject", "node-kill:node=3:step=4")
+    rec = check_recovered(res, s, digest, tmp_path / "run")[0]
+    assert rec["failed_nodes"] == [0, 3] and rec["tier"] == "tier2"
+
+
+def test_a_hung_worker_is_detected_by_heartbeat_fenced_and_replaced(launcher, tmp_path: Path) -> None:
+    digest = reference_digest(launcher, tmp_path, *JOB)
+    res, s = train(launcher, tmp_path / "run", *JOB, "--heartbeat-timeout", "1.5",
+                   "--inject", "stop:rank=2:step=4:phase=all-gather")
+    rec = check_recovered(res, s, digest, tmp_path / "run")[0]
+    assert "hung" in rec["cause"] and rec["failed_ranks"] == [2]
+    assert rec["detect_s"] >= 1.5
+
+
+def test_a_second_failure_during_recovery(launcher, tmp_path: Path) -> None:
+    digest = reference_digest(launcher, tmp_path, *JOB)
+    res, s = train(launcher, tmp_path / "run", *JOB, "--inject", "kill:rank=1:step=5",
+                   "--inject", "kill:rank=2:step=5:phase=recovery")
+    rec = check_recovered(res, s, digest, tmp_path / "run")[0]
+    assert rec["failed_ranks"] == [1, 2] and rec["interrupted"]
+
+
+def test_random_sigkills_from_outside(launcher, tmp_path: Path) -> None:
+    """Kill a random worker at a random moment, twice, from outside the job, by PID."""
+    digest = reference_digest(launcher, tmp_path, *JOB)
+    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    run_dir = tmp_path / "run"
+    ctl = launcher.start("train", "--run-dir", str(run_dir), *JOB[:-4], "--steps", "16", "--seed", "0",
+                         "--spares", "2", run_dir=run_dir)
+    for k in (3, 9):
+        wait_for(lambda: (run_dir / "metrics.jsonl").exists() and
+                 any(r["step"] >= k for r in step_records(run_dir)), 120, f"step {k}")
+        import time
+        time.sleep(rng.uniform(0, 0.3))
+        victim = rng.choice([p for p in read_procs(run_dir) if p["role"] == "worker"])
+        os.kill(victim["pid"], signal.SIGKILL)
+        wait_for(lambda: any("event" in r and r["event"] == "recovery" for r in map(
+            json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())) or ctl.poll() is not None, 120,
+            "a recovery")
+    out, err = ctl.communicate(timeout=240)
+    assert ctl.returncode == 0, err[-3000:]
+    ref16 = reference_digest(launcher, tmp_path, *JOB[:-4], "--steps", "16", "--seed", "0")
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["digest"] == ref16 and len(s["recoveries"]) == 2
+    assert not no_process_left(run_dir)
+
+
+def test_an_idle_shadow_or_keeper_dying_does_not_stop_training(launcher, tmp_path: Path) -> None:
+    digest = reference_digest(launcher, tmp_path, *JOB[:-4], "--steps", "14", "--seed", "0")
+    run_dir = tmp_path / "run"
+    ctl = launcher.start("train", "--run-dir", str(run_dir), *JOB[:-4], "--steps", "14", "--seed", "0",
+                         run_dir=run_dir)
+    wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(step_records(run_dir)) >= 3, 120, "step 3")
+    shadow = next(p for p in read_procs(run_dir) if p["role"] == "shadow")
+    os.kill(shadow["pid"], signal.SIGKILL)
+    wait_for(lambda: any(p["role"] == "shadow" and p["pid"] != shadow["pid"] for p in read_procs(run_dir)), 30,
+             "a replacement shadow")
+    keeper = next(p for p in read_procs(run_dir) if p["role"] == "keeper" and p["node"] == 0)
+    os.kill(keeper["pid"], signal.SIGKILL)
+    out, err = ctl.communicate(timeout=240)
+    assert ctl.returncode == 0, err[-3000:]
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["digest"] == digest
+    assert [r["failed_ranks"] for r in s["recoveries"]] == [[]]  # protection rebuilt, no rank lost
+    assert not no_process_left(run_dir)
+
+
+def test_losing_more_than_the_codes_tolerate_stops_with_a_clear_message(launcher, tmp_path: Path) -> None:
+    res, s = train(launcher, tmp_path / "run", *JOB, "--ec", "none", "--spares", "2",
+                   "--inject", "node-kill:node=1:step=4")
+    assert res.returncode == 1
+    assert "cannot recover" in res.stdout and "node 1" in res.stdout and "tier 2 is off" in res.stdout
+    assert not no_process_left(tmp_path / "run")
+
+
+def test_without_protection_a_failure_stops_the_job(launcher, tmp_path: Path) -> None:
+    res, s = train(launcher, tmp_path / "run", *JOB, "--protection", "off", "--inject", "kill:rank=1:step=3")
+    assert res.returncode == 1 and "protection is off" in res.stdout
+    assert not no_process_left(tmp_path / "run")
