@@ -57,9 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"bytes of unique state per protected chunk, a multiple of 12 [{DEFAULT_CHUNK_BYTES}]")
 
     bench = sub.add_parser("bench", help="benchmarks that print measured ratios")
-    bench.add_argument("what", choices=["throughput"], help="which benchmark")
+    bench.add_argument("what", choices=list(BENCHES), help="which benchmark")
     bench.add_argument("--json", action="store_true", help="print JSON")
-    bench.add_argument("--steps", type=int, default=40, help="measured steps per run [40]")
+    bench.add_argument("--steps", type=int, default=None, help="measured steps per run [per benchmark]")
+    bench.add_argument("--trials", type=int, default=3, help="trials per system (recovery) [3]")
+    bench.add_argument("--out", type=Path, default=None, help="folder for plots and raw results [a temp folder]")
     bench.add_argument("--workers", type=int, default=4)
     bench.add_argument("--model", default="tiny")
 
@@ -183,13 +185,20 @@ def _train(args: argparse.Namespace) -> int:
     return code
 
 
+BENCHES = ("throughput", "overhead", "recovery", "productivity")
+
+
 def _bench(args: argparse.Namespace) -> int:
-    from leto.bench import throughput
-    if args.what == "throughput":
-        if args.steps < 2:
-            raise UsageError(f"leto bench: error: --steps must be at least 2, got {args.steps}")
-        return throughput.main(args)
-    return 2
+    import importlib
+    if args.steps is not None and args.steps < 2:
+        raise UsageError(f"leto bench: error: --steps must be at least 2, got {args.steps}")
+    if args.trials < 1:
+        raise UsageError(f"leto bench: error: --trials must be at least 1, got {args.trials}")
+    if args.model not in PRESETS:
+        raise UsageError(f"leto bench: error: unknown --model {args.model!r}; choose from {', '.join(PRESETS)}")
+    if not 1 <= args.workers <= PRESETS[args.model].batch_size:
+        raise UsageError(f"leto bench: error: --workers must be in 1..{PRESETS[args.model].batch_size}")
+    return importlib.import_module(f"leto.bench.{args.what}").main(args)
 
 
 def _data(args: argparse.Namespace) -> int:

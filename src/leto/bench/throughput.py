@@ -32,6 +32,7 @@ def steady_step_s(steps: list[dict]) -> float:
 
 def main(args: argparse.Namespace) -> int:
     cfg = PRESETS[args.model]
+    args.steps = args.steps or 40
     with tempfile.TemporaryDirectory(prefix="leto-bench-") as tmp:
         res = run_job(args.workers, args.steps + WARMUP_STEPS, args.model, Path(tmp))
     step_s = steady_step_s(res["steps"])

@@ -323,7 +323,7 @@ class Controller:
             key = f"control/recovery/{pending['generation']}"
             info = json.loads(self.store.get(key)) if self.store.check([key]) else {}
             done = {k: v for k, v in pending.items() if k not in ("t_fail", "t_detect")}
-            done.update({"tier": info.get("tier"), "step": info.get("step"),
+            done.update({"tier": info.get("tier"), "step": info.get("step"), "repaired": info.get("repaired", []),
                          "detect_s": round(pending["t_detect"] - pending["t_fail"], 4),
                          "restore_s": info.get("restore_s"),
                          "total_s": round(rec["time"] - pending["t_fail"], 4),

@@ -91,7 +91,7 @@ def join(tr: Trainer, gen: int) -> dict:
         bad = _agree_on_corruption(tr, layout, rb.corrupt)
         if not bad["tier1"] and not bad["tier2"]:
             break
-        if bad["tier2"] or set(bad["tier1"]) <= set(rplan.force_tier2):
+        if bad["tier2"] or set(bad["tier1"]) <= set(rplan.force_tier2) or layout.tier2 is None:
             what = ", ".join([f"tier-1 data of node {n}" for n in bad["tier1"]] +
                              [f"tier-2 stripe {s}" for s in bad["tier2"]])
             raise RecoveryError(f"decoded state failed its checksums ({what}) and no other redundancy "
