@@ -145,7 +145,6 @@ def test_a_torn_memory_checkpoint_is_not_loaded(reference: dict, launcher: Launc
 
 
 def test_torchft_survivors_go_on_after_a_sigkill(launcher: Launcher, tmp_path: Path) -> None:
-    pytest.importorskip("torchft", reason="the optional torchft baseline needs `pip install torchft==0.2.0`")
     run_dir = tmp_path / "run"
     popen = start_baseline(launcher, run_dir, "--system", "torchft")
     kill_at_step(run_dir, rank=1, step=5, timeout_s=60)

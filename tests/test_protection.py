@@ -36,8 +36,8 @@ def test_kill_at_every_chunk_boundary_rebuilds_the_exact_state(launcher, tmp_pat
 
 def _corrupt_tier1_parity(run_dir: Path, node: int) -> None:
     """Flip one byte of node `node`'s tier-1 parity in the keeper's shared memory."""
-    job_id = next(f.name for f in Path("/dev/shm").glob("leto-*-g0-n0")).removeprefix("leto-").removesuffix("-g0-n0")
-    port = int(job_id.split("-")[1])
+    ctl = next(p for p in read_procs(run_dir) if p["role"] == "controller")
+    job_id, port = ctl["job"], ctl["store_port"]
     store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
     layout = Layout.from_json(store.get("prot/g0/layout"))
     region = Region(layout, job_id, node, create=False)
@@ -49,8 +49,6 @@ def test_a_corrupted_parity_chunk_is_detected_and_repaired_from_tier2(launcher, 
     job = ("--workers", "4", "--nodes", "2", "--spares", "1", "--steps", "12", "--seed", "2")
     digest = reference_digest(launcher, tmp_path, *job)
     run_dir = tmp_path / "run"
-    for f in Path("/dev/shm").glob("leto-*-g0-n0"):
-        pytest.skip(f"another Leto job's shared memory is present ({f.name}); run this test alone")
     ctl = launcher.start("train", "--run-dir", str(run_dir), *job, run_dir=run_dir)
     wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(step_records(run_dir)) >= 3, 120, "step 3")
     _corrupt_tier1_parity(run_dir, node=0)
@@ -69,8 +67,6 @@ def test_a_corrupted_parity_chunk_is_detected_and_repaired_from_tier2(launcher, 
 def test_corruption_with_no_redundancy_left_stops_the_job(launcher, tmp_path: Path) -> None:
     job = ("--workers", "4", "--nodes", "2", "--spares", "1", "--steps", "40", "--seed", "2", "--ec", "none")
     run_dir = tmp_path / "run"
-    for f in Path("/dev/shm").glob("leto-*-g0-n0"):
-        pytest.skip(f"another Leto job's shared memory is present ({f.name}); run this test alone")
     ctl = launcher.start("train", "--run-dir", str(run_dir), *job, run_dir=run_dir)
     wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(step_records(run_dir)) >= 3, 120, "step 3")
     _corrupt_tier1_parity(run_dir, node=0)

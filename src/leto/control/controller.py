@@ -122,7 +122,8 @@ class Controller:
         return proc
 
     def _write_procs(self) -> None:
-        records = [{"role": "controller", "rank": None, "node": None, "pid": os.getpid(), "id": "controller"}]
+        records = [{"role": "controller", "rank": None, "node": None, "pid": os.getpid(), "id": "controller",
+                    "job": self.job_id, "store_port": self.store.port}]
         records += [p.record() for p in self.procs if p.popen.returncode is None]
         tmp = self.run_dir / "procs.json.tmp"
         tmp.write_text(json.dumps(records, indent=1))
