@@ -198,7 +198,11 @@ def _bench(args: argparse.Namespace) -> int:
         raise UsageError(f"leto bench: error: unknown --model {args.model!r}; choose from {', '.join(PRESETS)}")
     if not 1 <= args.workers <= PRESETS[args.model].batch_size:
         raise UsageError(f"leto bench: error: --workers must be in 1..{PRESETS[args.model].batch_size}")
-    return importlib.import_module(f"leto.bench.{args.what}").main(args)
+    try:
+        return importlib.import_module(f"leto.bench.{args.what}").main(args)
+    except RuntimeError as e:  # a benchmark job failed: its run folder says why
+        print(f"leto bench {args.what}: error: {e}", file=sys.stderr)
+        return 1
 
 
 def _data(args: argparse.Namespace) -> int:

@@ -14,10 +14,12 @@ WARMUP_STEPS = 5
 
 
 def run_job(workers: int, steps: int, model: str, run_dir: Path, extra: list[str] | None = None,
-            spares: int = 0, nodes: int = 1) -> dict:
+            spares: int = 0, nodes: int = 1, protection: bool = False, ec: tuple[int, int] | None = None) -> dict:
     """Run the built-in job quietly; returns its summary and per-step records."""
+    run_dir.mkdir(parents=True, exist_ok=True)
     command = ["-m", "leto.training.job", "--steps", str(steps), "--model", model, *(extra or [])]
-    code = Controller(JobSpec(command, workers, spares, nodes, run_dir, quiet=True)).run()
+    spec = JobSpec(command, workers, spares, nodes, run_dir, quiet=True, protection=protection, ec=ec)
+    code = Controller(spec).run()
     if code != 0:
         raise RuntimeError(f"benchmark job failed with exit code {code}; see {run_dir}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -34,7 +36,7 @@ def main(args: argparse.Namespace) -> int:
     cfg = PRESETS[args.model]
     args.steps = args.steps or 40
     with tempfile.TemporaryDirectory(prefix="leto-bench-") as tmp:
-        res = run_job(args.workers, args.steps + WARMUP_STEPS, args.model, Path(tmp))
+        res = run_job(args.workers, args.steps + WARMUP_STEPS, args.model, Path(tmp), nodes=2)
     step_s = steady_step_s(res["steps"])
     tokens = cfg.batch_size * cfg.block_size
     out = {"model": args.model, "workers": args.workers, "steps": args.steps, "step_s": round(step_s, 5),

@@ -111,11 +111,11 @@ class Comm:
     def barrier(self) -> None:
         self.all_reduce(torch.zeros(1, device=self.device))
 
-    def close(self) -> None:
+    def close(self, abandon: bool = False) -> None:
         """Leave the group. A group abandoned after a failure may still have an operation stuck
         in a gloo thread until the backend timeout, and destroying it would block until then; it
         is parked instead, and the process exits without running those destructors."""
-        if self.pg is not None:
+        if self.pg is not None and abandon:
             _ABANDONED.append(self.pg)
             if len(_ABANDONED) == 1:
                 atexit.register(_exit_without_destructors)

@@ -27,6 +27,7 @@ from leto.recovery.decision import Spare, next_plan
 _PR_SET_PDEATHSIG = 1
 POLL_S = 0.01
 FAILURE_GRACE_S = 0.05
+HEARTBEAT_CHECK_S = 0.1
 _GRACE_S = 5.0
 
 
@@ -99,12 +100,14 @@ class Controller:
         self.pending: list[dict] = []          # recoveries waiting for their first step
         self.dead_keeper_nodes: set[int] = set()
         self.max_step = 0
+        self._last_beat_check = 0.0
 
     # ----- processes
     def _spawn(self, role: str, rank: int | None, node: int) -> Proc:
         self._seq += 1
         proc_id = f"{role}{rank if rank is not None else ''}-{self._seq}"
         env = dict(os.environ, **self.spec.env)
+        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # store waits that time out are routine here
         env.update({rt.ENV_STORE: f"127.0.0.1:{self.store.port}", rt.ENV_ROLE: role,
                     rt.ENV_WORLD: str(self.spec.workers), rt.ENV_NODE: str(node),
                     rt.ENV_NODES: str(self.spec.nodes), rt.ENV_RUN_DIR: str(self.run_dir),
@@ -214,6 +217,9 @@ class Controller:
         """Processes that died (any non-zero exit) or stopped heartbeating (fenced here)."""
         out = []
         now = time.time()
+        check_beats = now - self._last_beat_check >= HEARTBEAT_CHECK_S
+        if check_beats:
+            self._last_beat_check = now
         for p in self.procs:
             if p.proc_id in self.handled:
                 continue
@@ -224,7 +230,7 @@ class Controller:
                 else:  # a worker or shadow that finished
                     self.handled.add(p.proc_id)
                 continue
-            if p.role == "worker":
+            if p.role == "worker" and check_beats:
                 last = self._heartbeat(p)
                 if last is not None and now - last > self.spec.heartbeat_timeout_s:
                     _signal_quietly(p.popen, signal.SIGKILL)  # fence: a stopped process must never come back

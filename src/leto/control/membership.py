@@ -9,7 +9,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-CHECK_EVERY_S = 0.02  # how often a worker heartbeats and looks for a newer generation
+CHECK_EVERY_S = 0.1  # how often a worker heartbeats (a new generation is noticed at once)
 
 
 def plan_key(gen: int) -> str:
@@ -76,14 +76,18 @@ class GenerationWatch:
                 with self._lock:
                     want = self.generation + 1
                     pending = self._next is not None
-                if not pending and self._store.check([plan_key(want)]):
-                    with self._lock:
-                        if want == self.generation + 1:
-                            self._next = want
+                if pending:
+                    self._stop.wait(CHECK_EVERY_S)
                     continue
+                try:  # returns as soon as the next generation is announced
+                    self._store.wait([plan_key(want)], timedelta(seconds=CHECK_EVERY_S))
+                except RuntimeError:
+                    continue  # timed out: heartbeat again
+                with self._lock:
+                    if want == self.generation + 1:
+                        self._next = want
             except Exception:  # the store is gone: the controller ended
                 return
-            self._stop.wait(CHECK_EVERY_S)
 
     def reason(self) -> str | None:
         with self._lock:

@@ -26,6 +26,7 @@ class Protector:
     def __init__(self, store, layout: Layout, rank: int, job_id: str, timeout_s: float,
                  abort_check: Callable[[], str | None]) -> None:
         self.layout, self.rank, self.timeout_s, self.abort_check = layout, rank, timeout_s, abort_check
+        self.spent = {"stage_s": 0.0, "wait_s": 0.0}  # time on the training thread, for metrics
         self.node = layout.node_of_rank[rank]
         self.w = layout.local_index(rank)
         self._wait_until(lambda: store.check([keys.ready(layout.generation, self.node)]), "keeper ready", poll=5e-3)
@@ -36,6 +37,15 @@ class Protector:
         self.base = layout.base_step
 
     def _wait_until(self, pred: Callable[[], bool], what: str, poll: float = 1e-4) -> None:
+        if pred():
+            return
+        t0 = time.perf_counter()
+        try:
+            self._poll(pred, what, poll)
+        finally:
+            self.spent["wait_s"] += time.perf_counter() - t0
+
+    def _poll(self, pred: Callable[[], bool], what: str, poll: float) -> None:
         deadline = time.monotonic() + self.timeout_s
         delay = 2e-5
         while not pred():
@@ -62,16 +72,19 @@ class Protector:
 
     def stage_grads(self, step: int, grads: torch.Tensor, before_chunk: Callable[[int], None] = lambda c: None) -> None:
         """Hand over this rank's gradient shard of `step` ([n_chunks, chunk_elems])."""
+        t0, w0 = time.perf_counter(), self.spent["wait_s"]
         for c in range(grads.shape[0]):
             before_chunk(c)
             src = as_bytes(grads[c])
             idx = self._slot()
             self.data[idx, :src.size] = src
             self._publish(idx, KIND_GRAD, step, c, checksum(src))
+        self.spent["stage_s"] += time.perf_counter() - t0 - (self.spent["wait_s"] - w0)
 
     def stage_deltas(self, step: int, old: torch.Tensor | None, new: torch.Tensor,
                      before_chunk: Callable[[int], None] = lambda c: None) -> None:
         """Hand over `old XOR new` per chunk (the full chunk when `old` is None) at version `step`."""
+        t0, w0 = time.perf_counter(), self.spent["wait_s"]
         for c in range(new.shape[0]):
             before_chunk(c)
             nb = as_bytes(new[c])
@@ -82,6 +95,7 @@ class Protector:
             else:
                 np.bitwise_xor(as_bytes(old[c]), nb, out=dst)
             self._publish(idx, KIND_DELTA, step, c, checksum(nb))
+        self.spent["stage_s"] += time.perf_counter() - t0 - (self.spent["wait_s"] - w0)
 
     def wait_grad_commit(self, step: int) -> None:
         h = self.region.header

@@ -100,6 +100,7 @@ class _Link:
             _, step, _, stripe, p, i, crc, _ = (int(x) for x in hdr)
             with self.keeper.lock:
                 self.keeper.fold_remote(kind, step, stripe, p, i, crc, body)
+                self.keeper.dirty = True
             self.received[kind] += 1
 
 
@@ -133,6 +134,7 @@ class Keeper:
         self.barrier_work: dist.Work | None = None
         self.barrier_buf = torch.zeros(1)
         self.broken = False
+        self.dirty = True
         h[H_STATE] = STATE_RUNNING
         store.set(keys.ready(self.gen, node), str(os.getpid()))
 
@@ -167,6 +169,7 @@ class Keeper:
                     return progress  # tier-2 send buffers are full; come back later
                 with self.lock:
                     self._fold_local(kind, step, w, chunk, crc, payload)
+                    self.dirty = True
                 h[S_READY] = 0
                 self.next_slot[w] += 1
                 progress = True
@@ -267,6 +270,7 @@ class Keeper:
                 self.broken = True
                 return False
             self.barrier_work = None
+            self.dirty = True  # the next barrier may already be complete
             if kind == KIND_DELTA:
                 h[H_DCOMMIT] = step
                 if step == self.layout.base_step:
@@ -276,7 +280,10 @@ class Keeper:
                 h[H_GCOMMIT] = step
                 self.next_barrier = (KIND_DELTA, step)
             return True
+        if not self.dirty:  # nothing was folded since the last check
+            return False
         with self.lock:
+            self.dirty = False
             done = self.deltas_complete(step) if kind == KIND_DELTA else self.grads_complete(step)
         if done:
             self.barrier_work = self.pg.allreduce([self.barrier_buf])
@@ -301,7 +308,7 @@ class Keeper:
                 idle = 1e-4
             else:
                 time.sleep(idle)
-                idle = min(idle * 2, 2e-3)
+                idle = min(idle * 2, 1e-3)
 
     def report(self) -> dict:
         """What recovery needs from this keeper (after draining)."""

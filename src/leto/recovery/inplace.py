@@ -56,7 +56,7 @@ def join(tr: Trainer, gen: int) -> dict:
     tr.watch.advance(gen)
     tr.generation, tr.plan, job.rank = gen, plan, rank
     if tr.comm is not None:
-        tr.comm.close()
+        tr.comm.close(abandon=True)
     tr.comm = Comm(store, gen, rank, tr.world_size, job.timeout_s, tr.watch.reason, job.device)
 
     drain = json.loads(store.get(keys.drain(gen - 1))) if store.check([keys.drain(gen - 1)]) else None

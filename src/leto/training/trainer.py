@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import time
+from datetime import timedelta
 from collections.abc import Callable, Iterator
 
 import torch
@@ -256,6 +257,9 @@ class Trainer:
         if self.rank == 0 and self.job.run_dir is not None:
             rec = {"step": self.step_count, "loss": self.last_loss, "step_s": round(dt, 6),
                    "tokens_per_s": round(tokens / dt, 1) if tokens else None, "time": time.time()}
+            if self.protector is not None:  # time the training thread spent on protection
+                rec.update({k: round(v, 6) for k, v in self.protector.spent.items()})
+                self.protector.spent = dict.fromkeys(self.protector.spent, 0.0)
             with open(self.job.run_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(rec) + "\n")
 
@@ -294,8 +298,9 @@ class Trainer:
         from leto.recovery.inplace import join
         gen = 1
         while not self.job.shutdown_requested():
-            if not self.job.store.check([plan_key(gen)]):
-                time.sleep(0.01)
+            try:  # returns as soon as generation `gen` is announced
+                self.job.store.wait([plan_key(gen)], timedelta(seconds=0.5))
+            except RuntimeError:
                 continue
             plan = read_plan(self.job.store, gen)
             if plan.rank_of(self.job.proc_id) is None:

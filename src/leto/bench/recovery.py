@@ -1,0 +1,209 @@
+"""`leto bench recovery`: the same failure in every system, on the same job, in one run.
+
+For each trial, for each failure (a worker SIGKILL; a whole-node loss) and for each system
+(interleaved: A, B, C, A, B, C ...), the built-in GPT job runs while `leto.bench.faults` kills the
+process(es) by PID once step `kill_step` is recorded, i.e. at the start of step `kill_step + 1`.
+Every number comes from the run's metrics.jsonl (see `runs.analyze_recovery`); medians over
+trials are reported, raw values are in the JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from leto.bench import plots
+from leto.bench.runs import (LETO, SEGMENTS, TOLERANCE, WINDOW, JobConfig, Run, System, analyze_recovery,
+                             default_out, log, machine, median, median_index, ratio, run_system,
+                             state_bytes_per_rank, step_injector, stdout_to_stderr, torchft_status)
+from leto.training.model import PRESETS
+
+DEFAULT_STEPS = 40
+SPARES_VARIANT = 3    # node loss: with 2 nodes, shadows alternate nodes, so 3 leave 2 warm on the survivor
+FAILURES = {"worker": "kill", "node": "node-kill"}
+TITLES = {"worker": "worker SIGKILL", "node": "whole-node loss"}
+KEYS = ("recovery_s", "regain_s", "detect_s", "restore_s", "first_s", "lost_steps", "pre_step_s")
+
+
+def kill_step(steps: int) -> int:
+    """The step after which the failure is injected: 30 % into the run, at least 1."""
+    return max(1, min(steps - 1, round(steps * 0.3))) if steps > 1 else 1
+
+
+def systems_for(failure: str) -> list[System]:
+    out = [System(LETO, LETO, 1)]
+    if failure == "node":
+        out.append(System(f"leto --spares {SPARES_VARIANT}", LETO, SPARES_VARIANT))
+    return out + [System(s, s) for s in ("checkpoint-restart", "memory-restart", "torchft")]
+
+
+def evaluate(run: Run, system: System) -> dict:
+    """One trial's numbers (raw), from the run's records."""
+    rec: dict = {"run_dir": str(run.run_dir), "exit_code": run.code, "ok": run.ok, "error": run.error}
+    if not run.kills:
+        rec.update(ok=False, error=rec["error"] or f"the failure was not injected ({'; '.join(run.injection_errors)})")
+        return rec
+    kill = run.kills[0]
+    rec.update({"kill_time": kill.time, "killed_pids": kill.pids, "killed_after_step": kill.step})
+    rec.update(analyze_recovery(run.records, kill.time))
+    if system.kind == "checkpoint-restart":
+        rec["ckpt_every"] = (run.summary.get("ckpt") or {}).get("every")
+    if system.kind == LETO:
+        recs = run.summary.get("recoveries") or []
+        rec["tier"] = recs[0].get("tier") if recs else None
+        rec["leto_record"] = {k: recs[0].get(k) for k in ("detect_s", "restore_s", "total_s", "lost_steps")} if recs else None
+    return rec
+
+
+def aggregate(trials: list[dict]) -> dict:
+    """Medians over the trials that completed (ok), and the raw trials."""
+    good = [t for t in trials if t.get("ok")]
+    out: dict = {k: median([t.get(k) for t in good]) for k in KEYS}
+    rep = median_index([t.get("recovery_s") for t in good])
+    out["breakdown"] = good[rep].get("breakdown") if rep is not None else None
+    out["representative_trial"] = trials.index(good[rep]) if rep is not None else None
+    out["trials_ok"] = len(good)
+    out["trials_with_recovery"] = sum(1 for t in good if t.get("recovery_s") is not None)
+    out["trials"] = trials
+    if any("ckpt_every" in t for t in trials):
+        out["ckpt_every"] = [t.get("ckpt_every") for t in trials]
+    return out
+
+
+def speedups(systems: dict[str, dict], ref: str, key: str = "recovery_s") -> dict[str, float | None]:
+    base = systems.get(ref, {}).get(key)
+    return {name: ratio(s.get(key), base) for name, s in systems.items() if name != ref}
+
+
+def run_all(args: argparse.Namespace, cfg: JobConfig, out: Path, failures: list[str], step: int,
+            skipped: dict[str, str]) -> tuple[dict[str, dict[str, list[dict]]], dict[str, dict[str, list[Run]]]]:
+    """Every trial of every system, interleaved; returns (raw results, runs) per failure and system."""
+    results: dict[str, dict[str, list[dict]]] = {f: {} for f in failures}
+    runs: dict[str, dict[str, list[Run]]] = {f: {} for f in failures}
+    timeout_s = 120.0 + 10.0 * cfg.steps
+    for trial in range(args.trials):
+        for failure in failures:
+            who = 1 if failure == "node" else min(1, cfg.workers - 1)
+            for system in systems_for(failure):
+                if system.kind in skipped:
+                    continue
+                run_dir = out / "runs" / f"trial{trial}-{failure}-{system.name.replace(' ', '').replace('--', '-')}"
+                injector = step_injector(run_dir, FAILURES[failure], who, step, timeout_s)
+                run = run_system(system, cfg, run_dir, injector)
+                res = evaluate(run, system)
+                results[failure].setdefault(system.name, []).append(res)
+                runs[failure].setdefault(system.name, []).append(run)
+                log(f"[recovery] trial {trial + 1}/{args.trials} {TITLES[failure]:15} {system.name:18} "
+                    + (f"recovery {res.get('recovery_s')} s, regain {res.get('regain_s')} s, "
+                       f"lost {res.get('lost_steps')} steps" if res.get("ok") else f"FAILED: {res.get('error')}"))
+    return results, runs
+
+
+def sections(report: dict) -> list[tuple[str, dict]]:
+    """(failure, section) pairs: the worker kill is the top level of the report, the node loss
+    is under `node_loss`."""
+    out = [("worker", report)]
+    return out + ([("node", report["node_loss"])] if "node_loss" in report else [])
+
+
+def make_plots(out: Path, report: dict, runs: dict[str, dict[str, list[Run]]], tokens: int) -> list[str]:
+    columns, titles, bars = [], [], {}
+    for failure, section in sections(report):
+        col = []
+        for name, agg in section["systems"].items():
+            idx = agg.get("representative_trial")
+            if idx is None:
+                continue
+            run, trial = runs[failure][name][idx], agg["trials"][idx]
+            marks = [(trial["kill_time"] + trial["recovery_s"], f"back at speed {trial['recovery_s']:.1f} s")]
+            col.append(plots.Panel(name, run.steps(), trial["kill_time"], [trial["kill_time"]], marks))
+        columns.append(col)
+        titles.append(f"{TITLES[failure]} (kill after step {report['config']['kill_step']})")
+        bars[TITLES[failure]] = {name: agg.get("breakdown") for name, agg in section["systems"].items()
+                                 if not agg.get("status")}
+    paths = []
+    if any(columns):
+        paths.append(plots.timeline(columns, titles, tokens, out / "recovery-timeline.png",
+                                    "Tokens/s around the failure (median trial of each system)",
+                                    "seconds since the kill", xlim=(-4.0, None)))
+    paths.append(plots.breakdown_bars(bars, out / "recovery-breakdown.png",
+                                      "Recovery time: kill → back at pre-failure speed (median trial)", SEGMENTS))
+    return [str(p) for p in paths]
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def print_table(report: dict) -> None:
+    cfg = report["config"]
+    print(f"leto bench recovery: {cfg['workers']} workers on {cfg['nodes']} nodes, model {cfg['model']}, "
+          f"{cfg['steps']} steps, failure injected after step {cfg['kill_step']}; medians of {cfg['trials']} trials")
+    for failure, section in sections(report):
+        print(f"\n{TITLES[failure]}: {section['what']}")
+        print(f"  {'system':20} {'recovery':>9} {'regain':>8} {'detect':>7} {'restore':>8} {'lost steps':>10} "
+              f"{'ok':>5} {'vs leto':>8}")
+        for name, s in section["systems"].items():
+            if s.get("status"):
+                print(f"  {name}: {s['status']}")
+                continue
+            sp = section["speedup"].get(name)
+            vs = "" if name == LETO else ("-" if sp is None else f"{sp:.1f}x")
+            print(f"  {name:20} {_fmt(s['recovery_s']):>8}s {_fmt(s['regain_s']):>7}s {_fmt(s['detect_s']):>6}s "
+                  f"{_fmt(s['restore_s']):>7}s {_fmt(s['lost_steps']):>10} {s['trials_ok']:>3}/{len(s['trials'])} "
+                  f"{vs:>8}")
+    print(f"\nrecovery: kill -> end of the first of {cfg['window']} consecutive new steps that each ran at most "
+          f"{cfg['tolerance']}x the pre-failure median step time; regain: kill -> the step in flight is done; "
+          f"vs leto: the system's recovery / Leto's")
+    print(f"plots: {', '.join(report['plots'])}\nraw results: {report['json']}")
+
+
+def section_for(failure: str, step: int, trials: dict[str, list[dict]], skipped: dict[str, str]) -> dict:
+    """Medians, speedups and raw trials of one failure."""
+    systems = {name: aggregate(t) for name, t in trials.items()}
+    for name, why in skipped.items():
+        systems[name] = {"status": why, **{k: None for k in KEYS}, "trials": []}
+    who = "rank 1" if failure == "worker" else "node 1 (its workers, shadows and keeper)"
+    section = {"what": f"SIGKILL of {who} once step {step} is recorded", "systems": systems,
+               "speedup": speedups(systems, LETO), "speedup_regain": speedups(systems, LETO, "regain_s")}
+    if failure == "node":
+        section["speedup_vs_spares3"] = speedups(systems, f"leto --spares {SPARES_VARIANT}")
+    return section
+
+
+def main(args: argparse.Namespace) -> int:
+    steps = args.steps or DEFAULT_STEPS
+    nodes = min(2, args.workers)
+    cfg = JobConfig(workers=args.workers, nodes=nodes, steps=steps, model=args.model)
+    step = kill_step(steps)
+    out = Path(args.out) if args.out else default_out("recovery")
+    out.mkdir(parents=True, exist_ok=True)
+    skipped: dict[str, str] = {}
+    tf = torchft_status()
+    if tf is not None:
+        skipped["torchft"] = tf
+        log(f"torchft: {tf}")
+    failures = ["worker"] + (["node"] if nodes >= 2 else [])
+    info = machine()
+    with stdout_to_stderr():
+        results, runs = run_all(args, cfg, out, failures, step, skipped)
+    info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    report: dict = {"bench": "recovery", "machine": info,
+                    "config": {"workers": cfg.workers, "nodes": cfg.nodes, "model": cfg.model, "seed": cfg.seed,
+                               "steps": steps, "kill_step": step, "trials": args.trials, "window": WINDOW,
+                               "tolerance": TOLERANCE, "ckpt_mtbf_s": cfg.mtbf_s,
+                               "order": "for each trial, for each failure, each system in turn"},
+                    "state_bytes_per_rank": state_bytes_per_rank(cfg.model, cfg.workers),
+                    "torchft": skipped.get("torchft", "installed"),
+                    **section_for("worker", step, results["worker"], skipped)}
+    if "node" in failures:
+        report["node_loss"] = section_for("node", step, results["node"], skipped)
+    report["json"] = str(out / "recovery.json")
+    report["plots"] = make_plots(out, report, runs, PRESETS[cfg.model].batch_size * PRESETS[cfg.model].block_size)
+    Path(report["json"]).write_text(json.dumps(report, indent=1))
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print_table(report)
+    return 0 if report["systems"][LETO].get("recovery_s") is not None else 1

@@ -1,0 +1,412 @@
+"""Shared machinery of `leto bench recovery` and `leto bench productivity`.
+
+Runs one system (Leto, or a baseline through `run_baseline`) on the built-in GPT job while an
+injector outside the job kills processes by PID (`leto.bench.faults`), and reads the run's
+timeline back from the evidence every system writes: `metrics.jsonl` step records (rank 0, one per
+completed step) and the supervisor's events (`failure`, `restore`, `recovery`, `heal`).
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import platform
+import random
+import shutil
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from leto.baselines.restart import run_baseline
+from leto.bench.faults import InjectionCancelled, Injector, Kill, inject_at_step, poisson_schedule
+from leto.bench.throughput import WARMUP_STEPS, steady_step_s
+from leto.control.controller import Controller, JobSpec
+from leto.training.model import PRESETS
+from leto.training.trainer import DEFAULT_CHUNK_BYTES
+
+LETO = "leto"
+WINDOW = 3            # consecutive steps that must run at pre-failure speed ...
+TOLERANCE = 1.25      # ... each at most this many times the pre-failure median step time
+DEFAULT_MTBF_S = 15.0  # the productivity schedule's MTBF; checkpoint-restart's K is set for it
+SEGMENTS = ("detect", "restart / rebuild", "restore", "recompute", "back to speed")
+INTERRUPTED = (130, 143)  # a controller stopped by SIGINT / SIGTERM
+
+
+class BenchInterrupted(KeyboardInterrupt):
+    """The benchmark was interrupted (a controller received SIGINT/SIGTERM)."""
+
+
+# ----- systems and runs
+@dataclass(frozen=True)
+class System:
+    """One contender: `kind` is "leto" or a `run_baseline` system; `spares` is Leto's shadows."""
+
+    name: str
+    kind: str
+    spares: int = 1
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """The built-in GPT job, identical for every system."""
+
+    workers: int = 4
+    nodes: int = 2
+    steps: int = 40
+    model: str = "tiny"
+    seed: int = 0
+    mtbf_s: float = DEFAULT_MTBF_S   # checkpoint-restart: K from Young/Daly for this MTBF
+    timeout_s: float = 60.0          # collective / store timeout inside the job
+    max_restarts: int = 3
+
+
+class InjectorLike(Protocol):
+    kills: list[Kill]
+    errors: list[str]
+
+    def start(self) -> object: ...
+
+    def stop(self, timeout_s: float = 5.0) -> None: ...
+
+
+@dataclass
+class Run:
+    """What one run left behind."""
+
+    system: str
+    run_dir: Path
+    t_start: float
+    t_end: float
+    code: int | None
+    error: str | None
+    summary: dict
+    records: list[dict]
+    kills: list[Kill]
+    injection_errors: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.code == 0 and self.error is None
+
+    def steps(self) -> list[dict]:
+        """Step records (not events), in time order."""
+        return sorted((r for r in self.records if "event" not in r and isinstance(r.get("step"), int)),
+                      key=lambda r: r["time"])
+
+    def events(self, kind: str) -> list[dict]:
+        return [r for r in self.records if r.get("event") == kind]
+
+
+def torchft_status() -> str | None:
+    """None if torchft imports here, else why not (e.g. "not installed")."""
+    try:
+        importlib.import_module("torchft")
+    except ModuleNotFoundError:
+        return "not installed"
+    except Exception as e:  # installed but broken: say so rather than crash
+        return f"not importable ({type(e).__name__}: {e})"
+    return None
+
+
+def tier2_code(nodes: int) -> tuple[int, int] | None:
+    """`--ec auto` of `leto train`: (nodes-1)+1 across nodes, none on one node."""
+    return (nodes - 1, 1) if nodes >= 2 else None
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
+def _run_leto(system: System, cfg: JobConfig, run_dir: Path) -> int:
+    """The built-in job under Leto's controller, exactly as `leto train` builds it."""
+    command = ["-m", "leto.training.job", "--steps", str(cfg.steps), "--seed", str(cfg.seed), "--model", cfg.model]
+    spec = JobSpec(command, cfg.workers, system.spares, cfg.nodes, run_dir, cfg.timeout_s, total_steps=cfg.steps,
+                   quiet=True, protection=True, ec=tier2_code(cfg.nodes))
+    return Controller(spec).run()
+
+
+def run_system(system: System, cfg: JobConfig, run_dir: Path, injector: InjectorLike) -> Run:
+    """Run `system` on the job with `injector` watching `run_dir`; never raises for a failed run."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    code: int | None = None
+    error: str | None = None
+    t_start = time.time()
+    injector.start()
+    try:
+        if system.kind == LETO:
+            code = _run_leto(system, cfg, run_dir)
+        else:
+            summary = run_baseline(system.kind, workers=cfg.workers, nodes=cfg.nodes, steps=cfg.steps, seed=cfg.seed,
+                                   model=cfg.model, run_dir=run_dir, inject=None, ckpt_every=None,
+                                   mtbf_s=cfg.mtbf_s, max_restarts=cfg.max_restarts, timeout_s=cfg.timeout_s)
+            code = summary.get("exit_code")
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as e:  # a run that crashes is a result, reported with the others
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        injector.stop()
+    t_end = time.time()
+    shutil.rmtree(run_dir / "ckpt", ignore_errors=True)  # disk checkpoints: tens of MB per run
+    if code in INTERRUPTED:
+        raise BenchInterrupted(f"{system.name} was interrupted (exit code {code})")
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        summary = {}
+    if code not in (0, None) and error is None:
+        error = f"exit code {code}"
+    return Run(system.name, run_dir, t_start, t_end, code, error, summary, read_jsonl(run_dir / "metrics.jsonl"),
+               sorted(injector.kills, key=lambda k: k.time), list(injector.errors))
+
+
+def step_injector(run_dir: Path, kind: str, who: int, step: int, timeout_s: float) -> Injector:
+    """The same external SIGKILL for every system: worker `who` (kind "kill") or every process of
+    node `who` ("node-kill"), once step `step` is recorded."""
+    spec = {"kind": kind, "rank": who if kind == "kill" else None, "node": who if kind == "node-kill" else None,
+            "step": step}
+    return Injector(run_dir, [spec], timeout_s=timeout_s)
+
+
+@dataclass(frozen=True)
+class TimedKill:
+    at_s: float   # seconds after the start of the run
+    rank: int
+
+
+def failure_schedule(mtbf_s: float, horizon_s: float, seed: int, workers: int) -> list[TimedKill]:
+    """Poisson failure times (`poisson_schedule`) with a seeded random worker for each."""
+    rng = random.Random(f"leto-bench-ranks-{seed}")
+    return [TimedKill(t, rng.randrange(workers)) for t in poisson_schedule(mtbf_s, horizon_s, seed)]
+
+
+class TimedInjector:
+    """Kills worker `rank` at `at_s` seconds after `start()`, one kill after the other.
+
+    A kill is sent as soon as its time has come and the rank has a live process listed in
+    procs.json (`inject_at_step(step=1)`): a kill whose time falls in the job's start-up waits
+    for the first step record; one that falls between two restart attempts waits for the next
+    attempt's processes.
+    """
+
+    def __init__(self, run_dir: Path, schedule: list[TimedKill], timeout_s: float) -> None:
+        self.run_dir, self.schedule, self.timeout_s = run_dir, sorted(schedule, key=lambda k: k.at_s), timeout_s
+        self.kills: list[Kill] = []
+        self.errors: list[str] = []
+        self._cancel = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> TimedInjector:
+        t0 = time.time()
+        self._thread = threading.Thread(target=self._run, args=(t0,), daemon=True, name="leto-bench-timed-kills")
+        self._thread.start()
+        return self
+
+    def _run(self, t0: float) -> None:
+        for item in self.schedule:
+            if self._cancel.wait(timeout=max(0.0, t0 + item.at_s - time.time())):
+                return
+            try:
+                kill = inject_at_step(self.run_dir, rank=item.rank, step=1, since=t0, timeout_s=self.timeout_s,
+                                      cancel=self._cancel)
+            except InjectionCancelled:
+                return
+            except Exception as e:  # reported, not raised
+                self.errors.append(f"kill of rank {item.rank} at {item.at_s:.1f}s: {e}")
+                return
+            kill.spec = {**kill.spec, "scheduled_s": round(item.at_s, 3)}
+            self.kills.append(kill)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._cancel.set()
+        if self._thread is not None:
+            self._thread.join(timeout=timeout_s)
+
+
+class NoInjector:
+    """A failure-free run."""
+
+    def __init__(self) -> None:
+        self.kills: list[Kill] = []
+        self.errors: list[str] = []
+
+    def start(self) -> NoInjector:
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        return None
+
+
+# ----- reading a timeline back
+def _first_after(events: list[dict], t: float) -> dict | None:
+    later = [e for e in events if e.get("time", 0.0) >= t]
+    return min(later, key=lambda e: e["time"]) if later else None
+
+
+def system_restore_s(records: list[dict], t_kill: float) -> tuple[float | None, bool]:
+    """The system's own restore time of the first recovery after the kill, and whether it is on
+    the critical path: checkpoint load (`restore`) and Leto's decode and install (`recovery`) are;
+    a torchft replacement's heal (`heal`) is not (the survivors go on without it)."""
+    for kind in ("restore", "recovery", "heal"):
+        ev = _first_after([r for r in records if r.get("event") == kind and r.get("restore_s") is not None], t_kill)
+        if ev is not None:
+            return float(ev["restore_s"]), kind != "heal"
+    return None, False
+
+
+def analyze_recovery(records: list[dict], t_kill: float, *, window: int = WINDOW,
+                     tolerance: float = TOLERANCE) -> dict:
+    """Recovery metrics of the failure at `t_kill` from a run's metrics records (steps + events).
+
+    * `failed_at`: last step recorded before the kill; the step in flight is `failed_at + 1`.
+    * `pre_step_s`: median step time before the kill, after the warm-up steps (`steady_step_s`).
+    * `detect_s`: kill -> the supervisor's `failure` event.
+    * `first_s`: kill -> end of the first step completed after the kill (any step number).
+    * `regain_s`: kill -> end of the first step beyond `failed_at` (the step in flight, redone).
+    * `recovery_s`: kill -> end of the first step of the first `window` consecutive steps beyond
+      `failed_at` that each took at most `tolerance` x `pre_step_s`; None if that never happened.
+    * `lost_steps`: steps completed before the kill that were completed again after it.
+    * `breakdown`: recovery_s split into SEGMENTS (restore taken from the system's own records).
+    """
+    steps = sorted((r for r in records if "event" not in r and isinstance(r.get("step"), int)),
+                   key=lambda r: r["time"])
+    before = [r for r in steps if r["time"] <= t_kill]
+    after = [r for r in steps if r["time"] > t_kill]
+    failed_at = max((r["step"] for r in before), default=0)
+    pre = steady_step_s(before) if before else None
+    fail = _first_after([r for r in records if r.get("event") == "failure"], t_kill)
+    detect_s = fail["time"] - t_kill if fail else None
+    first = after[0] if after else None
+    new = [i for i, r in enumerate(after) if r["step"] > failed_at]
+    regain = after[new[0]] if new else None
+    recovered = None
+    if pre is not None and new:
+        limit = tolerance * pre
+        for i in range(new[0], len(after) - window + 1):
+            if all(r["step_s"] <= limit for r in after[i:i + window]):
+                recovered = after[i]
+                break
+    restore_s, critical = system_restore_s(records, t_kill)
+    out = {"failed_at": failed_at, "pre_step_s": _round(pre), "detect_s": _round(detect_s),
+           "restore_s": _round(restore_s), "first_s": _round(first["time"] - t_kill if first else None),
+           "regain_s": _round(regain["time"] - t_kill if regain else None),
+           "recovery_s": _round(recovered["time"] - t_kill if recovered else None),
+           "lost_steps": len({r["step"] for r in after if r["step"] <= failed_at})}
+    out["breakdown"] = breakdown(t_kill, fail["time"] if fail else None, first["time"] if first else None,
+                                 regain["time"] if regain else None, recovered["time"] if recovered else None,
+                                 restore_s if critical else 0.0)
+    return out
+
+
+def breakdown(t_kill: float, t_detect: float | None, t_first: float | None, t_regain: float | None,
+              t_recovered: float | None, restore_s: float | None) -> dict[str, float] | None:
+    """Split kill -> recovered into SEGMENTS that add up to recovery_s.
+
+    detect: kill -> failure recorded; restart / rebuild: failure recorded -> first step after the
+    kill completed, less the restore; restore: the system's own restore time (clipped to that
+    span); recompute: redoing steps lost by the failure; back to speed: the step in flight done ->
+    the first step of the full-speed window done.
+    """
+    if t_detect is None or t_first is None or t_regain is None or t_recovered is None:
+        return None
+    t_detect = min(max(t_detect, t_kill), t_first)
+    span = t_first - t_detect
+    rest = min(max(restore_s or 0.0, 0.0), span)
+    parts = {"detect": t_detect - t_kill, "restart / rebuild": span - rest, "restore": rest,
+             "recompute": t_regain - t_first, "back to speed": t_recovered - t_regain}
+    return {k: round(max(v, 0.0), 4) for k, v in parts.items()}
+
+
+def work_time_s(records: list[dict], t_start: float, steps: int) -> float | None:
+    """Start of the run -> the first time step `steps` (the last of the work) was recorded."""
+    done = [r["time"] for r in records if "event" not in r and r.get("step") == steps]
+    return round(min(done) - t_start, 4) if done else None
+
+
+def productive_fraction(failure_free_s: float | None, wall_s: float | None) -> float | None:
+    """Failure-free time of the work / wall time of the same work with failures."""
+    if not failure_free_s or not wall_s:
+        return None
+    return round(failure_free_s / wall_s, 4)
+
+
+# ----- small helpers shared by both benchmarks
+def _round(x: float | None, nd: int = 4) -> float | None:
+    return None if x is None else round(x, nd)
+
+
+def median(values: list[float | None]) -> float | None:
+    """Median of the values that are not None (None if there are none)."""
+    vals = [v for v in values if v is not None]
+    return round(statistics.median(vals), 4) if vals else None
+
+
+def ratio(num: float | None, den: float | None) -> float | None:
+    return round(num / den, 2) if num is not None and den else None
+
+
+def median_index(values: list[float | None]) -> int | None:
+    """Index of the (lower) median of the non-None values: the representative trial."""
+    present = [(v, i) for i, v in enumerate(values) if v is not None]
+    idx = [i for _, i in sorted(present)]
+    return idx[(len(idx) - 1) // 2] if idx else None
+
+
+def state_bytes_per_rank(model: str, workers: int) -> int:
+    """Bytes of unique optimizer state per rank (ZeRO-1 shard: master, exp_avg, exp_avg_sq)."""
+    import torch
+
+    from leto.training.model import GPT
+    with torch.device("meta"):
+        numel = sum(p.numel() for p in GPT(PRESETS[model]).parameters() if p.requires_grad)
+    elems = DEFAULT_CHUNK_BYTES // 12
+    n_chunks = -(-numel // (workers * elems))
+    return n_chunks * DEFAULT_CHUNK_BYTES
+
+
+def machine() -> dict:
+    """Where the numbers came from."""
+    import torch
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "cpus": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__, "backend": "gloo over loopback (CPU)",
+            "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
+
+
+def default_out(kind: str) -> Path:
+    return Path("runs") / f"bench-{kind}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """Send fd 1 (ours and the jobs' children's) to stderr, so stdout carries only the result."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
