@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 
 from leto.bench import plots
-from leto.bench.runs import (DEFAULT_MTBF_S, LETO, JobConfig, NoInjector, Run, System, TimedInjector,
+from leto.bench.runs import (BenchInterrupted, DEFAULT_MTBF_S, LETO, JobConfig, NoInjector, Run, System, TimedInjector,
                              default_out, failure_schedule, log, machine, productive_fraction, run_system,
                              stdout_to_stderr, torchft_status, work_time_s)
 from leto.training.model import PRESETS
@@ -132,8 +132,12 @@ def main(args: argparse.Namespace) -> int:
         log(f"torchft: {tf}")
     schedule = failure_schedule(DEFAULT_MTBF_S, HORIZON_S, SCHEDULE_SEED, args.workers)
     info = machine()
-    with stdout_to_stderr():
-        runs = run_all(cfg, out, systems, schedule)
+    try:
+        with stdout_to_stderr():
+            runs = run_all(cfg, out, systems, schedule)
+    except BenchInterrupted as e:
+        log(f"leto bench productivity: {e}; stopped")
+        return 130
     info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     longest = max((r.t_end - r.t_start for r in runs["failures"].values()), default=0.0)
     report: dict = {"bench": "productivity", "machine": info,

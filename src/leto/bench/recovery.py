@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from leto.bench import plots
-from leto.bench.runs import (LETO, SEGMENTS, TOLERANCE, WINDOW, JobConfig, Run, System, analyze_recovery,
+from leto.bench.runs import (BenchInterrupted, LETO, SEGMENTS, TOLERANCE, WINDOW, JobConfig, Run, System, analyze_recovery,
                              default_out, log, machine, median, median_index, ratio, run_system,
                              state_bytes_per_rank, step_injector, stdout_to_stderr, torchft_status)
 from leto.training.model import PRESETS
@@ -22,6 +22,7 @@ from leto.training.model import PRESETS
 DEFAULT_STEPS = 40
 SPARES_VARIANT = 3    # node loss: with 2 nodes, shadows alternate nodes, so 3 leave 2 warm on the survivor
 FAILURES = {"worker": "kill", "node": "node-kill"}
+FAILURE_ORDER = ("worker", "node")
 TITLES = {"worker": "worker SIGKILL", "node": "whole-node loss"}
 KEYS = ("recovery_s", "regain_s", "detect_s", "restore_s", "first_s", "lost_steps", "pre_step_s")
 
@@ -57,14 +58,14 @@ def evaluate(run: Run, system: System) -> dict:
 
 
 def aggregate(trials: list[dict]) -> dict:
-    """Medians over the trials that completed (ok), and the raw trials."""
-    good = [t for t in trials if t.get("ok")]
-    out: dict = {k: median([t.get(k) for t in good]) for k in KEYS}
-    rep = median_index([t.get("recovery_s") for t in good])
-    out["breakdown"] = good[rep].get("breakdown") if rep is not None else None
-    out["representative_trial"] = trials.index(good[rep]) if rep is not None else None
+    """Medians over the trials that completed (ok), the representative (median) trial, the raw trials."""
+    good = [i for i, t in enumerate(trials) if t.get("ok")]
+    out: dict = {k: median([trials[i].get(k) for i in good]) for k in KEYS}
+    rep = median_index([trials[i].get("recovery_s") for i in good])
+    out["representative_trial"] = good[rep] if rep is not None else None
+    out["breakdown"] = trials[good[rep]].get("breakdown") if rep is not None else None
     out["trials_ok"] = len(good)
-    out["trials_with_recovery"] = sum(1 for t in good if t.get("recovery_s") is not None)
+    out["trials_with_recovery"] = sum(1 for i in good if trials[i].get("recovery_s") is not None)
     out["trials"] = trials
     if any("ckpt_every" in t for t in trials):
         out["ckpt_every"] = [t.get("ckpt_every") for t in trials]
@@ -109,6 +110,7 @@ def sections(report: dict) -> list[tuple[str, dict]]:
 
 def make_plots(out: Path, report: dict, runs: dict[str, dict[str, list[Run]]], tokens: int) -> list[str]:
     columns, titles, bars = [], [], {}
+    right = 0.0
     for failure, section in sections(report):
         col = []
         for name, agg in section["systems"].items():
@@ -117,6 +119,7 @@ def make_plots(out: Path, report: dict, runs: dict[str, dict[str, list[Run]]], t
                 continue
             run, trial = runs[failure][name][idx], agg["trials"][idx]
             marks = [(trial["kill_time"] + trial["recovery_s"], f"back at speed {trial['recovery_s']:.1f} s")]
+            right = max(right, trial["recovery_s"] + 5.0)
             col.append(plots.Panel(name, run.steps(), trial["kill_time"], [trial["kill_time"]], marks))
         columns.append(col)
         titles.append(f"{TITLES[failure]} (kill after step {report['config']['kill_step']})")
@@ -126,7 +129,7 @@ def make_plots(out: Path, report: dict, runs: dict[str, dict[str, list[Run]]], t
     if any(columns):
         paths.append(plots.timeline(columns, titles, tokens, out / "recovery-timeline.png",
                                     "Tokens/s around the failure (median trial of each system)",
-                                    "seconds since the kill", xlim=(-4.0, None)))
+                                    "seconds since the kill", xlim=(-4.0, right)))
     paths.append(plots.breakdown_bars(bars, out / "recovery-breakdown.png",
                                       "Recovery time: kill → back at pre-failure speed (median trial)", SEGMENTS))
     return [str(p) for p in paths]
@@ -151,7 +154,7 @@ def print_table(report: dict) -> None:
             sp = section["speedup"].get(name)
             vs = "" if name == LETO else ("-" if sp is None else f"{sp:.1f}x")
             print(f"  {name:20} {_fmt(s['recovery_s']):>8}s {_fmt(s['regain_s']):>7}s {_fmt(s['detect_s']):>6}s "
-                  f"{_fmt(s['restore_s']):>7}s {_fmt(s['lost_steps']):>10} {s['trials_ok']:>3}/{len(s['trials'])} "
+                  f"{_fmt(s['restore_s']):>7}s {'-' if s['lost_steps'] is None else f"{s['lost_steps']:g}":>10} {s['trials_ok']:>3}/{len(s['trials'])} "
                   f"{vs:>8}")
     print(f"\nrecovery: kill -> end of the first of {cfg['window']} consecutive new steps that each ran at most "
           f"{cfg['tolerance']}x the pre-failure median step time; regain: kill -> the step in flight is done; "
@@ -184,10 +187,14 @@ def main(args: argparse.Namespace) -> int:
     if tf is not None:
         skipped["torchft"] = tf
         log(f"torchft: {tf}")
-    failures = ["worker"] + (["node"] if nodes >= 2 else [])
+    failures = [f for f in FAILURE_ORDER if f == "worker" or nodes >= 2]  # a node loss needs a second node
     info = machine()
-    with stdout_to_stderr():
-        results, runs = run_all(args, cfg, out, failures, step, skipped)
+    try:
+        with stdout_to_stderr():
+            results, runs = run_all(args, cfg, out, failures, step, skipped)
+    except BenchInterrupted as e:
+        log(f"leto bench recovery: {e}; stopped")
+        return 130
     info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     report: dict = {"bench": "recovery", "machine": info,
                     "config": {"workers": cfg.workers, "nodes": cfg.nodes, "model": cfg.model, "seed": cfg.seed,
