@@ -6,21 +6,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import alive, wait_for
 from leto.bench import productivity, recovery, runs
 from leto.bench.faults import Kill
 from leto.bench.plots import segments
-from leto.bench.runs import (SEGMENTS, Run, System, TimedInjector, TimedKill, analyze_recovery, breakdown,
-                             failure_schedule, median_index, productive_fraction, work_time_s)
+from leto.bench.runs import (SEGMENTS, Run, ScheduledKill, System, analyze_recovery, breakdown, failure_schedule,
+                             kill_steps, median_index, productive_fraction, work_time_s)
 
 
 def steps_every(start_step: int, n: int, t0: float, step_s: float) -> list[dict]:
@@ -136,27 +130,48 @@ def _run(name: str, t0: float, last_step_at: float, steps: int, kills: int = 0, 
                {}, recs, ks)
 
 
-def test_productivity_uses_the_fastest_failure_free_run_and_reports_points() -> None:
+def test_productivity_against_own_and_fastest_failure_free_runs() -> None:
     cfg = runs.JobConfig(steps=100)
     free = {"leto": _run("leto", 0.0, 50.0, 100), "checkpoint-restart": _run("checkpoint-restart", 100.0, 40.0, 100)}
     faulty = {"leto": _run("leto", 200.0, 62.5, 100, kills=3),
               "checkpoint-restart": _run("checkpoint-restart", 300.0, 80.0, 100, kills=4)}
     rep = productivity.summarize(cfg, {"failure-free": free, "failures": faulty})
-    assert rep["reference"]["system"] == "checkpoint-restart" and rep["reference"]["failure_free_s"] == 40.0
-    assert rep["systems"]["leto"]["productivity"] == pytest.approx(40.0 / 62.5)
-    assert rep["systems"]["leto"]["productivity_own"] == pytest.approx(50.0 / 62.5)
-    assert rep["systems"]["checkpoint-restart"]["productivity"] == pytest.approx(0.5)
-    assert rep["systems"]["leto"]["failures"] == 3
-    assert rep["difference_pp"]["checkpoint-restart"] == pytest.approx(100 * (40 / 62.5 - 0.5), abs=0.01)
-    assert rep["difference_pp_own"]["checkpoint-restart"] == pytest.approx(100 * (0.8 - 0.5), abs=0.01)
+    assert rep["reference"]["fastest"] == {"failure_free_s": 40.0, "system": "checkpoint-restart"}
+    leto, cr = rep["systems"]["leto"], rep["systems"]["checkpoint-restart"]
+    assert leto["productivity"] == pytest.approx(50.0 / 62.5) and cr["productivity"] == pytest.approx(0.5)
+    assert leto["productivity_vs_fastest"] == pytest.approx(40.0 / 62.5)
+    assert leto["failures"] == 3 and cr["failures"] == 4
+    assert rep["difference_pp"]["checkpoint-restart"] == pytest.approx(100 * (0.8 - 0.5), abs=0.01)
+    assert rep["difference_pp_vs_fastest"]["checkpoint-restart"] == pytest.approx(100 * (40 / 62.5 - 0.5), abs=0.01)
+
+
+def test_in_run_failure_free_time() -> None:
+    """Start-up, then each step's last completion; outlier steps count as the median step."""
+    recs = steps_every(1, 10, 5.0, 1.0)                           # started at 0, step 1 at 5 s, 1 s a step
+    recs += [{"event": "failure", "time": 14.5}, {"step": 11, "step_s": 6.0, "time": 20.0}]   # absorbed a recovery
+    recs += [{"step": 9, "step_s": 0.9, "time": 21.0}, {"step": 10, "step_s": 1.1, "time": 22.1}]  # redone
+    recs += steps_every(12, 3, 23.1, 1.0)
+    assert runs.in_run_failure_free_s(recs, 0.0, steps=14) == pytest.approx(5.0 + 7 * 1.0 + 0.9 + 1.1 + 1.0 + 3.0)
+    assert runs.in_run_failure_free_s(recs, 0.0, steps=15) is None
+    clean = steps_every(1, 10, 5.0, 1.0)
+    assert runs.in_run_failure_free_s(clean, 0.0, steps=10) == pytest.approx(14.0)   # = its wall time
 
 
 def test_a_run_that_did_not_finish_has_no_productivity() -> None:
     cfg = runs.JobConfig(steps=100)
     free = {"leto": _run("leto", 0.0, 50.0, 100)}
-    faulty = {"leto": _run("leto", 0.0, 50.0, 100, ok=False)}
+    faulty = {"leto": _run("leto", 0.0, 50.0, 99)}       # step 100 never recorded
     rep = productivity.summarize(cfg, {"failure-free": free, "failures": faulty})
     assert rep["systems"]["leto"]["productivity"] is None and not rep["systems"]["leto"]["ok"]
+
+
+def test_failures_after_the_work_is_done_do_not_count() -> None:
+    cfg = runs.JobConfig(steps=100)
+    free = {"leto": _run("leto", 0.0, 50.0, 100)}
+    faulty = {"leto": _run("leto", 0.0, 1.5, 100, kills=3, ok=False)}  # kills at 1, 2, 3 s; work done at 1.5 s
+    rep = productivity.summarize(cfg, {"failure-free": free, "failures": faulty})
+    s = rep["systems"]["leto"]
+    assert s["failures"] == 1 and s["ok"] and s["error"] == "exit code 1"
 
 
 def test_failure_schedule_is_the_same_for_every_system() -> None:
@@ -166,44 +181,14 @@ def test_failure_schedule_is_the_same_for_every_system() -> None:
     assert all(0 <= k.rank < 4 for k in a) and [k.at_s for k in a] == sorted(k.at_s for k in a)
 
 
-# ----- the timed injector against a real process
-def _fake_job(tmp: Path) -> subprocess.Popen:
-    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    (tmp / "procs.json").write_text(json.dumps([{"role": "worker", "rank": 0, "node": 0, "pid": victim.pid,
-                                                 "id": "worker0-1"}]))
-    return victim
-
-
-def test_timed_kill_waits_for_its_time_and_for_a_step(tmp_path: Path) -> None:
-    victim = _fake_job(tmp_path)
-    try:
-        inj = TimedInjector(tmp_path, [TimedKill(0.3, 0)], timeout_s=20).start()
-        t0 = time.time()
-        time.sleep(0.6)
-        assert alive(victim.pid)                     # its time has come, but no step is recorded yet
-        with open(tmp_path / "metrics.jsonl", "a") as f:
-            f.write(json.dumps({"step": 1, "step_s": 0.1, "time": time.time()}) + "\n")
-        wait_for(lambda: inj.kills, 10, "the kill")
-        inj.stop()
-        assert victim.wait(timeout=10) == -signal.SIGKILL
-        assert inj.kills[0].time - t0 >= 0.3 and inj.kills[0].spec["scheduled_s"] == 0.3
-        assert inj.errors == []
-    finally:
-        if victim.poll() is None:
-            os.kill(victim.pid, signal.SIGKILL)
-            victim.wait()
-
-
-def test_timed_injector_stops_before_its_time(tmp_path: Path) -> None:
-    victim = _fake_job(tmp_path)
-    try:
-        inj = TimedInjector(tmp_path, [TimedKill(30.0, 0)], timeout_s=60).start()
-        t0 = time.monotonic()
-        inj.stop(timeout_s=5)
-        assert time.monotonic() - t0 < 5 and inj.kills == [] and alive(victim.pid)
-    finally:
-        os.kill(victim.pid, signal.SIGKILL)
-        victim.wait()
+def test_kill_steps_follow_the_reference_runs_progress() -> None:
+    """Failure times map to the step the failure-free reference run had completed by then."""
+    ref = [{"event": "job_up", "time": 101.0}] + steps_every(1, 50, 105.0, 0.5)   # started at 100, step 1 at 105
+    sched = [ScheduledKill(2.0, 1), ScheduledKill(10.0, 3), ScheduledKill(10.1, 0), ScheduledKill(40.0, 2)]
+    specs = kill_steps(sched, ref, t_start=100.0, steps=20)
+    assert [(s["step"], s["rank"]) for s in specs] == [(1, 1), (11, 3), (12, 0)]  # 40 s is past step 20
+    assert all(s["kind"] == "kill" and s["node"] is None for s in specs)
+    assert kill_steps([], ref, 100.0, 20) == []
 
 
 def test_plot_segments_mark_recomputed_steps() -> None:

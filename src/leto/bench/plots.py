@@ -39,12 +39,15 @@ def segments(steps: list[dict], tokens_per_step: int) -> list[tuple[float, float
     return out
 
 
+GAP_S = 0.05  # a pause between two steps longer than this is drawn as zero throughput
+
+
 def _curve(segs: list[tuple[float, float, float, bool]], origin: float) -> tuple[list[float], list[float]]:
     """Piecewise-constant throughput with explicit zeros where no step ran."""
     xs: list[float] = []
     ys: list[float] = []
     for start, end, y, _ in segs:
-        if xs and start - (xs[-1] + origin) > 1e-3:
+        if xs and start - (xs[-1] + origin) > GAP_S:
             xs += [xs[-1], start - origin]
             ys += [0.0, 0.0]
         xs += [start - origin, end - origin]

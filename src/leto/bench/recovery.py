@@ -14,8 +14,8 @@ import os
 from pathlib import Path
 
 from leto.bench import plots
-from leto.bench.runs import (BenchInterrupted, LETO, SEGMENTS, TOLERANCE, WINDOW, JobConfig, Run, System, analyze_recovery,
-                             default_out, log, machine, median, median_index, ratio, run_system,
+from leto.bench.runs import (LETO, SEGMENTS, TOLERANCE, WINDOW, BenchInterrupted, JobConfig, Run, System,
+                             analyze_recovery, default_out, log, machine, median, median_index, ratio, run_system,
                              state_bytes_per_rank, step_injector, stdout_to_stderr, torchft_status)
 from leto.training.model import PRESETS
 
@@ -139,6 +139,10 @@ def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
+def _steps(x: float | None) -> str:
+    return "-" if x is None else f"{x:g}"
+
+
 def print_table(report: dict) -> None:
     cfg = report["config"]
     print(f"leto bench recovery: {cfg['workers']} workers on {cfg['nodes']} nodes, model {cfg['model']}, "
@@ -154,7 +158,7 @@ def print_table(report: dict) -> None:
             sp = section["speedup"].get(name)
             vs = "" if name == LETO else ("-" if sp is None else f"{sp:.1f}x")
             print(f"  {name:20} {_fmt(s['recovery_s']):>8}s {_fmt(s['regain_s']):>7}s {_fmt(s['detect_s']):>6}s "
-                  f"{_fmt(s['restore_s']):>7}s {'-' if s['lost_steps'] is None else f"{s['lost_steps']:g}":>10} {s['trials_ok']:>3}/{len(s['trials'])} "
+                  f"{_fmt(s['restore_s']):>7}s {_steps(s['lost_steps']):>10} {s['trials_ok']:>3}/{len(s['trials'])} "
                   f"{vs:>8}")
     print(f"\nrecovery: kill -> end of the first of {cfg['window']} consecutive new steps that each ran at most "
           f"{cfg['tolerance']}x the pre-failure median step time; regain: kill -> the step in flight is done; "

@@ -16,7 +16,6 @@ import random
 import shutil
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from pathlib import Path
 from typing import Protocol
 
 from leto.baselines.restart import run_baseline
-from leto.bench.faults import InjectionCancelled, Injector, Kill, inject_at_step, poisson_schedule
+from leto.bench.faults import Injector, Kill, poisson_schedule
 from leto.bench.throughput import WARMUP_STEPS, steady_step_s
 from leto.control.controller import Controller, JobSpec
 from leto.training.model import PRESETS
@@ -33,7 +32,7 @@ from leto.training.trainer import DEFAULT_CHUNK_BYTES
 LETO = "leto"
 WINDOW = 3            # consecutive steps that must run at pre-failure speed ...
 TOLERANCE = 1.25      # ... each at most this many times the pre-failure median step time
-DEFAULT_MTBF_S = 15.0  # the productivity schedule's MTBF; checkpoint-restart's K is set for it
+DEFAULT_MTBF_S = 8.0  # the productivity schedule's MTBF; checkpoint-restart's K is set for it
 SEGMENTS = ("detect", "restart / rebuild", "restore", "recompute", "back to speed")
 INTERRUPTED = (130, 143)  # a controller stopped by SIGINT / SIGTERM
 
@@ -187,58 +186,32 @@ def step_injector(run_dir: Path, kind: str, who: int, step: int, timeout_s: floa
 
 
 @dataclass(frozen=True)
-class TimedKill:
-    at_s: float   # seconds after the start of the run
+class ScheduledKill:
+    at_s: float   # seconds of failure-free training after the start of the run
     rank: int
 
 
-def failure_schedule(mtbf_s: float, horizon_s: float, seed: int, workers: int) -> list[TimedKill]:
+def failure_schedule(mtbf_s: float, horizon_s: float, seed: int, workers: int) -> list[ScheduledKill]:
     """Poisson failure times (`poisson_schedule`) with a seeded random worker for each."""
     rng = random.Random(f"leto-bench-ranks-{seed}")
-    return [TimedKill(t, rng.randrange(workers)) for t in poisson_schedule(mtbf_s, horizon_s, seed)]
+    return [ScheduledKill(t, rng.randrange(workers)) for t in poisson_schedule(mtbf_s, horizon_s, seed)]
 
 
-class TimedInjector:
-    """Kills worker `rank` at `at_s` seconds after `start()`, one kill after the other.
-
-    A kill is sent as soon as its time has come and the rank has a live process listed in
-    procs.json (`inject_at_step(step=1)`): a kill whose time falls in the job's start-up waits
-    for the first step record; one that falls between two restart attempts waits for the next
-    attempt's processes.
-    """
-
-    def __init__(self, run_dir: Path, schedule: list[TimedKill], timeout_s: float) -> None:
-        self.run_dir, self.schedule, self.timeout_s = run_dir, sorted(schedule, key=lambda k: k.at_s), timeout_s
-        self.kills: list[Kill] = []
-        self.errors: list[str] = []
-        self._cancel = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> TimedInjector:
-        t0 = time.time()
-        self._thread = threading.Thread(target=self._run, args=(t0,), daemon=True, name="leto-bench-timed-kills")
-        self._thread.start()
-        return self
-
-    def _run(self, t0: float) -> None:
-        for item in self.schedule:
-            if self._cancel.wait(timeout=max(0.0, t0 + item.at_s - time.time())):
-                return
-            try:
-                kill = inject_at_step(self.run_dir, rank=item.rank, step=1, since=t0, timeout_s=self.timeout_s,
-                                      cancel=self._cancel)
-            except InjectionCancelled:
-                return
-            except Exception as e:  # reported, not raised
-                self.errors.append(f"kill of rank {item.rank} at {item.at_s:.1f}s: {e}")
-                return
-            kill.spec = {**kill.spec, "scheduled_s": round(item.at_s, 3)}
-            self.kills.append(kill)
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        self._cancel.set()
-        if self._thread is not None:
-            self._thread.join(timeout=timeout_s)
+def kill_steps(schedule: list[ScheduledKill], reference: list[dict], t_start: float, steps: int) -> list[dict]:
+    """Map failure times onto training progress: failure i comes once the step is recorded that
+    the failure-free `reference` run (its step records, started at `t_start`) had completed
+    `at_s` seconds after its start (at least step 1; strictly increasing; only before the last
+    step of the work). Returns `faults.Injector` specs."""
+    done = sorted((r["time"] - t_start, r["step"]) for r in reference if "event" not in r and "step" in r)
+    out: list[dict] = []
+    last = 0
+    for k in sorted(schedule, key=lambda k: k.at_s):
+        step = max([s for t, s in done if t <= k.at_s] + [1, last + 1])
+        if step >= steps:
+            break
+        out.append({"kind": "kill", "rank": k.rank, "node": None, "step": step, "at_s": round(k.at_s, 3)})
+        last = step
+    return out
 
 
 class NoInjector:
@@ -341,6 +314,22 @@ def work_time_s(records: list[dict], t_start: float, steps: int) -> float | None
     return round(min(done) - t_start, 4) if done else None
 
 
+def in_run_failure_free_s(records: list[dict], t_start: float, steps: int, tolerance: float = TOLERANCE) -> float | None:
+    """The same run's failure-free time, estimated from its own records (so under its own load):
+    start -> first step recorded (no kill comes before it), plus, for each step 2..`steps`, the
+    duration of its last completion (earlier ones were lost), where a duration above `tolerance` x
+    the run's median step time (a step that absorbed a recovery, or a checkpoint) counts as the
+    median. None if the work was not finished."""
+    done = sorted((r for r in records if "event" not in r and isinstance(r.get("step"), int)), key=lambda r: r["time"])
+    last = {r["step"]: r for r in done}
+    if not done or any(s not in last for s in range(1, steps + 1)):
+        return None
+    med = statistics.median(r["step_s"] for r in done)
+    startup = done[0]["time"] - t_start
+    body = sum(last[s]["step_s"] if last[s]["step_s"] <= tolerance * med else med for s in range(2, steps + 1))
+    return round(startup + body, 4)
+
+
 def productive_fraction(failure_free_s: float | None, wall_s: float | None) -> float | None:
     """Failure-free time of the work / wall time of the same work with failures."""
     if not failure_free_s or not wall_s:
@@ -400,12 +389,14 @@ def log(msg: str) -> None:
 
 @contextlib.contextmanager
 def stdout_to_stderr() -> Iterator[None]:
-    """Send fd 1 (ours and the jobs' children's) to stderr, so stdout carries only the result."""
+    """Send fd 1 (the jobs' children's) and sys.stdout (the controllers' messages) to stderr, so
+    stdout carries only the result."""
     sys.stdout.flush()
     saved = os.dup(1)
     try:
         os.dup2(2, 1)
-        yield
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
     finally:
         sys.stdout.flush()
         os.dup2(saved, 1)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from leto.console import MetricsTail, StepDisplay
 from leto.control import runtime as rt
-from leto.control.membership import Plan, heartbeat_key, plan_key
+from leto.control.membership import DONE, Plan, heartbeat_key, plan_key
 from leto.protection import keys
 from leto.recovery.decision import Spare, next_plan
 
@@ -241,10 +241,12 @@ class Controller:
         return out
 
     def _heartbeat(self, p: Proc) -> float | None:
+        """The last heartbeat time, or None (not started yet, or left the job on purpose)."""
         key = heartbeat_key(p.proc_id)
         if not self.store.check([key]):
             return None
-        return float(self.store.get(key))
+        value = self.store.get(key).decode()
+        return None if value == DONE else float(value)
 
     def _on_failures(self, failed: list[tuple[Proc, str]]) -> int | None:
         """Decide generation g+1 and announce it; returns an exit code when the job must stop."""
@@ -267,6 +269,10 @@ class Controller:
             return None  # only idle shadows died
         if not self.spec.protection:
             self.display.message("leto: protection is off, so the lost state cannot be rebuilt; stopping the job")
+            return 1
+        if not self._ever_protected():
+            self.display.message("leto: the failure came before any state was protected (the script does not use "
+                                 "leto.Trainer, or protection had not started); stopping the job")
             return 1
         spares = [Spare(p.proc_id, p.node) for p in self.procs
                   if p.role == "shadow" and p.popen.poll() is None and p.proc_id not in self.handled]
@@ -302,6 +308,11 @@ class Controller:
         self._replenish()
         self._write_procs()
         return None
+
+    def _ever_protected(self) -> bool:
+        """Has any generation's protection been committed (by any keeper)?"""
+        return any(self.store.check([keys.committed(g, n)])
+                   for g in range(self.plan.generation + 1) for n in range(self.spec.nodes))
 
     def _failure_time(self, p: Proc, t_detect: float) -> float:
         """When the failure happened: the injector's record, else the last heartbeat before it."""

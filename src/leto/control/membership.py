@@ -9,6 +9,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+DONE = "done"  # the heartbeat of a process that left the job on purpose
 CHECK_EVERY_S = 0.1  # how often a worker heartbeats (a new generation is noticed at once)
 
 
@@ -100,5 +101,10 @@ class GenerationWatch:
             self._next = None
 
     def stop(self) -> None:
+        """Stop heartbeating; the controller stops watching this process's heartbeat."""
         self._stop.set()
         self._thread.join(timeout=1.0)
+        try:
+            self._store.set(heartbeat_key(self.proc_id), DONE)
+        except Exception:  # the controller is gone already
+            pass
