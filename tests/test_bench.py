@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -233,3 +234,19 @@ def test_recovery_bench_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     for png in doc["plots"]:
         assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "node_loss" not in doc
+
+
+def test_watchdog_stops_a_run_that_hangs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A system that never returns is stopped at its limit and reported, not waited for."""
+    def hang(*args: object, **kw: object) -> dict:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+        return {"exit_code": 0}
+
+    monkeypatch.setattr(runs, "run_baseline", hang)
+    t0 = time.monotonic()
+    run = runs.run_system(System("memory-restart", "memory-restart"), runs.JobConfig(), tmp_path / "r",
+                          runs.NoInjector(), limit_s=0.5)
+    assert time.monotonic() - t0 < 10
+    assert not run.ok and run.error == "stopped: still running after 0.5 s"

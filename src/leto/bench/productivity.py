@@ -55,7 +55,8 @@ def run_all(cfg: JobConfig, out: Path, systems: list[System],
     specs: list[dict] | None = None
     timeout_s = 120.0 + 20.0 * cfg.steps
     for system in systems:
-        free = run_system(system, cfg, out / "runs" / f"failure-free-{system.name}", NoInjector())
+        free = run_system(system, cfg, out / "runs" / f"failure-free-{system.name}", NoInjector(),
+                          limit_s=120.0 + 2.0 * cfg.steps)
         runs["failure-free"][system.name] = free
         _log_run(system.name, "failure-free", free, cfg.steps)
         if specs is None:
@@ -64,8 +65,9 @@ def run_all(cfg: JobConfig, out: Path, systems: list[System],
                 return runs, []
             specs = kill_steps(schedule, free.records, free.t_start, cfg.steps)
         run_dir = out / "runs" / f"failures-{system.name}"
+        ff_s = work_time_s(free.records, free.t_start, cfg.steps) or 2.0 * cfg.steps
         run = run_system(system, replace(cfg, max_restarts=len(specs) + 3), run_dir,
-                         Injector(run_dir, specs, timeout_s=timeout_s))
+                         Injector(run_dir, specs, timeout_s=timeout_s), limit_s=120.0 + 4.0 * ff_s + 30.0 * len(specs))
         runs["failures"][system.name] = run
         _log_run(system.name, "failures", run, cfg.steps)
     return runs, specs or []

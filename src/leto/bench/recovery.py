@@ -91,7 +91,7 @@ def run_all(args: argparse.Namespace, cfg: JobConfig, out: Path, failures: list[
                     continue
                 run_dir = out / "runs" / f"trial{trial}-{failure}-{system.name.replace(' ', '').replace('--', '-')}"
                 injector = step_injector(run_dir, FAILURES[failure], who, step, timeout_s)
-                run = run_system(system, cfg, run_dir, injector)
+                run = run_system(system, cfg, run_dir, injector, limit_s=120.0 + 5.0 * cfg.steps)
                 res = evaluate(run, system)
                 results[failure].setdefault(system.name, []).append(res)
                 runs[failure].setdefault(system.name, []).append(run)

@@ -14,8 +14,10 @@ import os
 import platform
 import random
 import shutil
+import signal
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -142,21 +144,64 @@ def _run_leto(system: System, cfg: JobConfig, run_dir: Path) -> int:
     return Controller(spec).run()
 
 
-def run_system(system: System, cfg: JobConfig, run_dir: Path, injector: InjectorLike) -> Run:
-    """Run `system` on the job with `injector` watching `run_dir`; never raises for a failed run."""
+class RunTimeout(Exception):
+    """A run went past its time limit and was stopped."""
+
+
+class Watchdog:
+    """Stops a run that goes past `limit_s`: SIGTERM to this process, every second until the run
+    returns. A controller in its supervision loop turns that into a clean stop of all its
+    processes (exit 143); anywhere else our own handler raises RunTimeout, whose unwinding stops
+    what was started (the torchft harness's `finally`, the restart supervisor's injector)."""
+
+    def __init__(self, limit_s: float) -> None:
+        self.limit_s, self.fired = limit_s, False
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="leto-bench-watchdog")
+        self._old: object = None
+
+    def _run(self) -> None:
+        if self._done.wait(self.limit_s):
+            return
+        self.fired = True
+        while not self._done.is_set():
+            os.kill(os.getpid(), signal.SIGTERM)
+            self._done.wait(1.0)
+
+    def _on_term(self, signum: int, frame: object) -> None:
+        if self.fired:
+            raise RunTimeout(f"stopped after {self.limit_s:.0f} s")
+        raise BenchInterrupted("received SIGTERM")
+
+    def __enter__(self) -> Watchdog:
+        self._old = signal.signal(signal.SIGTERM, self._on_term)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join(timeout=5.0)
+        signal.signal(signal.SIGTERM, self._old)  # type: ignore[arg-type]
+
+
+def run_system(system: System, cfg: JobConfig, run_dir: Path, injector: InjectorLike, limit_s: float) -> Run:
+    """Run `system` on the job with `injector` watching `run_dir`, for at most `limit_s` seconds;
+    never raises for a failed run (only for an interrupted benchmark)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     code: int | None = None
     error: str | None = None
     t_start = time.time()
     injector.start()
+    watchdog = Watchdog(limit_s)
     try:
-        if system.kind == LETO:
-            code = _run_leto(system, cfg, run_dir)
-        else:
-            summary = run_baseline(system.kind, workers=cfg.workers, nodes=cfg.nodes, steps=cfg.steps, seed=cfg.seed,
-                                   model=cfg.model, run_dir=run_dir, inject=None, ckpt_every=None,
-                                   mtbf_s=cfg.mtbf_s, max_restarts=cfg.max_restarts, timeout_s=cfg.timeout_s)
-            code = summary.get("exit_code")
+        with watchdog:
+            if system.kind == LETO:
+                code = _run_leto(system, cfg, run_dir)
+            else:
+                summary = run_baseline(system.kind, workers=cfg.workers, nodes=cfg.nodes, steps=cfg.steps,
+                                       seed=cfg.seed, model=cfg.model, run_dir=run_dir, inject=None, ckpt_every=None,
+                                       mtbf_s=cfg.mtbf_s, max_restarts=cfg.max_restarts, timeout_s=cfg.timeout_s)
+                code = summary.get("exit_code")
     except (KeyboardInterrupt, SystemExit):
         raise
     except Exception as e:  # a run that crashes is a result, reported with the others
@@ -165,7 +210,9 @@ def run_system(system: System, cfg: JobConfig, run_dir: Path, injector: Injector
         injector.stop()
     t_end = time.time()
     shutil.rmtree(run_dir / "ckpt", ignore_errors=True)  # disk checkpoints: tens of MB per run
-    if code in INTERRUPTED:
+    if watchdog.fired:
+        error = f"stopped: still running after {limit_s:g} s"
+    elif code in INTERRUPTED:
         raise BenchInterrupted(f"{system.name} was interrupted (exit code {code})")
     try:
         summary = json.loads((run_dir / "summary.json").read_text())

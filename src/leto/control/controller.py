@@ -274,8 +274,9 @@ class Controller:
             self.display.message("leto: the failure came before any state was protected (the script does not use "
                                  "leto.Trainer, or protection had not started); stopping the job")
             return 1
-        spares = [Spare(p.proc_id, p.node) for p in self.procs
-                  if p.role == "shadow" and p.popen.poll() is None and p.proc_id not in self.handled]
+        down = dead_keepers | self.dead_keeper_nodes | lost_nodes  # shadows there die with their node
+        spares = [Spare(p.proc_id, p.node) for p in self.procs if p.role == "shadow" and p.popen.poll() is None
+                  and p.proc_id not in self.handled and p.node not in down]
         while len(spares) < len(lost_ranks):  # no warm shadow left: start cold ones and wait for them
             p = self._spawn("shadow", None, self._spare_node(lost_nodes))
             spares.append(Spare(p.proc_id, p.node))

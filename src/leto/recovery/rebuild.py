@@ -122,7 +122,8 @@ def _tier2_jobs(layout: Layout, new: Plan, reports: dict[int, dict], lost_nodes:
             chosen, coeffs = code.recovery_coefficients(present)
         except UnrecoverableError as e:
             lost_idx = {layout.nodes.index(n) for n in lost_nodes | dead_keepers}
-            raise RecoveryError(f"unrecoverable: {lost_summary(stripes, lost_idx)} ({e})") from e
+            raise RecoveryError(f"unrecoverable: {lost_summary(stripes, lost_idx)} ({e}; keepers reporting: "
+                                f"{sorted(reports)}, parity readers: {readers})") from e
         jobs.append(Tier2Job(s, tuple(chosen), coeffs, {b: readers[b] for b in chosen if b >= code.k}))
     return jobs
 

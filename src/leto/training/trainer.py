@@ -144,13 +144,13 @@ class Trainer:
         self.close()
 
     def close(self) -> None:
-        """Leave the job: stop the watch thread, unmap protection, drop the process group."""
+        """Leave the job: stop heartbeating and unmap protection. The process group stays usable
+        for collectives after the loop (e.g. `full_state()`)."""
         if self.watch is not None:
             self.watch.stop()
         if self.protector is not None:
             self.protector.close()
-        if self.comm is not None:
-            self.comm.close()
+            self.protector = None
 
     def step(self, loss_fn: Callable[[], torch.Tensor], weight: float | None = None, tokens: int = 0) -> float | None:
         """One training step. `weight` is this rank's share of the global batch (default 1/world);
