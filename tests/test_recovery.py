@@ -79,7 +79,6 @@ def test_a_second_failure_during_recovery(launcher, tmp_path: Path) -> None:
 
 def test_random_sigkills_from_outside(launcher, tmp_path: Path) -> None:
     """Kill a random worker at a random moment, twice, from outside the job, by PID."""
-    digest = reference_digest(launcher, tmp_path, *JOB)
     rng = random.Random(int.from_bytes(os.urandom(4), "little"))
     run_dir = tmp_path / "run"
     ctl = launcher.start("train", "--run-dir", str(run_dir), *JOB[:-4], "--steps", "16", "--seed", "0",

@@ -35,10 +35,7 @@ import torch.distributed as dist
 import leto
 from leto.control.runtime import Job
 from leto.training import job as base_job
-from leto.training.corpus import load_tokens
-from leto.training.data import Sampler
-from leto.training.model import GPT, PRESETS
-from leto.training.optim import MASTER, AdamW, warmup_cosine
+from leto.training.optim import MASTER
 from leto.training.trainer import Trainer
 
 POINTER = "latest.json"          # disk: the committed checkpoint
@@ -387,13 +384,7 @@ def main(argv: list[str] | None = None) -> None:
     ck, args = parse(argv)
     torch.set_num_threads(1)  # workers share the machine's cores
     job = leto.init()
-    cfg = PRESETS[args.model]
-    torch.manual_seed(args.seed)
-    model = GPT(cfg)
-    optimizer = AdamW(lr=warmup_cosine(args.lr, warmup=min(20, args.steps // 10), total=args.steps))
-    trainer = Trainer(model, job, optimizer, chunk_bytes=args.chunk_bytes)
-    sampler = Sampler(load_tokens(), cfg.block_size, cfg.batch_size, args.seed)
-    tokens = cfg.batch_size * cfg.block_size
+    trainer, model, sampler, tokens = base_job.build(args, job)
     if job.is_shadow:  # the baselines run without shadows; one would just idle
         for _ in trainer.steps(args.steps):
             pass

@@ -11,7 +11,6 @@ recovery record with its breakdown; the metrics of all attempts end up in one me
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import shutil
 import statistics
@@ -58,10 +57,9 @@ class BaselineSpec:
 
 
 def _job_spec(command: list[str], spec: BaselineSpec) -> JobSpec:
-    kw: dict = {"total_steps": spec.steps, "quiet": spec.quiet}
-    if "protection" in {f.name for f in dataclasses.fields(JobSpec)}:
-        kw["protection"] = False  # a baseline runs without Leto's keepers and in-memory protection
-    return JobSpec(command, spec.workers, 0, spec.nodes, spec.run_dir, spec.timeout_s, **kw)
+    # a baseline runs without Leto's keepers and in-memory protection
+    return JobSpec(command, spec.workers, 0, spec.nodes, spec.run_dir, spec.timeout_s, total_steps=spec.steps,
+                   quiet=spec.quiet, protection=False)
 
 
 def _read_jsonl(path: Path) -> list[dict]:

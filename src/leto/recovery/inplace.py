@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from leto.control.comm import Comm, PeerFailure
-from leto.control.membership import Plan, plan_key, read_plan
+from leto.control.membership import plan_key, read_plan
 from leto.protection import keys
 from leto.protection.layout import Layout
 from leto.recovery.rebuild import Rebuilder, RecoveryError, make_plan

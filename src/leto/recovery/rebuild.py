@@ -192,7 +192,7 @@ class Rebuilder:
     # ----- tier 2: Reed-Solomon stripe decode over the whole new group
     def _tier2(self, job: Tier2Job) -> None:
         lay, T = self.layout, self.plan.step
-        code, L, k = lay.tier2[0], lay.segment_len, lay.tier2[0].k
+        L, k = lay.segment_len, lay.tier2[0].k
         s, b = job.stripe, T % 2
         rep = next(self.reports[lay.nodes[pn]]["stripes"][str(s.index)]
                    for j, pn in enumerate(s.parity_nodes) if k + j in job.readers)

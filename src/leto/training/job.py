@@ -23,17 +23,21 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse(argv)
-    torch.set_num_threads(1)  # workers share the machine's cores
-    job = leto.init()
+def build(args: argparse.Namespace, job: leto.Job) -> tuple[Trainer, GPT, Sampler, int]:
+    """Model, trainer, data pipeline and tokens per step of the built-in job (shadows too)."""
     cfg = PRESETS[args.model]
     torch.manual_seed(args.seed)
     model = GPT(cfg)
     optimizer = AdamW(lr=warmup_cosine(args.lr, warmup=min(20, args.steps // 10), total=args.steps))
     trainer = Trainer(model, job, optimizer, chunk_bytes=args.chunk_bytes)
     sampler = Sampler(load_tokens(), cfg.block_size, cfg.batch_size, args.seed)
-    tokens = cfg.batch_size * cfg.block_size
+    return trainer, model, sampler, cfg.batch_size * cfg.block_size
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    torch.set_num_threads(1)  # workers share the machine's cores
+    trainer, model, sampler, tokens = build(args, leto.init())
     for step in trainer.steps(args.steps):
         x, y, weight = sampler.batch(step, trainer.rank, trainer.world_size)
         trainer.step(lambda: model(x, y), weight=weight, tokens=tokens)
