@@ -131,7 +131,7 @@ def _run(name: str, t0: float, last_step_at: float, steps: int, kills: int = 0, 
                {}, recs, ks)
 
 
-def test_productivity_against_own_and_fastest_failure_free_runs() -> None:
+def test_productivity_against_each_reference() -> None:
     cfg = runs.JobConfig(steps=100)
     free = {"leto": _run("leto", 0.0, 50.0, 100), "checkpoint-restart": _run("checkpoint-restart", 100.0, 40.0, 100)}
     faulty = {"leto": _run("leto", 200.0, 62.5, 100, kills=3),
@@ -139,23 +139,30 @@ def test_productivity_against_own_and_fastest_failure_free_runs() -> None:
     rep = productivity.summarize(cfg, {"failure-free": free, "failures": faulty})
     assert rep["reference"]["fastest"] == {"failure_free_s": 40.0, "system": "checkpoint-restart"}
     leto, cr = rep["systems"]["leto"], rep["systems"]["checkpoint-restart"]
-    assert leto["productivity"] == pytest.approx(50.0 / 62.5) and cr["productivity"] == pytest.approx(0.5)
     assert leto["productivity_vs_fastest"] == pytest.approx(40.0 / 62.5)
+    assert cr["productivity_vs_fastest"] == pytest.approx(0.5)
+    assert leto["productivity_own"] == pytest.approx(50.0 / 62.5)
+    assert leto["productivity"] == pytest.approx(leto["in_run_failure_free_s"] / 62.5)
     assert leto["failures"] == 3 and cr["failures"] == 4
-    assert rep["difference_pp"]["checkpoint-restart"] == pytest.approx(100 * (0.8 - 0.5), abs=0.01)
     assert rep["difference_pp_vs_fastest"]["checkpoint-restart"] == pytest.approx(100 * (40 / 62.5 - 0.5), abs=0.01)
+    assert rep["difference_pp_own"]["checkpoint-restart"] == pytest.approx(100 * (0.8 - 0.5), abs=0.01)
+    assert rep["difference_pp"]["checkpoint-restart"] == pytest.approx(
+        100 * (leto["productivity"] - cr["productivity"]), abs=0.02)
 
 
-def test_in_run_failure_free_time() -> None:
-    """Start-up, then each step's last completion; outlier steps count as the median step."""
-    recs = steps_every(1, 10, 5.0, 1.0)                           # started at 0, step 1 at 5 s, 1 s a step
-    recs += [{"event": "failure", "time": 14.5}, {"step": 11, "step_s": 6.0, "time": 20.0}]   # absorbed a recovery
-    recs += [{"step": 9, "step_s": 0.9, "time": 21.0}, {"step": 10, "step_s": 1.1, "time": 22.1}]  # redone
-    recs += steps_every(12, 3, 23.1, 1.0)
-    assert runs.in_run_failure_free_s(recs, 0.0, steps=14) == pytest.approx(5.0 + 7 * 1.0 + 0.9 + 1.1 + 1.0 + 3.0)
-    assert runs.in_run_failure_free_s(recs, 0.0, steps=15) is None
-    clean = steps_every(1, 10, 5.0, 1.0)
-    assert runs.in_run_failure_free_s(clean, 0.0, steps=10) == pytest.approx(14.0)   # = its wall time
+def test_in_run_failure_free_time_takes_out_what_failures_cost() -> None:
+    """Steps 1-20 at 0.1 s (step 1 done 2 s after the start); killed after step 20, resumed from
+    step 16 after a 5 s restart: steps 17-20 redone, 21.. at full speed again."""
+    recs = steps_every(1, 20, 2.0, 0.1)                                   # step 20 at 3.9 s
+    recs += [{"event": "failure", "time": 4.0}, {"step": 17, "step_s": 5.0, "time": 9.0}]
+    recs += steps_every(18, 13, 9.1, 0.1)                                 # 18..30, step 30 at 10.3 s
+    kill = 3.95
+    # back at speed at the end of step 21 (9.4 s): in [3.95, 9.4] only step 21 is new work
+    assert runs.in_run_failure_free_s(recs, 0.0, 30, [kill]) == pytest.approx(10.3 - (9.4 - kill - 0.1))
+    assert runs.in_run_failure_free_s(recs, 0.0, 30, []) == pytest.approx(10.3)   # no failure: its wall time
+    assert runs.in_run_failure_free_s(recs, 0.0, 31, [kill]) is None                # the work was not finished
+    # the failure-free equivalent: start-up 1.9 s + 30 steps of 0.1 s (up to rounding of the recovery point)
+    assert runs.in_run_failure_free_s(recs, 0.0, 30, [kill]) == pytest.approx(1.9 + 30 * 0.1, abs=0.06)
 
 
 def test_a_run_that_did_not_finish_has_no_productivity() -> None:
@@ -250,3 +257,32 @@ def test_watchdog_stops_a_run_that_hangs(tmp_path: Path, monkeypatch: pytest.Mon
                           runs.NoInjector(), limit_s=0.5)
     assert time.monotonic() - t0 < 10
     assert not run.ok and run.error == "stopped: still running after 0.5 s"
+
+
+def test_productivity_bench_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """Two systems, short work, frequent failures: the same kills at the same steps for both."""
+    monkeypatch.setattr(productivity, "SYSTEMS", (System("leto", "leto", 1), System("memory-restart", "memory-restart"),
+                                                  System("torchft", "torchft")))
+    monkeypatch.setattr(productivity, "DEFAULT_MTBF_S", 2.0)
+    monkeypatch.setattr(productivity, "torchft_status", lambda: "not installed")
+    args = argparse.Namespace(json=True, steps=24, trials=3, out=tmp_path / "out", workers=4, model="tiny")
+    code = productivity.main(args)
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0
+    kills = doc["config"]["kills"]
+    assert kills and [k["step"] for k in kills] == sorted({k["step"] for k in kills}) and kills[-1]["step"] < 24
+    assert doc["systems"]["torchft"]["status"] == "not installed" and doc["difference_pp"]["torchft"] is None
+    ref = doc["reference"]["fastest"]["failure_free_s"]
+    for name in ("leto", "memory-restart"):
+        s = doc["systems"][name]
+        assert s["ok"], s
+        assert [(k["step"], k["rank"]) for k in s["kills"]] == [(k["step"], k["rank"]) for k in kills]
+        assert 0 < s["in_run_failure_free_s"] < s["wall_s"]      # the failures cost something
+        assert s["productivity"] == pytest.approx(s["in_run_failure_free_s"] / s["wall_s"], abs=1e-3)
+        assert s["productivity_vs_fastest"] == pytest.approx(ref / s["wall_s"], abs=1e-3)
+        assert s["productivity_own"] == pytest.approx(s["failure_free_s"] / s["wall_s"], abs=1e-3)
+    leto, mr = doc["systems"]["leto"], doc["systems"]["memory-restart"]
+    assert doc["difference_pp"]["memory-restart"] == pytest.approx(100 * (leto["productivity"] - mr["productivity"]),
+                                                                   abs=0.02)
+    assert Path(doc["plots"][0]).read_bytes()[:4] == b"\x89PNG"

@@ -90,8 +90,10 @@ def timeline(panels: list[list[Panel]], column_titles: list[str], tokens_per_ste
         if col:
             axes[0][c].annotate(column_titles[c], (0.5, 1.32), xycoords="axes fraction", ha="center",
                                 fontsize=11, fontweight="bold")
-    for c in range(cols):
-        axes[rows - 1][c].set_xlabel(xlabel)
+    for c, col in enumerate(panels):  # the x axis under the last panel of each column
+        last = axes[max(len(col), 1) - 1][c]
+        last.set_xlabel(xlabel)
+        last.tick_params(labelbottom=True)
     if xlim is not None:
         axes[0][0].set_xlim(*xlim)
     handles = [plt.Line2D([], [], color=KILL_COLOR, linewidth=1.6, label="failure (SIGKILL)"),

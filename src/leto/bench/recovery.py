@@ -53,7 +53,8 @@ def evaluate(run: Run, system: System) -> dict:
     if system.kind == LETO:
         recs = run.summary.get("recoveries") or []
         rec["tier"] = recs[0].get("tier") if recs else None
-        rec["leto_record"] = {k: recs[0].get(k) for k in ("detect_s", "restore_s", "total_s", "lost_steps")} if recs else None
+        keys = ("detect_s", "restore_s", "total_s", "lost_steps")
+        rec["leto_record"] = {k: recs[0].get(k) for k in keys} if recs else None  # Leto's own view
     return rec
 
 
@@ -150,7 +151,7 @@ def print_table(report: dict) -> None:
     for failure, section in sections(report):
         print(f"\n{TITLES[failure]}: {section['what']}")
         print(f"  {'system':20} {'recovery':>9} {'regain':>8} {'detect':>7} {'restore':>8} {'lost steps':>10} "
-              f"{'ok':>5} {'vs leto':>8}")
+              f"{'n':>5} {'vs leto':>8}")
         for name, s in section["systems"].items():
             if s.get("status"):
                 print(f"  {name}: {s['status']}")
@@ -158,11 +159,12 @@ def print_table(report: dict) -> None:
             sp = section["speedup"].get(name)
             vs = "" if name == LETO else ("-" if sp is None else f"{sp:.1f}x")
             print(f"  {name:20} {_fmt(s['recovery_s']):>8}s {_fmt(s['regain_s']):>7}s {_fmt(s['detect_s']):>6}s "
-                  f"{_fmt(s['restore_s']):>7}s {_steps(s['lost_steps']):>10} {s['trials_ok']:>3}/{len(s['trials'])} "
+                  f"{_fmt(s['restore_s']):>7}s {_steps(s['lost_steps']):>10} "
+                  f"{s['trials_with_recovery']:>3}/{len(s['trials'])} "
                   f"{vs:>8}")
     print(f"\nrecovery: kill -> end of the first of {cfg['window']} consecutive new steps that each ran at most "
           f"{cfg['tolerance']}x the pre-failure median step time; regain: kill -> the step in flight is done; "
-          f"vs leto: the system's recovery / Leto's")
+          f"n: trials that got back to speed / trials; vs leto: the system's recovery / Leto's")
     print(f"plots: {', '.join(report['plots'])}\nraw results: {report['json']}")
 
 

@@ -26,7 +26,7 @@ from typing import Protocol
 
 from leto.baselines.restart import run_baseline
 from leto.bench.faults import Injector, Kill, poisson_schedule
-from leto.bench.throughput import WARMUP_STEPS, steady_step_s
+from leto.bench.throughput import steady_step_s
 from leto.control.controller import Controller, JobSpec
 from leto.training.model import PRESETS
 from leto.training.trainer import DEFAULT_CHUNK_BYTES
@@ -68,6 +68,8 @@ class JobConfig:
 
 
 class InjectorLike(Protocol):
+    """`faults.Injector` or `NoInjector`: started before the run, stopped after it."""
+
     kills: list[Kill]
     errors: list[str]
 
@@ -361,20 +363,33 @@ def work_time_s(records: list[dict], t_start: float, steps: int) -> float | None
     return round(min(done) - t_start, 4) if done else None
 
 
-def in_run_failure_free_s(records: list[dict], t_start: float, steps: int, tolerance: float = TOLERANCE) -> float | None:
+def in_run_failure_free_s(records: list[dict], t_start: float, steps: int, kill_times: list[float]) -> float | None:
     """The same run's failure-free time, estimated from its own records (so under its own load):
-    start -> first step recorded (no kill comes before it), plus, for each step 2..`steps`, the
-    duration of its last completion (earlier ones were lost), where a duration above `tolerance` x
-    the run's median step time (a step that absorbed a recovery, or a checkpoint) counts as the
-    median. None if the work was not finished."""
+    its wall time for the work, less what each failure cost. Around each kill, from the kill to the
+    moment the run is back at speed (`analyze_recovery`; the end of the work if never), every step
+    completed counts as that kill's pre-failure median step, steps completed twice count once, and
+    the rest of that span is lost; outside those spans every step counts as it ran. None if the
+    work was not finished."""
     done = sorted((r for r in records if "event" not in r and isinstance(r.get("step"), int)), key=lambda r: r["time"])
-    last = {r["step"]: r for r in done}
-    if not done or any(s not in last for s in range(1, steps + 1)):
+    finish = min((r["time"] for r in done if r["step"] == steps), default=None)
+    if finish is None:
         return None
-    med = statistics.median(r["step_s"] for r in done)
-    startup = done[0]["time"] - t_start
-    body = sum(last[s]["step_s"] if last[s]["step_s"] <= tolerance * med else med for s in range(2, steps + 1))
-    return round(startup + body, 4)
+    spans: list[tuple[float, float, float]] = []   # (from, to, normal step time)
+    for t_kill in sorted(kill_times):
+        if t_kill >= finish:
+            break
+        r = analyze_recovery(records, t_kill)
+        end = finish if r["recovery_s"] is None else min(finish, t_kill + r["recovery_s"])
+        if spans and t_kill <= spans[-1][1]:   # a failure before the last one was over: one span
+            spans[-1] = (spans[-1][0], max(spans[-1][1], end), spans[-1][2])
+        else:
+            spans.append((t_kill, end, r["pre_step_s"] or statistics.median(x["step_s"] for x in done)))
+    lost = 0.0
+    for t0, t1, normal in spans:
+        before = {r["step"] for r in done if r["time"] <= t0}
+        new = {r["step"] for r in done if t0 < r["time"] <= t1} - before
+        lost += max(0.0, (t1 - t0) - normal * len(new))
+    return round(finish - t_start - lost, 4)
 
 
 def productive_fraction(failure_free_s: float | None, wall_s: float | None) -> float | None:

@@ -28,6 +28,7 @@ _PR_SET_PDEATHSIG = 1
 POLL_S = 0.01
 FAILURE_GRACE_S = 0.05
 HEARTBEAT_CHECK_S = 0.1
+MAX_GENERATIONS = 100  # a job that needs more recoveries than this is failing in a loop
 _GRACE_S = 5.0
 
 
@@ -269,6 +270,10 @@ class Controller:
             return None  # only idle shadows died
         if not self.spec.protection:
             self.display.message("leto: protection is off, so the lost state cannot be rebuilt; stopping the job")
+            return 1
+        if self.plan.generation >= MAX_GENERATIONS:
+            self.display.message(f"leto: {MAX_GENERATIONS} recoveries in one job: something fails over and over; "
+                                 f"stopping the job rather than loop")
             return 1
         if not self._ever_protected():
             self.display.message("leto: the failure came before any state was protected (the script does not use "
