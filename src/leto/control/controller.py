@@ -311,7 +311,8 @@ class Controller:
         for n in dead_keepers - lost_nodes:  # the node lives: give it a new keeper
             self._spawn("keeper", None, n)
             self.dead_keeper_nodes.discard(n)
-        self._replenish()
+        # new shadows start once this recovery has closed: starting one (importing torch, building
+        # the model) would compete for the cores the recovery is using
         self._write_procs()
         return None
 
@@ -354,6 +355,7 @@ class Controller:
                          "lost_steps": None if info.get("step") is None else max(0, self.max_step - info["step"])})
             self.pending.remove(pending)
             self.event("recovery", **done)
+            self._replenish()
             self.display.message(f"leto: recovered generation {done['generation']} ({done['cause']}) via "
                                  f"{done['tier']} at step {done['step']}: detect {done['detect_s']:.3f}s, "
                                  f"restore {done['restore_s']}s, total {done['total_s']:.3f}s")
