@@ -89,11 +89,11 @@ def _check_job(args: argparse.Namespace, prog: str) -> None:
 
 def _tier2_code(spec: str, nodes: int, prog: str) -> tuple[int, int] | None:
     from leto.protection.codec import parse_ec
-    from leto.protection.placement import valid_specs
-    if spec == "none" or (spec == "auto" and nodes < 2):
+    from leto.protection.placement import default_code, valid_specs
+    if spec == "none":
         return None
     if spec == "auto":
-        return (nodes - 1, 1)
+        return default_code(nodes)
     try:
         k, m = parse_ec(spec)
     except ValueError as e:

@@ -11,6 +11,27 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 
+def parse_records(lines: list[bytes] | list[str]) -> list[dict]:
+    """JSON objects from JSON lines; torn or foreign lines are skipped."""
+    out = []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Every record of a metrics.jsonl-style file ([] when it does not exist yet)."""
+    try:
+        return parse_records(path.read_text().splitlines())
+    except FileNotFoundError:
+        return []
+
+
 class MetricsTail:
     """Reads the records appended to a metrics.jsonl since the last call."""
 
@@ -27,13 +48,7 @@ class MetricsTail:
         self.offset += len(data)
         lines = (self.partial + data).split(b"\n")
         self.partial = lines.pop()
-        out = []
-        for line in lines:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-        return out
+        return parse_records(lines)
 
 
 class StepDisplay:

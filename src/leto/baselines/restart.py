@@ -22,6 +22,7 @@ from pathlib import Path
 
 from leto.baselines.ckpt_job import DEFAULT_SHM, young_daly_interval
 from leto.bench.faults import Injector, Kill
+from leto.console import read_jsonl
 from leto.control.controller import Controller, JobSpec
 
 __all__ = ["SYSTEMS", "BaselineSpec", "RestartSupervisor", "main", "run_baseline", "young_daly_interval"]
@@ -60,20 +61,6 @@ def _job_spec(command: list[str], spec: BaselineSpec) -> JobSpec:
     # a baseline runs without Leto's keepers and in-memory protection
     return JobSpec(command, spec.workers, 0, spec.nodes, spec.run_dir, spec.timeout_s, total_steps=spec.steps,
                    quiet=spec.quiet, protection=False)
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    out = []
-    for line in lines:
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
 
 
 @dataclass
@@ -150,7 +137,7 @@ class RestartSupervisor:
             src = s.run_dir / name
             if src.exists():
                 src.replace(s.run_dir / ATTEMPTS / f"{Path(name).stem}-{n}{Path(name).suffix}")
-        attempt.records = _read_jsonl(s.run_dir / ATTEMPTS / f"metrics-{n}.jsonl")
+        attempt.records = read_jsonl(s.run_dir / ATTEMPTS / f"metrics-{n}.jsonl")
         summary = s.run_dir / ATTEMPTS / f"summary-{n}.json"
         attempt.result = json.loads(summary.read_text()) if summary.exists() else {}
         return attempt

@@ -16,6 +16,7 @@ import numpy as np
 from leto.bench.throughput import WARMUP_STEPS, run_job, steady_step_s
 from leto.protection.codec_bench import measure_codec
 from leto.protection.layout import Geometry, Layout
+from leto.protection.placement import default_code
 from leto.protection.shm import _specs
 from leto.training.model import GPT, PRESETS
 from leto.training.trainer import DEFAULT_CHUNK_BYTES
@@ -51,7 +52,7 @@ def memory_cost(model: str, workers: int, nodes: int, ec: tuple[int, int] | None
 
 def main(args: argparse.Namespace) -> int:
     steps = args.steps or 40
-    ec = (NODES - 1, 1)
+    ec = default_code(NODES)
     off, on, prot = [], [], []
     with tempfile.TemporaryDirectory(prefix="leto-bench-") as tmp:
         for i in range(ROUNDS):  # interleaved so that machine load hits both alike

@@ -27,7 +27,9 @@ from typing import Protocol
 from leto.baselines.restart import run_baseline
 from leto.bench.faults import Injector, Kill, poisson_schedule
 from leto.bench.throughput import steady_step_s
+from leto.console import read_jsonl
 from leto.control.controller import Controller, JobSpec
+from leto.protection.placement import default_code
 from leto.training.model import PRESETS
 from leto.training.trainer import DEFAULT_CHUNK_BYTES
 
@@ -117,32 +119,11 @@ def torchft_status() -> str | None:
     return None
 
 
-def tier2_code(nodes: int) -> tuple[int, int] | None:
-    """`--ec auto` of `leto train`: (nodes-1)+1 across nodes, none on one node."""
-    return (nodes - 1, 1) if nodes >= 2 else None
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    out = []
-    for line in lines:
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(rec, dict):
-            out.append(rec)
-    return out
-
-
 def _run_leto(system: System, cfg: JobConfig, run_dir: Path) -> int:
     """The built-in job under Leto's controller, exactly as `leto train` builds it."""
     command = ["-m", "leto.training.job", "--steps", str(cfg.steps), "--seed", str(cfg.seed), "--model", cfg.model]
     spec = JobSpec(command, cfg.workers, system.spares, cfg.nodes, run_dir, cfg.timeout_s, total_steps=cfg.steps,
-                   quiet=True, protection=True, ec=tier2_code(cfg.nodes))
+                   quiet=True, protection=True, ec=default_code(cfg.nodes))
     return Controller(spec).run()
 
 

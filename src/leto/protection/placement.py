@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "Stripe",
+    "default_code",
     "lost_summary",
     "padded_size",
     "plan_stripes",
@@ -79,6 +80,11 @@ class Stripe:
             return self.nodes.index(node)
         except ValueError:
             raise ValueError(f"node {node} is not part of stripe {self.index}") from None
+
+
+def default_code(num_nodes: int) -> tuple[int, int] | None:
+    """`--ec auto`: (nodes-1)+1 across all nodes; no tier 2 on a single node."""
+    return (num_nodes - 1, 1) if num_nodes >= 2 else None
 
 
 def valid_specs(num_nodes: int, max_m: int = 3) -> list[str]:
