@@ -29,6 +29,9 @@ def _add_job_flags(p: argparse.ArgumentParser, workers: int, spares: int, nodes:
     p.add_argument("--timeout", type=float, default=60.0, help="collective and store timeout in seconds [60]")
     p.add_argument("--protection", choices=["on", "off"], default="on",
                    help="erasure-coded in-memory protection of every step [on]")
+    p.add_argument("--no-spare", choices=["shrink", "wait"], default="shrink",
+                   help="ranks lost with no shadow left: survivors take over their shards (shrink; the job grows "
+                        "back when a shadow is ready), or wait for a newly started shadow (wait) [shrink]")
     p.add_argument("--ec", default="auto",
                    help="tier-2 code across nodes, k+m (e.g. 1+1, 3+1, 2+2) or none; auto: (nodes-1)+1 [auto]")
 
@@ -136,7 +139,7 @@ def _run(args: argparse.Namespace) -> int:
         command = [args.script, *args.script_args]
     run_dir = make_run_dir(args.run_dir, "leto run")
     spec = JobSpec(command, args.workers, args.spares, args.nodes, run_dir, args.timeout,
-                   protection=args.protection == "on", ec=args.ec)
+                   protection=args.protection == "on", ec=args.ec, no_spare=args.no_spare)
     return Controller(spec).run()
 
 
@@ -176,7 +179,7 @@ def _train(args: argparse.Namespace) -> int:
                "--model", args.model, "--lr", str(args.lr), "--chunk-bytes", str(args.chunk_bytes)]
     spec = JobSpec(command, args.workers, args.spares, args.nodes, run_dir, args.timeout, total_steps=args.steps,
                    protection=args.protection == "on", ec=args.ec, heartbeat_timeout_s=args.heartbeat_timeout,
-                   inject=args.inject)
+                   inject=args.inject, no_spare=args.no_spare)
     code = Controller(spec).run()
     summary = json.loads((run_dir / "summary.json").read_text())
     if code == 0:

@@ -20,9 +20,9 @@ import torch.distributed as dist
 
 from leto.console import MetricsTail, StepDisplay
 from leto.control import runtime as rt
-from leto.control.membership import DONE, Plan, heartbeat_key, plan_key
+from leto.control.membership import DONE, Plan, heartbeat_key, plan_key, warm_key
 from leto.protection import keys
-from leto.recovery.decision import Spare, next_plan
+from leto.recovery.decision import Spare, grow_plan, next_plan
 
 _PR_SET_PDEATHSIG = 1
 POLL_S = 0.01
@@ -48,6 +48,7 @@ class JobSpec:
     ec: tuple[int, int] | None = None  # tier-2 code; None: tier 1 only
     heartbeat_timeout_s: float = 3.0   # a worker silent this long is declared hung and fenced
     inject: list[str] = field(default_factory=list)  # fault injections (--inject)
+    no_spare: str = "shrink"           # lost ranks without a shadow: "shrink" the job, or "wait" for a cold one
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -74,6 +75,29 @@ def _die_with_parent() -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def _start_shadow() -> None:
+    """A shadow warms up (imports, builds its model) only on CPU time the job leaves idle:
+    SCHED_IDLE, undone by `_boost` when it is needed (allowed unprivileged, unlike renice)."""
+    _die_with_parent()
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        pass
+
+
+def _boost(pid: int) -> None:
+    """Give every thread of a shadow normal CPU priority again (it adopts a rank)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return
+    for tid in tids:
+        try:
+            os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
+        except (AttributeError, OSError):
+            pass
+
+
 def describe_exit(code: int) -> str:
     if code < 0:
         try:
@@ -97,11 +121,13 @@ class Controller:
         self.events: list[dict] = []
         self.job_id = f"{os.getpid()}-{self.store.port}"
         self.members: dict[int, Proc] = {}    # rank -> its process in the current generation
+        self.members_before: dict[int, Proc] = {}
         self.handled: set[str] = set()         # processes whose failure was dealt with
         self.pending: list[dict] = []          # recoveries waiting for their first step
         self.dead_keeper_nodes: set[int] = set()
         self.max_step = 0
         self._last_beat_check = 0.0
+        self._last_grow_check = 0.0
 
     # ----- processes
     def _spawn(self, role: str, rank: int | None, node: int) -> Proc:
@@ -119,8 +145,8 @@ class Controller:
         if rank is not None:
             env[rt.ENV_RANK] = str(rank)
         command = ["-m", "leto.protection.keeper"] if role == "keeper" else self.spec.command
-        popen = subprocess.Popen([sys.executable, *command], env=env,
-                                 start_new_session=True, preexec_fn=_die_with_parent)
+        popen = subprocess.Popen([sys.executable, *command], env=env, start_new_session=True,
+                                 preexec_fn=_start_shadow if role == "shadow" else _die_with_parent)
         proc = Proc(role, rank, node, proc_id, popen)
         self.procs.append(proc)
         return proc
@@ -205,6 +231,7 @@ class Controller:
                     code = self._on_failures(failed)
                     if code is not None:
                         return code
+                self._maybe_grow()
                 members = [self.members[r] for r in sorted(self.members)]
                 if members and all(p.popen.poll() == 0 for p in members):
                     for rec in tail.read():
@@ -282,32 +309,32 @@ class Controller:
         down = dead_keepers | self.dead_keeper_nodes | lost_nodes  # shadows there die with their node
         spares = [Spare(p.proc_id, p.node) for p in self.procs if p.role == "shadow" and p.popen.poll() is None
                   and p.proc_id not in self.handled and p.node not in down]
-        while len(spares) < len(lost_ranks):  # no warm shadow left: start cold ones and wait for them
+        while self.spec.no_spare == "wait" and len(spares) < len(lost_ranks):  # start cold shadows, wait for them
             p = self._spawn("shadow", None, self._spare_node(lost_nodes))
             spares.append(Spare(p.proc_id, p.node))
         cause = "; ".join(sorted({why for _, why in failed}))
-        new, adopted = next_plan(self.plan, lost_ranks, lost_nodes, spares, cause)
-        live_nodes = sorted({n for n in self.plan.node_of_rank if n not in self.dead_keeper_nodes | dead_keepers})
-        self.store.set(keys.drain(self.plan.generation), json.dumps(
-            {"live_nodes": live_nodes, "next_generation": new.generation}))
-        self.store.set(plan_key(new.generation), new.to_json())
-        for r, spare in adopted.items():
-            proc = next(p for p in self.procs if p.proc_id == spare.proc_id)
-            proc.role, proc.rank = "worker", r
-            self.members[r] = proc
-        self.plan = new
-        self.dead_keeper_nodes |= dead_keepers
+        try:
+            new, adopted = next_plan(self.plan, lost_ranks, lost_nodes, spares, cause, shrink=True)
+        except LookupError as e:
+            self.display.message(f"leto: cannot recover: {e}; stopping the job")
+            return 1
+        self._announce(new, dead_keepers)
         t_fail = min(self._failure_time(p, t_detect) for p, _ in failed)
         record = {"generation": new.generation, "failed_ranks": sorted(lost_ranks), "failed_nodes": sorted(lost_nodes),
-                  "cause": cause, "t_fail": t_fail, "t_detect": t_detect,
+                  "cause": cause, "t_fail": t_fail, "t_detect": t_detect, "world_size": len(new.proc_of_rank),
                   "adopted_by": {str(r): s.proc_id for r, s in adopted.items()}, "interrupted": []}
+        if len(new.proc_of_rank) < len(self.members_before):
+            self.display.message(f"leto: no shadow left for {len(self.members_before) - len(new.proc_of_rank)} "
+                                 f"lost rank(s): shrinking to {len(new.proc_of_rank)} ranks (same global batch)")
+        for old in [p for p in self.pending if p["kind"] == "grow"]:  # a grow cut short: the failure's recovery takes over
+            self.pending.remove(old)
         for old in self.pending:  # a failure during a recovery: one record, from the first failure
             record["failed_ranks"] = sorted(set(record["failed_ranks"]) | set(old["failed_ranks"]))
             record["failed_nodes"] = sorted(set(record["failed_nodes"]) | set(old["failed_nodes"]))
             record["cause"] = f"{old['cause']}; then during its recovery: {record['cause']}"
             record["t_fail"], record["t_detect"] = min(old["t_fail"], t_fail), min(old["t_detect"], t_detect)
             record["interrupted"] += old["interrupted"] + [old["generation"]]
-        self.pending = [record]
+        self.pending = [dict(record, kind="failure")]
         for n in dead_keepers - lost_nodes:  # the node lives: give it a new keeper
             self._spawn("keeper", None, n)
             self.dead_keeper_nodes.discard(n)
@@ -315,6 +342,43 @@ class Controller:
         # the model) would compete for the cores the recovery is using
         self._write_procs()
         return None
+
+    def _announce(self, new: Plan, dead_keepers: set[int] = frozenset()) -> None:
+        """Drain the current generation's keepers and publish generation g+1."""
+        live_nodes = sorted({n for n in self.plan.node_of_rank if n not in self.dead_keeper_nodes | dead_keepers})
+        by_id = {p.proc_id: p for p in self.procs}
+        for q, proc_id in enumerate(new.proc_of_rank):
+            if by_id[proc_id].role == "shadow":
+                _boost(by_id[proc_id].popen.pid)
+        self.store.set(keys.drain(self.plan.generation), json.dumps(
+            {"live_nodes": live_nodes, "next_generation": new.generation}))
+        self.store.set(plan_key(new.generation), new.to_json())
+        self.members_before = dict(self.members)
+        self.members = {q: by_id[proc_id] for q, proc_id in enumerate(new.proc_of_rank)}
+        for q, proc in self.members.items():
+            proc.role, proc.rank = "worker", q
+        self.plan = new
+        self.dead_keeper_nodes |= dead_keepers
+
+    def _maybe_grow(self) -> None:
+        """After a shrink, a warm shadow joins as a new rank (no recovery may be in progress)."""
+        now = time.monotonic()
+        if self.pending or len(self.members) >= self.spec.workers or now - self._last_grow_check < HEARTBEAT_CHECK_S:
+            return
+        self._last_grow_check = now
+        warm = [Spare(p.proc_id, p.node) for p in self.procs if p.role == "shadow" and p.popen.poll() is None
+                and p.proc_id not in self.handled and p.node not in self.dead_keeper_nodes
+                and self.store.check([warm_key(p.proc_id)])]
+        if not warm or self.plan.generation >= MAX_GENERATIONS:
+            return
+        new = grow_plan(self.plan, warm[:self.spec.workers - len(self.members)])
+        t = time.time()
+        self._announce(new)
+        self.pending = [{"generation": new.generation, "kind": "grow", "cause": new.cause, "t_fail": t,
+                         "t_detect": t, "world_size": len(new.proc_of_rank), "failed_ranks": [], "failed_nodes": [],
+                         "interrupted": []}]
+        self.display.message(f"leto: {new.cause}: growing back to {len(new.proc_of_rank)} ranks")
+        self._write_procs()
 
     def _ever_protected(self) -> bool:
         """Has any generation's protection been committed (by any keeper)?"""
@@ -347,15 +411,20 @@ class Controller:
                 continue
             key = f"control/recovery/{pending['generation']}"
             info = json.loads(self.store.get(key)) if self.store.check([key]) else {}
-            done = {k: v for k, v in pending.items() if k not in ("t_fail", "t_detect")}
+            done = {k: v for k, v in pending.items() if k not in ("t_fail", "t_detect", "kind")}
             done.update({"tier": info.get("tier"), "step": info.get("step"), "repaired": info.get("repaired", []),
                          "detect_s": round(pending["t_detect"] - pending["t_fail"], 4),
                          "restore_s": info.get("restore_s"),
                          "total_s": round(rec["time"] - pending["t_fail"], 4),
                          "lost_steps": None if info.get("step") is None else max(0, self.max_step - info["step"])})
             self.pending.remove(pending)
-            self.event("recovery", **done)
             self._replenish()
+            if pending["kind"] == "grow":
+                self.event("resize", **done)
+                self.display.message(f"leto: generation {done['generation']} runs {done['world_size']} ranks again "
+                                     f"(step {done['step']}, {done['total_s']:.3f}s)")
+                continue
+            self.event("recovery", **done)
             self.display.message(f"leto: recovered generation {done['generation']} ({done['cause']}) via "
                                  f"{done['tier']} at step {done['step']}: detect {done['detect_s']:.3f}s, "
                                  f"restore {done['restore_s']}s, total {done['total_s']:.3f}s")
@@ -367,7 +436,8 @@ class Controller:
             result.update(json.loads(self.store.get(rt.RESULT_KEY)))
         summary = {**result, "wall_s": round(wall_s, 3), "workers": self.spec.workers,
                    "spares": self.spec.spares, "nodes": self.spec.nodes, "exit_code": code,
-                   "recoveries": [e for e in self.events if e["event"] == "recovery"]}
+                   "recoveries": [e for e in self.events if e["event"] == "recovery"],
+                   "resizes": [e for e in self.events if e["event"] == "resize"]}
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
 
 

@@ -17,6 +17,11 @@ def plan_key(gen: int) -> str:
     return f"control/gen/{gen}"
 
 
+def warm_key(proc_id: str) -> str:
+    """Set by a shadow once it is fully initialized and waiting to adopt a rank."""
+    return f"control/warm/{proc_id}"
+
+
 def heartbeat_key(proc_id: str) -> str:
     return f"control/hb/{proc_id}"
 

@@ -13,24 +13,37 @@ class Spare:
 
 
 def next_plan(plan: Plan, failed_ranks: set[int], failed_nodes: set[int], spares: list[Spare],
-              cause: str) -> tuple[Plan, dict[int, Spare]]:
+              cause: str, shrink: bool = False) -> tuple[Plan, dict[int, Spare]]:
     """Generation g+1: each failed rank is adopted by a shadow, one on the same node preferred
-    (its keeper holds the tier-1 parity), else on the node with the fewest ranks.
-
-    Raises LookupError when there are fewer spares than failed ranks.
-    """
+    (its keeper holds the tier-1 parity), else on the node with the fewest ranks. Failed ranks
+    left without a shadow are dropped when `shrink` (the survivors take over their shards and
+    the ranks after them move down), else LookupError is raised."""
     free = list(spares)
-    if len(free) < len(failed_ranks):
+    if len(free) < len(failed_ranks) and not shrink:
         raise LookupError(f"{len(failed_ranks)} ranks lost but only {len(free)} shadows available")
     node_of_rank, proc_of_rank = list(plan.node_of_rank), list(plan.proc_of_rank)
     adopted: dict[int, Spare] = {}
+    dropped: list[int] = []
     for r in sorted(failed_ranks):
+        if not free:
+            dropped.append(r)
+            continue
         load = {n: node_of_rank.count(n) for n in set(node_of_rank)}
         same = [s for s in free if s.node == plan.node_of_rank[r] and s.node not in failed_nodes]
         pick = same[0] if same else min(free, key=lambda s: (load.get(s.node, 0), s.node))
         free.remove(pick)
         adopted[r] = pick
         node_of_rank[r], proc_of_rank[r] = pick.node, pick.proc_id
-    new = Plan(plan.generation + 1, tuple(node_of_rank), tuple(proc_of_rank), tuple(sorted(failed_ranks)),
-               tuple(sorted(failed_nodes)), cause)
+    keep = [r for r in range(len(node_of_rank)) if r not in dropped]
+    if not keep:
+        raise LookupError("every rank was lost and no shadow is left")
+    new = Plan(plan.generation + 1, tuple(node_of_rank[r] for r in keep), tuple(proc_of_rank[r] for r in keep),
+               tuple(sorted(failed_ranks)), tuple(sorted(failed_nodes)), cause)
     return new, adopted
+
+
+def grow_plan(plan: Plan, spares: list[Spare]) -> Plan:
+    """Generation g+1 with `spares` joining as new ranks at the end (after a shrink)."""
+    return Plan(plan.generation + 1, plan.node_of_rank + tuple(s.node for s in spares),
+                plan.proc_of_rank + tuple(s.proc_id for s in spares), (), (),
+                f"grow: {', '.join(s.proc_id for s in spares)} joined")

@@ -10,14 +10,13 @@ import json
 import time
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from leto.control.comm import Comm, PeerFailure
 from leto.control.membership import plan_key, read_plan
 from leto.protection import keys
 from leto.protection.layout import Layout
-from leto.recovery.rebuild import Rebuilder, RecoveryError, make_plan
+from leto.recovery.rebuild import Rebuilder, RecoveryError, Roles, assign_roles, make_plan
 from leto.training.optim import MASTER
 
 if TYPE_CHECKING:
@@ -54,7 +53,7 @@ def join(tr: Trainer, gen: int) -> dict:
     if rank is None:
         raise RecoveryError(f"process {job.proc_id} is not part of generation {gen}")
     tr.watch.advance(gen)
-    tr.generation, tr.plan, job.rank = gen, plan, rank
+    tr.generation, tr.plan, job.rank, job.world_size = gen, plan, rank, len(plan.proc_of_rank)
     if tr.comm is not None:
         tr.comm.close(abandon=True)
     tr.comm = Comm(store, gen, rank, tr.world_size, job.timeout_s, tr.watch.reason, job.device)
@@ -72,16 +71,21 @@ def join(tr: Trainer, gen: int) -> dict:
     if len(used) != 1:
         raise RecoveryError(f"keepers report different protection generations {sorted(used)}")
     used_gen = used.pop()
+    tr.settle_reshard(used_gen)
     layout = Layout.from_json(store.get(keys.layout(used_gen)))
-    writers = read_plan(store, used_gen).proc_of_rank  # who wrote the protection data
-    lost = {r for r in range(tr.world_size) if plan.proc_of_rank[r] != writers[r]}
+    roles = assign_roles(read_plan(store, used_gen), plan)  # the writers of the protection data
+    me = roles.old_rank_of.get(rank)
+    if me is None and not roles.reshard and tr.geometry != layout.geometry:
+        tr._allocate(layout.world_size)  # a shadow built for another world size adopts a rank
+    if me is not None and tr.geometry != layout.geometry:
+        raise RecoveryError(f"rank {rank} holds its shard in geometry {tr.geometry}, the protection data of "
+                            f"generation {used_gen} has {layout.geometry}")
     if tr.injector is not None:
         tr.injector.at("recovery", tr.step_count + 1, rank, plan.node_of_rank)
-    rplan = make_plan(layout, plan, reports, lost)
+    rplan = make_plan(layout, plan, reports, roles)
     T = rplan.step
-    adopted = rank in rplan.lost
     t_decode = time.time()
-    if not adopted:
+    if me is not None:
         tr.bring_to(T)
     repaired: list[str] = []
     while True:
@@ -97,21 +101,66 @@ def join(tr: Trainer, gen: int) -> dict:
             raise RecoveryError(f"decoded state failed its checksums ({what}) and no other redundancy "
                                 f"is left: stopping rather than continue on corrupt state")
         repaired += [f"tier-1 data of node {n} failed its checksums; rebuilt from tier 2" for n in bad["tier1"]]
-        rplan = make_plan(layout, plan, reports, lost, frozenset(bad["tier1"]) | rplan.force_tier2)
-    if adopted:
-        _install(tr, rb, T)
-    tr.step_count = T
-    tr.param_shard.copy_(tr.state[:, MASTER, :].reshape(-1))
-    tr.comm.all_gather(tr.flat_param, tr.param_shard)
-    restore_s = time.time() - t_decode
-    if job.protection:
-        tr._protect(gen, T)
-    record = {"generation": gen, "failed_ranks": sorted(lost), "failed_nodes": list(plan.failed_nodes),
+        rplan = make_plan(layout, plan, reports, roles, frozenset(bad["tier1"]) | rplan.force_tier2)
+    g = layout.geometry
+
+    def update(old: torch.Tensor, grad: torch.Tensor, dst: torch.Tensor, step: int) -> None:
+        tr.optimizer.update(old, grad, dst, step, tr._scratch)
+
+    if roles.reshard:
+        shard, params = _reshard(tr, layout, roles, rb, T, me)
+        restore_s = time.time() - t_decode
+        tr.stage_reshard(gen, shard, params, T)
+        tr._protect(gen, T, shard)
+        tr.settle_reshard(gen)
+    else:
+        for r, q in roles.holder.items():
+            if q == rank and r in roles.lost:
+                dst = tr.bufs[T % len(tr.bufs)]
+                dst.copy_(rb.shard_at(r, g.n_chunks, g.chunk_elems, update))
+                tr.buf_step[T % len(tr.bufs)] = T
+        tr.step_count = T
+        tr.param_shard.copy_(tr.state[:, MASTER, :].reshape(-1))
+        tr.comm.all_gather(tr.flat_param, tr.param_shard)
+        restore_s = time.time() - t_decode
+        if job.protection:
+            tr._protect(gen, T)
+    record = {"generation": gen, "failed_ranks": list(roles.lost), "failed_nodes": list(plan.failed_nodes),
               "cause": plan.cause, "tier": rplan.tier, "step": T, "restore_s": round(restore_s, 4),
+              "world_size": tr.world_size, "resharded": roles.reshard,
               "join_s": round(time.time() - t0, 4), "repaired": repaired}
     if rank == 0:
         store.set(recovery_key(gen), json.dumps(record))
     return record
+
+
+def _reshard(tr: Trainer, layout: Layout, roles: Roles, rb: Rebuilder, T: int,
+             me: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every shard of the old layout at step T, exchanged through one BXOR all-reduce (each is
+    held by exactly one process; XOR with zeros keeps every bit, -0.0 included), then cut into
+    this rank's shard of the new world size. Returns (new shard, all parameters)."""
+    g = layout.geometry
+    full = torch.zeros(layout.world_size, g.n_chunks, 3, g.chunk_elems)
+    if me is not None:
+        full[me].copy_(tr.bufs[T % len(tr.bufs)])
+
+    def update(old: torch.Tensor, grad: torch.Tensor, dst: torch.Tensor, step: int) -> None:
+        tr.optimizer.update(old, grad, dst, step, tr._scratch)
+
+    for r in roles.lost:
+        if roles.holder[r] == tr.rank:
+            full[r].copy_(rb.shard_at(r, g.n_chunks, g.chunk_elems, update))
+    tr.comm.all_reduce(full.view(torch.int32), torch.distributed.ReduceOp.BXOR)
+    rows = full.transpose(1, 2).reshape(layout.world_size, 3, -1).transpose(0, 1).reshape(3, -1)  # [3, elements]
+    new = tr.geometry_for(tr.world_size)
+    n = new.n_chunks * new.chunk_elems
+    shard = torch.zeros(3, n)
+    lo = tr.rank * n
+    hi = min(lo + n, tr.numel)
+    if hi > lo:
+        shard[:, :hi - lo].copy_(rows[:, lo:hi])
+    shard = shard.view(3, new.n_chunks, new.chunk_elems).transpose(0, 1).contiguous()
+    return shard, rows[MASTER, :tr.numel].clone()
 
 
 def _agree_on_corruption(tr: Trainer, layout: Layout, corrupt: set[tuple[str, int]]) -> dict[str, list[int]]:
@@ -128,21 +177,3 @@ def _agree_on_corruption(tr: Trainer, layout: Layout, corrupt: set[tuple[str, in
 def _subgroup(tr: Trainer, gen: int, name: str, members: tuple[int, ...]) -> Comm:
     return Comm(tr.job.store, gen, members.index(tr.rank), len(members), tr.job.timeout_s, tr.watch.reason,
                 tr.job.device, name=name)
-
-
-def _install(tr: Trainer, rb: Rebuilder, T: int) -> None:
-    """An adopter writes the decoded chunks at step T, replaying those still at T-1."""
-    dst = tr.bufs[T % len(tr.bufs)]
-    missing = [c for c in range(tr.n_chunks) if c not in rb.result_state]
-    if missing:
-        raise RecoveryError(f"rank {tr.rank}: chunks {missing} were not rebuilt")
-    scratch = torch.zeros(3, tr.chunk_elems)
-    for c in range(tr.n_chunks):
-        data = torch.from_numpy(rb.result_state[c].view(np.float32).reshape(3, tr.chunk_elems))
-        if rb.result_version[c] == T:
-            dst[c].copy_(data)
-        else:  # replay the interrupted update of this chunk
-            grad = torch.from_numpy(rb.result_grad[c].view(np.float32))
-            scratch.copy_(data)
-            tr.optimizer.update(scratch, grad, dst[c], T, tr._scratch)
-    tr.buf_step[T % len(tr.bufs)] = T

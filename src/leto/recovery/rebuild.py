@@ -39,11 +39,46 @@ def recovery_step(reports: dict[int, dict]) -> int:
 
 
 @dataclass(frozen=True)
+class Roles:
+    """Who is who between the generation that wrote the protection data (old ranks, the layout's
+    numbering) and the new generation (new ranks, the process group's numbering)."""
+
+    old_rank_of: dict[int, int]   # new rank -> the old rank it wrote (survivors only)
+    holder: dict[int, int]        # old rank -> new rank that holds its state after the rebuild
+    lost: tuple[int, ...]         # old ranks whose writer is gone
+    reshard: bool                 # the new generation shards the state differently
+
+
+def assign_roles(writers: Plan, new: Plan) -> Roles:
+    """Survivors keep their own shard; a newcomer at a lost rank's number adopts it (same world
+    size: no resharding). Otherwise (shrink, grow) the lost shards are decoded by survivors (one
+    on the same node preferred: node-local tier-1 traffic) and the whole state is resharded."""
+    old_rank_of = {q: writers.proc_of_rank.index(p) for q, p in enumerate(new.proc_of_rank)
+                   if p in writers.proc_of_rank}
+    holder = {r: q for q, r in old_rank_of.items()}
+    lost = tuple(r for r in range(len(writers.proc_of_rank)) if r not in holder)
+    newcomers = [q for q in range(len(new.proc_of_rank)) if q not in old_rank_of]
+    identity = len(new.proc_of_rank) == len(writers.proc_of_rank) and set(newcomers) == set(lost) \
+        and all(old_rank_of.get(q, q) == q for q in range(len(new.proc_of_rank)))
+    if identity:
+        holder.update({r: r for r in lost})
+        return Roles(old_rank_of, holder, lost, False)
+    candidates = sorted(old_rank_of) or newcomers
+    load = dict.fromkeys(candidates, 0)
+    for r in lost:
+        q = min(candidates, key=lambda q: (new.node_of_rank[q] != writers.node_of_rank[r], load[q], q))
+        holder[r] = q
+        load[q] += 1
+    return Roles(old_rank_of, holder, lost, True)
+
+
+@dataclass(frozen=True)
 class Tier1Job:
     node: int
-    lost_rank: int
+    lost_rank: int             # old rank
     members: tuple[int, ...]   # new-generation ranks in the decode group (sorted)
     reader: int                # member that reads the keeper's shared memory
+    holder: int                # member that keeps the decoded state
 
 
 @dataclass(frozen=True)
@@ -57,37 +92,39 @@ class Tier2Job:
 @dataclass
 class RebuildPlan:
     step: int
-    lost: tuple[int, ...]
+    roles: Roles
     tier1: list[Tier1Job]
     tier2: list[Tier2Job]
     force_tier2: frozenset[int] = frozenset()
+
+    @property
+    def lost(self) -> tuple[int, ...]:
+        return self.roles.lost
 
     @property
     def tier(self) -> str:
         return "tier2" if self.tier2 else ("tier1" if self.tier1 else "none")
 
 
-def make_plan(layout: Layout, new: Plan, reports: dict[int, dict], lost_ranks: set[int],
+def make_plan(layout: Layout, new: Plan, reports: dict[int, dict], roles: Roles,
               force_tier2: frozenset[int] = frozenset()) -> RebuildPlan:
-    """Which tier rebuilds which lost rank, and who contributes. A rank is lost when its
-    process differs from the one the protection data was written by. Nodes in `force_tier2`
-    are rebuilt from tier 2 (their tier-1 data failed its checksums)."""
+    """Which tier rebuilds which lost rank, and who contributes. Nodes in `force_tier2` are
+    rebuilt from tier 2 (their tier-1 data failed its checksums)."""
     step = recovery_step(reports)
-    lost = tuple(sorted(lost_ranks))
-    new_node = new.node_of_rank
+    lost = roles.lost
     tier1, t2_nodes = [], set()
     for n in layout.nodes:
         lost_here = [r for r in layout.local_ranks(n) if r in lost]
         if not lost_here:
             continue
-        members = sorted({r for r in range(new_node.__len__()) if new_node[r] == n} | set(lost_here))
-        readers = [r for r in members if new_node[r] == n]
+        readers = [q for q, node in enumerate(new.node_of_rank) if node == n]
         if n in reports and len(lost_here) == 1 and readers and n not in force_tier2:
-            tier1.append(Tier1Job(n, lost_here[0], tuple(members), readers[0]))
+            holder = roles.holder[lost_here[0]]
+            tier1.append(Tier1Job(n, lost_here[0], tuple(sorted(set(readers) | {holder})), readers[0], holder))
         else:
             t2_nodes.add(n)
     tier2 = _tier2_jobs(layout, new, reports, t2_nodes, lost) if t2_nodes else []
-    return RebuildPlan(step, lost, tier1, tier2, force_tier2)
+    return RebuildPlan(step, roles, tier1, tier2, force_tier2)
 
 
 def _tier2_jobs(layout: Layout, new: Plan, reports: dict[int, dict], lost_nodes: set[int],
@@ -138,11 +175,12 @@ class Rebuilder:
         self.chunk, self.grad = chunk, grad   # (version step, chunk index) -> this rank's own data
         self.comm, self.subgroup = comm, subgroup
         self.regions: dict[int, Region] = {}
+        self.me = plan.roles.old_rank_of.get(rank)   # the old rank this process wrote, if any
         g = layout.geometry
-        self.result_state: dict[int, np.ndarray] = {}   # chunk -> bytes (for an adopter)
-        self.result_version: dict[int, int] = {}
-        self.result_crc: dict[int, int] = {}
-        self.result_grad: dict[int, np.ndarray] = {}
+        # (old rank, chunk) -> decoded bytes, kept by the holder of that lost rank
+        self.result_state: dict[tuple[int, int], np.ndarray] = {}
+        self.result_version: dict[tuple[int, int], int] = {}
+        self.result_grad: dict[tuple[int, int], np.ndarray] = {}
         self.corrupt: set[tuple[str, int]] = set()   # ("tier1", node) / ("tier2", stripe) that failed checksums
         self.sb, self.gb = g.state_bytes, g.grad_bytes
 
@@ -175,17 +213,17 @@ class Rebuilder:
                 raise RecoveryError(f"tier-1 gradients of step {T} on node {job.node} are incomplete")
             acc[:, :self.sb] ^= region["p1"]
             acc[:, self.sb:] ^= region["g1"][b]
-        if self.rank != job.lost_rank and lay.node_of_rank[self.rank] == job.node:
-            w = lay.local_index(self.rank)
+        if self.me is not None and lay.node_of_rank[self.me] == job.node:
+            w = lay.local_index(self.me)
             for c in range(n):
                 v = rep["v1"][w][c]
                 xor_into(acc[c, :self.sb], as_bytes(self.chunk(v, c)))
                 xor_into(acc[c, self.sb:], as_bytes(self.grad(T, c)))
         comm = self.subgroup(f"t1n{job.node}", job.members)
         comm.all_reduce(buf, dist.ReduceOp.BXOR)
-        if self.rank == job.lost_rank:
+        if self.rank == job.holder:
             for c in range(n):
-                if not self._keep(c, acc[c, :self.sb], rep["v1"][w_lost][c], rep["crc1"][w_lost][c],
+                if not self._keep(job.lost_rank, c, acc[c, :self.sb], rep["v1"][w_lost][c], rep["crc1"][w_lost][c],
                                   acc[c, self.sb:], rep["gcrc1"][w_lost][b][c]):
                     self.corrupt.add(("tier1", job.node))
 
@@ -205,7 +243,7 @@ class Rebuilder:
                 seg = s.segment_of(s.data_nodes[blk])
                 for i in range(L):
                     src = lay.source_of(node, seg * L + i)
-                    if src is None or src[0] != self.rank:
+                    if src is None or src[0] != self.me:
                         continue
                     v = rep["v2"][blk][i]
                     data, grad = as_bytes(self.chunk(v, src[1])), as_bytes(self.grad(T, src[1]))
@@ -226,20 +264,37 @@ class Rebuilder:
             seg = s.segment_of(s.data_nodes[e])
             for i in range(L):
                 src = lay.source_of(node, seg * L + i)
-                if src is None or src[0] != self.rank or src[0] not in self.plan.lost:
+                if src is None or src[0] not in self.plan.lost or self.plan.roles.holder[src[0]] != self.rank:
                     continue
-                if not self._keep(src[1], acc[mi, i, :self.sb], rep["v2"][e][i], rep["crc2"][e][i],
+                if not self._keep(src[0], src[1], acc[mi, i, :self.sb], rep["v2"][e][i], rep["crc2"][e][i],
                                   acc[mi, i, self.sb:], rep["gcrc2"][e][b][i]):
                     self.corrupt.add(("tier2", s.index))
 
-    def _keep(self, c: int, state: np.ndarray, version: int, crc: int, grad: np.ndarray, gcrc: int) -> bool:
-        """Keep a decoded chunk if its version and checksums are right; False if it is corrupt."""
+    def _keep(self, r: int, c: int, state: np.ndarray, version: int, crc: int, grad: np.ndarray, gcrc: int) -> bool:
+        """Keep decoded chunk `c` of lost rank `r` if its version and checksums are right;
+        False if it is corrupt."""
         T = self.plan.step
         if version not in (T - 1, T) or checksum(state) != crc:
             return False
         if version == T - 1 and checksum(grad) != gcrc:
             return False
-        self.result_state[c], self.result_version[c] = state.copy(), version
+        self.result_state[r, c], self.result_version[r, c] = state.copy(), version
         if version == T - 1:
-            self.result_grad[c] = grad.copy()
+            self.result_grad[r, c] = grad.copy()
         return True
+
+    def shard_at(self, r: int, n_chunks: int, chunk_elems: int, update: Callable) -> torch.Tensor:
+        """Lost rank `r`'s decoded shard at the recovery step ([n_chunks, 3, chunk_elems]),
+        replaying the interrupted update of chunks still one step behind."""
+        T = self.plan.step
+        missing = [c for c in range(n_chunks) if (r, c) not in self.result_state]
+        if missing:
+            raise RecoveryError(f"rank {r}: chunks {missing} were not rebuilt")
+        out = torch.empty(n_chunks, 3, chunk_elems)
+        for c in range(n_chunks):
+            data = torch.from_numpy(self.result_state[r, c].view(np.float32).reshape(3, chunk_elems))
+            if self.result_version[r, c] == T:
+                out[c].copy_(data)
+            else:
+                update(data.clone(), torch.from_numpy(self.result_grad[r, c].view(np.float32)), out[c], T)
+        return out

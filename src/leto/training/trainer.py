@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from leto.control import runtime as rt
 from leto.control.comm import Comm, PeerFailure
-from leto.control.membership import GenerationWatch, Plan, plan_key, read_plan
+from leto.control.membership import GenerationWatch, Plan, plan_key, read_plan, warm_key
 from leto.control.runtime import FATAL_KEY, RESULT_KEY, Job
 from leto.protection import keys
 from leto.protection.client import Protector
@@ -49,12 +49,31 @@ class Trainer:
         self.optimizer = optimizer or AdamW()
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.numel = sum(p.numel() for p in self.params)
-        world = job.world_size
         self.chunk_elems = chunk_bytes // (_STATE_ROWS * 4)
-        self.n_chunks = -(-self.numel // (world * self.chunk_elems))
+        self._allocate(job.world_size)
+        self.buf_step[0] = 0
+        self.generation = 0
+        self._pending_reshard: tuple[int, int, torch.Tensor, torch.Tensor, int] | None = None
+        self.recoveries: list[dict] = []
+        specs = json.loads(os.environ.get(rt.ENV_INJECT, "[]"))
+        self.injector = Injector(job.store, specs, job.run_dir, job.proc_id) if specs else None
+        self._scratch = torch.zeros(self.chunk_elems, device=job.device)
+        self._loss = torch.zeros(1, device=job.device)
+        self.step_count = 0  # optimizer steps applied
+        self.last_loss = float("nan")
+        self.comm: Comm | None = None
+        self.protector: Protector | None = None
+        self.watch: GenerationWatch | None = None
+        self.plan: Plan | None = None
+        self._t_last = time.perf_counter()
+
+    def _allocate(self, shards: int) -> None:
+        """Build the flat buffers for ZeRO-1 over `shards` ranks (again after a resize), keeping
+        the parameter values; the shard buffers start empty."""
+        dev = self.job.device
+        self.n_chunks = -(-self.numel // (shards * self.chunk_elems))
         self.shard_elems = self.n_chunks * self.chunk_elems
-        dev = job.device
-        self.flat_param = torch.zeros(world * self.shard_elems, device=dev)
+        self.flat_param = torch.zeros(shards * self.shard_elems, device=dev)
         self.flat_grad = torch.zeros_like(self.flat_param)
         offset = 0
         for p in self.params:  # parameters and gradients become views of the flat buffers
@@ -64,25 +83,38 @@ class Trainer:
             p.grad = self.flat_grad[offset:offset + n].view_as(p)
             offset += n
         # Protection keeps two versions of the shard (ping-pong by step parity, see docs/protection.md)
-        copies = 2 if job.protection else 1
+        copies = 2 if self.job.protection else 1
         self.bufs = [torch.zeros(self.n_chunks, _STATE_ROWS, self.chunk_elems, device=dev) for _ in range(copies)]
         self.gbufs = [torch.zeros(self.n_chunks, self.chunk_elems, device=dev) for _ in range(copies)]
-        self.buf_step = [0] + [-1] * (copies - 1)   # the step each state buffer holds
-        self.gbuf_step = [-1] * copies              # the step each gradient buffer holds
-        self.generation = 0
-        self.recoveries: list[dict] = []
-        specs = json.loads(os.environ.get(rt.ENV_INJECT, "[]"))
-        self.injector = Injector(job.store, specs, job.run_dir, job.proc_id) if specs else None
+        self.buf_step = [-1] * copies   # the step each state buffer holds
+        self.gbuf_step = [-1] * copies  # the step each gradient buffer holds
         self.param_shard = torch.zeros(self.shard_elems, device=dev)
-        self._scratch = torch.zeros(self.chunk_elems, device=dev)
-        self._loss = torch.zeros(1, device=dev)
-        self.step_count = 0  # optimizer steps applied
-        self.last_loss = float("nan")
-        self.comm: Comm | None = None
-        self.protector: Protector | None = None
-        self.watch: GenerationWatch | None = None
-        self.plan: Plan | None = None
-        self._t_last = time.perf_counter()
+
+    def reshard(self, shards: int, shard: torch.Tensor, params: torch.Tensor, step: int) -> None:
+        """Switch to ZeRO-1 over `shards` ranks holding `shard` ([n_chunks, 3, chunk_elems]) at
+        `step`, with parameters `params` (after a shrink or grow)."""
+        self._allocate(shards)
+        if shard.shape != self.bufs[0].shape:
+            raise RecoveryError(f"resharded state has shape {tuple(shard.shape)}, expected {tuple(self.bufs[0].shape)}")
+        self.bufs[step % len(self.bufs)].copy_(shard)
+        self.buf_step[step % len(self.bufs)] = step
+        self.flat_param[:self.numel].copy_(params[:self.numel])
+        self.step_count = step
+
+    def stage_reshard(self, generation: int, shard: torch.Tensor, params: torch.Tensor, step: int) -> None:
+        """Hold a resharded state until the protection of `generation` commits: until then the
+        old shard is what the keepers protect, and a second failure must find it intact."""
+        self._pending_reshard = (generation, self.world_size, shard, params, step)
+
+    def settle_reshard(self, committed: int) -> None:
+        """Generation `committed` is the one the keepers protect: switch to the state staged for
+        it, or drop a staged state that never got protected."""
+        pending, self._pending_reshard = self._pending_reshard, None
+        if pending is not None and pending[0] == committed:
+            self.reshard(*pending[1:])
+
+    def geometry_for(self, shards: int) -> Geometry:
+        return Geometry(-(-self.numel // (shards * self.chunk_elems)), self.chunk_elems)
 
     @property
     def state(self) -> torch.Tensor:
@@ -117,17 +149,21 @@ class Trainer:
         if job.protection and self.plan is not None:
             self._protect(0, self.step_count)
 
-    def _protect(self, generation: int, base_step: int) -> None:
-        """Start protection of this generation: encode the full state at `base_step`."""
+    def _protect(self, generation: int, base_step: int, state: torch.Tensor | None = None) -> None:
+        """Start protection of this generation: encode the full state at `base_step` (this
+        rank's current shard, or `state` when the generation shards differently)."""
+        state = self.state if state is None else state
         if self.protector is not None:
             self.protector.close()
+            self.protector = None
         if self.rank == 0:
-            layout = Layout(generation, base_step, self.geometry, self.plan.node_of_rank, self.job.ec)
+            geometry = Geometry(state.shape[0], self.chunk_elems)
+            layout = Layout(generation, base_step, geometry, self.plan.node_of_rank, self.job.ec)
             self.job.store.set(keys.layout(generation), layout.to_json())
         layout = Layout.from_json(self.job.store.get(keys.layout(generation)))
         self.protector = Protector(self.job.store, layout, self.rank, self.job.job_id, self.job.timeout_s,
                                    self.watch.reason)
-        self.protector.stage_deltas(base_step, None, self.state)
+        self.protector.stage_deltas(base_step, None, state)
         self.protector.wait_delta_commit(base_step)
 
     # ----- the training loop
@@ -297,6 +333,7 @@ class Trainer:
         """A shadow waits, fully initialized, until a generation names it; False at shutdown."""
         from leto.recovery.inplace import join
         gen = 1
+        self.job.store.set(warm_key(self.job.proc_id), "1")
         while not self.job.shutdown_requested():
             try:  # returns as soon as generation `gen` is announced
                 self.job.store.wait([plan_key(gen)], timedelta(seconds=0.5))
