@@ -20,7 +20,7 @@ from leto.bench.runs import (LETO, SEGMENTS, TOLERANCE, WINDOW, BenchInterrupted
 from leto.training.model import PRESETS
 
 DEFAULT_STEPS = 40
-SPARES_VARIANT = 3    # node loss: with 2 nodes, shadows alternate nodes, so 3 leave 2 warm on the survivor
+SPARES_VARIANT = 3    # node loss: 1 shadow for 2 lost ranks shrinks the job; 3 (alternating nodes) leave 2 on the survivor
 FAILURES = {"worker": "kill", "node": "node-kill"}
 FAILURE_ORDER = ("worker", "node")
 TITLES = {"worker": "worker SIGKILL", "node": "whole-node loss"}
