@@ -80,6 +80,14 @@ def test_window_and_tolerance_are_parameters() -> None:
     assert analyze_recovery(recs, 1.05, tolerance=1.5, window=7)["recovery_s"] is None
 
 
+def test_speed_is_judged_over_the_window_not_step_by_step() -> None:
+    """One noisy step does not hide that throughput is back: 0.16 + 0.1 + 0.1 <= 3 x 1.25 x 0.1."""
+    recs = steps_every(1, 10, 0.1, 0.1) + [{"step": 11, "step_s": 0.16, "time": 2.0}] + steps_every(12, 4, 2.1, 0.1)
+    assert analyze_recovery(recs, 1.05)["recovery_s"] == pytest.approx(2.0 - 1.05)
+    recs[10]["step_s"] = 0.2  # 0.4 > 0.375: the window starting at step 12 is the first at speed
+    assert analyze_recovery(recs, 1.05)["recovery_s"] == pytest.approx(2.1 - 1.05)
+
+
 def test_torchft_heal_is_off_the_critical_path() -> None:
     recs = steps_every(1, 10, 0.1, 0.1) + [{"event": "failure", "time": 1.1}]
     recs += steps_every(11, 5, 2.0, 0.1) + [{"event": "heal", "time": 2.5, "restore_s": 0.3}]

@@ -1,0 +1,73 @@
+"""CPU time of a job's processes by role, sampled from /proc while the job runs.
+
+The overhead benchmark uses it to say what protection costs in CPU (keepers, workers' staging)
+and not only in step time: on a machine whose cores the training already fills, every CPU
+second the keepers spend shows up in the step time.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """user + system CPU seconds of a live process, None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime (fields 14 and 15)
+
+
+class CpuSampler:
+    """Samples every process in a run's procs.json every `every_s` seconds, in a thread."""
+
+    def __init__(self, run_dir: Path, every_s: float = 0.1) -> None:
+        self.run_dir, self.every_s = run_dir, every_s
+        self.times: list[float] = []
+        self.samples: list[dict[str, float]] = []   # role -> CPU seconds of its live processes so far
+        self._last: dict[int, tuple[str, float]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="leto-cpu-sampler")
+
+    def __enter__(self) -> CpuSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                procs = json.loads((self.run_dir / "procs.json").read_text())
+            except (OSError, json.JSONDecodeError):
+                continue
+            for p in procs:
+                if p["role"] == "controller":
+                    continue
+                cpu = cpu_seconds(p["pid"])
+                if cpu is not None:  # a process keeps its role of first sight (shadows may adopt)
+                    role = self._last.get(p["pid"], (p["role"], 0.0))[0]
+                    self._last[p["pid"]] = (role, cpu)
+            totals: dict[str, float] = {}
+            for role, cpu in self._last.values():
+                totals[role] = totals.get(role, 0.0) + cpu
+            self.times.append(time.time())
+            self.samples.append(totals)
+
+    def between(self, t0: float, t1: float) -> dict[str, float]:
+        """CPU seconds each role used between two wall-clock times (nearest samples)."""
+        if not self.times:
+            return {}
+        a = self.samples[min(bisect.bisect_left(self.times, t0), len(self.times) - 1)]
+        b = self.samples[min(bisect.bisect_left(self.times, t1), len(self.times) - 1)]
+        return {role: round(b.get(role, 0.0) - a.get(role, 0.0), 4) for role in b}
