@@ -15,6 +15,8 @@ from conftest import REPO
     (["train", "--spares", "-1"], "--spares cannot be negative"),
     (["train", "--model", "huge"], "unknown --model 'huge'"),
     (["train", "--chunk-bytes", "1000"], "--chunk-bytes must be a positive multiple of 12"),
+    (["train", "--protect-every", "0"], "--protect-every must be at least 1, got 0"),
+    (["run", "--protect-every", "2.5", "examples/minimal.py"], "argument --protect-every: invalid int value: '2.5'"),
     (["train", "--bogus"], "unrecognized arguments: --bogus"),
     (["train", "--workers", "many"], "invalid int value: 'many'"),
     (["run", "no/such/script.py"], "script 'no/such/script.py' not found"),

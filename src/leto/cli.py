@@ -34,6 +34,9 @@ def _add_job_flags(p: argparse.ArgumentParser, workers: int, spares: int, nodes:
                         "back when a shadow is ready), or wait for a newly started shadow (wait) [shrink]")
     p.add_argument("--ec", default="auto",
                    help="tier-2 code across nodes, k+m (e.g. 1+1, 3+1, 2+2) or none; auto: (nodes-1)+1 [auto]")
+    p.add_argument("--protect-every", type=int, default=1, metavar="N",
+                   help="protect the state every N steps (for very large models): a recovery redoes at most N "
+                        "steps plus the one in flight; costs one more shard of memory per worker [1]")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,6 +90,8 @@ def _check_job(args: argparse.Namespace, prog: str) -> None:
         raise UsageError(f"{prog}: error: --nodes ({args.nodes}) cannot exceed --workers ({args.workers})")
     if args.timeout <= 0:
         raise UsageError(f"{prog}: error: --timeout must be positive, got {args.timeout}")
+    if args.protect_every < 1:
+        raise UsageError(f"{prog}: error: --protect-every must be at least 1, got {args.protect_every}")
     args.ec = _tier2_code(args.ec, args.nodes, prog)
 
 
@@ -139,7 +144,8 @@ def _run(args: argparse.Namespace) -> int:
         command = [args.script, *args.script_args]
     run_dir = make_run_dir(args.run_dir, "leto run")
     spec = JobSpec(command, args.workers, args.spares, args.nodes, run_dir, args.timeout,
-                   protection=args.protection == "on", ec=args.ec, no_spare=args.no_spare)
+                   protection=args.protection == "on", ec=args.ec, protect_every=args.protect_every,
+                   no_spare=args.no_spare)
     return Controller(spec).run()
 
 
@@ -178,7 +184,8 @@ def _train(args: argparse.Namespace) -> int:
     command = ["-m", "leto.training.job", "--steps", str(args.steps), "--seed", str(args.seed),
                "--model", args.model, "--lr", str(args.lr), "--chunk-bytes", str(args.chunk_bytes)]
     spec = JobSpec(command, args.workers, args.spares, args.nodes, run_dir, args.timeout, total_steps=args.steps,
-                   protection=args.protection == "on", ec=args.ec, heartbeat_timeout_s=args.heartbeat_timeout,
+                   protection=args.protection == "on", ec=args.ec, protect_every=args.protect_every,
+                   heartbeat_timeout_s=args.heartbeat_timeout,
                    inject=args.inject, no_spare=args.no_spare)
     code = Controller(spec).run()
     summary = json.loads((run_dir / "summary.json").read_text())

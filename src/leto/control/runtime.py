@@ -22,6 +22,7 @@ ENV_TIMEOUT = "LETO_TIMEOUT_S"    # collective / store wait timeout
 ENV_JOB_ID = "LETO_JOB_ID"        # names the job's shared-memory files
 ENV_PROTECTION = "LETO_PROTECTION"  # on | off
 ENV_EC = "LETO_EC"                # tier-2 code "k+m", or "none"
+ENV_PROTECT_EVERY = "LETO_PROTECT_EVERY"  # protect the state every N steps (--protect-every)
 ENV_INJECT = "LETO_INJECT"        # fault injections, a JSON list of --inject specs
 
 SHUTDOWN_KEY = "control/shutdown"
@@ -46,6 +47,7 @@ class Job:
     job_id: str = "solo"
     protection: bool = False
     ec: tuple[int, int] | None = None
+    protect_every: int = 1
 
     @property
     def is_shadow(self) -> bool:
@@ -78,4 +80,4 @@ def init(device: str | None = None) -> Job:
     return Job(role, rank, int(os.environ[ENV_WORLD]), int(os.environ[ENV_NODE]),
                int(os.environ[ENV_NODES]), Path(run_dir) if run_dir else None, store,
                os.environ[ENV_PROC_ID], timeout_s, dev, os.environ.get(ENV_JOB_ID, "solo"),
-               os.environ.get(ENV_PROTECTION, "off") == "on", ec)
+               os.environ.get(ENV_PROTECTION, "off") == "on", ec, int(os.environ.get(ENV_PROTECT_EVERY, "1")))

@@ -119,7 +119,9 @@ class Keeper:
         self.W = len(layout.local_ranks(node))
         self.next_slot = [0] * self.W
         g = layout.geometry
-        self.nbytes = {KIND_GRAD: g.grad_bytes, KIND_DELTA: g.state_bytes}
+        self.interval = layout.protect_every > 1  # docs/protection.md, "Protection interval"
+        self.nbytes = {KIND_DELTA: g.state_bytes} if self.interval else \
+            {KIND_GRAD: g.grad_bytes, KIND_DELTA: g.state_bytes}
         self.idx = layout.nodes.index(node)
         # blocked point-to-point waits of an abandoned generation stay behind in their threads
         self.pg = dist.ProcessGroupGloo(dist.PrefixStore(keys.keeper_pg(self.gen), store), self.idx,
@@ -129,7 +131,7 @@ class Keeper:
         self.expected, self.real = self._expected_counts()
         self.links = {n: _Link(self, n, send=n in receivers, recv=n in senders)
                       for n in sorted(senders | receivers) if n != node}
-        # barrier sequence: D(base), G(base+1), D(base+1), ...
+        # barrier sequence: D(base), G(base+1), D(base+1), ...; with an interval D(base), D(P1), D(P2), ...
         self.next_barrier = (KIND_DELTA, layout.base_step)
         self.barrier_work: dist.Work | None = None
         self.barrier_buf = torch.zeros(1)
@@ -178,6 +180,8 @@ class Keeper:
     def _fold_local(self, kind: int, step: int, w: int, chunk: int, crc: int, payload: np.ndarray) -> None:
         r = self.region
         if kind == KIND_DELTA:
+            if self.interval:
+                self._keep_preimage("p1", "crc1", r["v1"][:, chunk], chunk, step)
             xor_into(r["p1"][chunk], payload)
             r["crc1"][w, chunk] = crc
             r["v1"][w, chunk] = step
@@ -220,6 +224,9 @@ class Keeper:
     def fold_remote(self, kind: int, step: int, stripe: int, p: int, i: int, crc: int, body: np.ndarray) -> None:
         r = self.region
         if kind == KIND_DELTA:
+            if self.interval:
+                real = [p for p in range(r[f"v2_{stripe}"].shape[0]) if self.real[(stripe, p)][i]]
+                self._keep_preimage(f"p2_{stripe}", f"crc2_{stripe}", r[f"v2_{stripe}"][real, i], i, step)
             xor_into(r[f"p2_{stripe}"][i], body)
             r[f"crc2_{stripe}"][p, i] = crc
             r[f"v2_{stripe}"][p, i] = step
@@ -233,6 +240,16 @@ class Keeper:
             xor_into(r[f"g2_{stripe}"][b, i], body)
             r[f"g2_count_{stripe}"][b, i] += 1
         r[f"gcrc2_{stripe}"][p, b, i] = crc
+
+    def _keep_preimage(self, parity: str, crc: str, versions: np.ndarray, i: int, step: int) -> None:
+        """Before the first delta of a later protected step lands on parity row `i`, keep the
+        row as it is while all its sources are at one step: recovery may have to decode at that
+        step while the row is half-way to the next one."""
+        r = self.region
+        if versions.size and versions.min() == versions.max() < step:
+            r[f"{parity}_pre"][i] = r[parity][i]
+            r[f"{crc}_pre"][..., i] = r[crc][..., i]
+            r[f"{parity}_pre_step"][i] = versions[0]
 
     # ----- completeness and agreement
     def grads_complete(self, step: int) -> bool:
@@ -248,13 +265,16 @@ class Keeper:
         return True
 
     def deltas_complete(self, step: int) -> bool:
+        return self.applied_step() >= step
+
+    def applied_step(self) -> int:
+        """The last step at which every source chunk's delta is folded here (lowest version)."""
         r = self.region
-        if not np.all(r["v1"] >= step):
-            return False
+        low = int(r["v1"].min())
         for (si, p), real in self.real.items():
-            if not np.all(r[f"v2_{si}"][p][real] >= step):
-                return False
-        return True
+            if real.any():
+                low = min(low, int(r[f"v2_{si}"][p][real].min()))
+        return low
 
     def _advance_barrier(self) -> bool:
         h = self.region.header
@@ -275,7 +295,8 @@ class Keeper:
                 h[H_DCOMMIT] = step
                 if step == self.layout.base_step:
                     self.store.set(keys.committed(self.gen, self.node), "1")
-                self.next_barrier = (KIND_GRAD, step + 1)
+                self.next_barrier = (KIND_DELTA, self.layout.next_protected(step)) if self.interval \
+                    else (KIND_GRAD, step + 1)
             else:
                 h[H_GCOMMIT] = step
                 self.next_barrier = (KIND_DELTA, step)
@@ -314,6 +335,15 @@ class Keeper:
         """What recovery needs from this keeper (after draining)."""
         r, h = self.region, self.region.header
         g = int(h[H_GCOMMIT])
+        if self.interval:  # no gradients; the step every delta is folded at, and the pre-images
+            out = {"node": self.node, "generation": self.gen, "d_commit": int(h[H_DCOMMIT]),
+                   "applied": self.applied_step(), "v1": r["v1"].tolist(), "crc1": r["crc1"].tolist(),
+                   "crc_pre": r["crc1_pre"].tolist(), "pre_step": r["p1_pre_step"].tolist(), "stripes": {}}
+            for si in self.parity:
+                out["stripes"][str(si)] = {"v2": r[f"v2_{si}"].tolist(), "crc2": r[f"crc2_{si}"].tolist(),
+                                           "crc_pre": r[f"crc2_{si}_pre"].tolist(),
+                                           "pre_step": r[f"p2_{si}_pre_step"].tolist()}
+            return out
         out = {"node": self.node, "generation": self.gen, "g_commit": g, "d_commit": int(h[H_DCOMMIT]),
                "grads_complete": [s for s in (g, g + 1) if self.grads_complete(s)],
                "v1": r["v1"].tolist(), "crc1": r["crc1"].tolist(), "gcrc1": r["gcrc1"].tolist(),

@@ -53,6 +53,16 @@ class Layout:
     ec: tuple[int, int] | None          # requested tier-2 code
     ring_slots: int = 16
     notes: tuple[str, ...] = field(default=())
+    protect_every: int = 1              # --protect-every: only every N-th step's state is protected
+
+    # ----- protection interval (docs/protection.md, "Protection interval")
+    def protects(self, step: int) -> bool:
+        """Whether the state at `step` is protected: the base step and, after it, every step
+        that is a multiple of `protect_every` (every step when it is 1)."""
+        return step == self.base_step or (step > self.base_step and step % self.protect_every == 0)
+
+    def next_protected(self, step: int) -> int:
+        return (step // self.protect_every + 1) * self.protect_every
 
     # ----- membership
     @cached_property
@@ -135,11 +145,12 @@ class Layout:
         return json.dumps({"generation": self.generation, "base_step": self.base_step,
                            "n_chunks": self.geometry.n_chunks, "chunk_elems": self.geometry.chunk_elems,
                            "node_of_rank": list(self.node_of_rank), "ec": list(self.ec) if self.ec else None,
-                           "ring_slots": self.ring_slots, "notes": list(self.notes)})
+                           "ring_slots": self.ring_slots, "notes": list(self.notes),
+                           "protect_every": self.protect_every})
 
     @staticmethod
     def from_json(text: str) -> Layout:
         d = json.loads(text)
         return Layout(d["generation"], d["base_step"], Geometry(d["n_chunks"], d["chunk_elems"]),
                       tuple(d["node_of_rank"]), tuple(d["ec"]) if d["ec"] else None, d["ring_slots"],
-                      tuple(d["notes"]))
+                      tuple(d["notes"]), d["protect_every"])

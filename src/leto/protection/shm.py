@@ -42,6 +42,9 @@ def _specs(layout: Layout, node: int) -> list[tuple[str, tuple[int, ...], type]]
         ("p1", (g.n_chunks, g.state_bytes), np.uint8),
         ("v1", (w, g.n_chunks), np.int64),
         ("crc1", (w, g.n_chunks), np.int64),
+    ]
+    interval = layout.protect_every > 1  # no gradients; parity pre-images instead ("Protection interval")
+    specs += _preimage_specs("p1", "crc1", (w,), g.n_chunks, g.state_bytes) if interval else [
         ("g1", (2, g.n_chunks, g.grad_bytes), np.uint8),
         ("g1_step", (2, g.n_chunks), np.int64),
         ("g1_count", (2, g.n_chunks), np.int64),
@@ -55,12 +58,22 @@ def _specs(layout: Layout, node: int) -> list[tuple[str, tuple[int, ...], type]]
                 (f"p2_{s.index}", (L, g.state_bytes), np.uint8),
                 (f"v2_{s.index}", (k, L), np.int64),
                 (f"crc2_{s.index}", (k, L), np.int64),
+            ]
+            specs += _preimage_specs(f"p2_{s.index}", f"crc2_{s.index}", (k,), L, g.state_bytes) if interval else [
                 (f"g2_{s.index}", (2, L, g.grad_bytes), np.uint8),
                 (f"g2_step_{s.index}", (2, L), np.int64),
                 (f"g2_count_{s.index}", (2, L), np.int64),
                 (f"gcrc2_{s.index}", (k, 2, L), np.int64),
             ]
     return specs
+
+
+def _preimage_specs(parity: str, crc: str, sources: tuple[int, ...], rows: int,
+                    row_bytes: int) -> list[tuple[str, tuple[int, ...], type]]:
+    """A parity array's pre-image: its rows at the step all their sources last agreed on, with
+    those sources' checksums and that step (`<parity>_pre`, `<crc>_pre`, `<parity>_pre_step`)."""
+    return [(f"{parity}_pre", (rows, row_bytes), np.uint8), (f"{crc}_pre", (*sources, rows), np.int64),
+            (f"{parity}_pre_step", (rows,), np.int64)]
 
 
 class Region:
@@ -92,10 +105,8 @@ class Region:
         for (name, shape, dtype), off in zip(specs, offsets):
             self.arrays[name] = np.ndarray(shape, dtype=dtype, buffer=self._mm, offset=off)
         if create:
-            for name in ("v1", "g1_step"):
-                self.arrays[name][...] = EMPTY
             for name, arr in self.arrays.items():
-                if name.startswith(("v2_", "g2_step_")):
+                if name in ("v1", "g1_step") or name.startswith(("v2_", "g2_step_")) or name.endswith("_pre_step"):
                     arr[...] = EMPTY
 
     def __getitem__(self, name: str) -> np.ndarray:

@@ -28,10 +28,13 @@ class RecoveryError(RuntimeError):
     """The lost state cannot be rebuilt exactly; the job must stop rather than go on wrong."""
 
 
-def recovery_step(reports: dict[int, dict]) -> int:
-    """The one step every rank is rebuilt at (docs/protection.md, "Recovery point")."""
+def recovery_step(reports: dict[int, dict], protect_every: int = 1) -> int:
+    """The one step every rank is rebuilt at (docs/protection.md, "Recovery point"; with
+    `protect_every` > 1, "Protection interval": the last step every surviving keeper holds whole)."""
     if not reports:
         raise RecoveryError("no keeper survived: there is no protection data to rebuild from")
+    if protect_every > 1:
+        return min(r["applied"] for r in reports.values())
     c = max(r["g_commit"] for r in reports.values())
     if all(c + 1 in r["grads_complete"] for r in reports.values()):
         return c + 1
@@ -110,7 +113,7 @@ def make_plan(layout: Layout, new: Plan, reports: dict[int, dict], roles: Roles,
               force_tier2: frozenset[int] = frozenset()) -> RebuildPlan:
     """Which tier rebuilds which lost rank, and who contributes. Nodes in `force_tier2` are
     rebuilt from tier 2 (their tier-1 data failed its checksums)."""
-    step = recovery_step(reports)
+    step = recovery_step(reports, layout.protect_every)
     lost = roles.lost
     tier1, t2_nodes = [], set()
     for n in layout.nodes:
@@ -182,7 +185,8 @@ class Rebuilder:
         self.result_version: dict[tuple[int, int], int] = {}
         self.result_grad: dict[tuple[int, int], np.ndarray] = {}
         self.corrupt: set[tuple[str, int]] = set()   # ("tier1", node) / ("tier2", stripe) that failed checksums
-        self.sb, self.gb = g.state_bytes, g.grad_bytes
+        self.interval = layout.protect_every > 1  # state only, all at the recovery step; no replay
+        self.sb, self.gb = g.state_bytes, 0 if self.interval else g.grad_bytes
 
     def _region(self, node: int) -> Region:
         if node not in self.regions:
@@ -205,26 +209,36 @@ class Rebuilder:
         rep = self.reports[job.node]
         w_lost = lay.local_index(job.lost_rank)
         b = T % 2
+        pre = [self._from_preimage([v[c] for v in rep["v1"]], rep["pre_step"][c], f"node {job.node} chunk {c}")
+               for c in range(n)] if self.interval else [False] * n
         buf = torch.zeros(n, self.sb + self.gb, dtype=torch.uint8)
         acc = buf.numpy()
         if self.rank == job.reader:
             region = self._region(job.node)
-            if any(s != T for s in region["g1_step"][b]):
-                raise RecoveryError(f"tier-1 gradients of step {T} on node {job.node} are incomplete")
-            acc[:, :self.sb] ^= region["p1"]
-            acc[:, self.sb:] ^= region["g1"][b]
+            if self.interval:
+                for c in range(n):
+                    acc[c] ^= region["p1_pre" if pre[c] else "p1"][c]
+            else:
+                if any(s != T for s in region["g1_step"][b]):
+                    raise RecoveryError(f"tier-1 gradients of step {T} on node {job.node} are incomplete")
+                acc[:, :self.sb] ^= region["p1"]
+                acc[:, self.sb:] ^= region["g1"][b]
         if self.me is not None and lay.node_of_rank[self.me] == job.node:
             w = lay.local_index(self.me)
             for c in range(n):
-                v = rep["v1"][w][c]
+                v = T if self.interval else rep["v1"][w][c]
                 xor_into(acc[c, :self.sb], as_bytes(self.chunk(v, c)))
-                xor_into(acc[c, self.sb:], as_bytes(self.grad(T, c)))
+                if not self.interval:
+                    xor_into(acc[c, self.sb:], as_bytes(self.grad(T, c)))
         comm = self.subgroup(f"t1n{job.node}", job.members)
         comm.all_reduce(buf, dist.ReduceOp.BXOR)
         if self.rank == job.holder:
             for c in range(n):
-                if not self._keep(job.lost_rank, c, acc[c, :self.sb], rep["v1"][w_lost][c], rep["crc1"][w_lost][c],
-                                  acc[c, self.sb:], rep["gcrc1"][w_lost][b][c]):
+                if self.interval:
+                    version, crc, gcrc = T, rep["crc_pre" if pre[c] else "crc1"][w_lost][c], 0
+                else:
+                    version, crc, gcrc = rep["v1"][w_lost][c], rep["crc1"][w_lost][c], rep["gcrc1"][w_lost][b][c]
+                if not self._keep(job.lost_rank, c, acc[c, :self.sb], version, crc, acc[c, self.sb:], gcrc):
                     self.corrupt.add(("tier1", job.node))
 
     # ----- tier 2: Reed-Solomon stripe decode over the whole new group
@@ -232,8 +246,12 @@ class Rebuilder:
         lay, T = self.layout, self.plan.step
         L, k = lay.segment_len, lay.tier2[0].k
         s, b = job.stripe, T % 2
-        rep = next(self.reports[lay.nodes[pn]]["stripes"][str(s.index)]
-                   for j, pn in enumerate(s.parity_nodes) if k + j in job.readers)
+        reps = {k + j: self.reports[lay.nodes[pn]]["stripes"][str(s.index)]
+                for j, pn in enumerate(s.parity_nodes) if k + j in job.readers}
+        first = next(iter(reps))
+        rep = reps[first]
+        # interval: which offsets each parity block reads from its pre-image
+        pre = {blk: self._stripe_preimage(s, r) for blk, r in reps.items()} if self.interval else {}
         missing = sorted(job.coeffs)
         buf = torch.zeros(len(missing), L, self.sb + self.gb, dtype=torch.uint8)
         acc = buf.numpy()
@@ -245,19 +263,25 @@ class Rebuilder:
                     src = lay.source_of(node, seg * L + i)
                     if src is None or src[0] != self.me:
                         continue
-                    v = rep["v2"][blk][i]
-                    data, grad = as_bytes(self.chunk(v, src[1])), as_bytes(self.grad(T, src[1]))
+                    v = T if self.interval else rep["v2"][blk][i]
+                    data = as_bytes(self.chunk(v, src[1]))
+                    grad = None if self.interval else as_bytes(self.grad(T, src[1]))
                     for mi, e in enumerate(missing):
                         scale_into(acc[mi, i, :self.sb], job.coeffs[e][bi], data)
-                        scale_into(acc[mi, i, self.sb:], job.coeffs[e][bi], grad)
+                        if grad is not None:
+                            scale_into(acc[mi, i, self.sb:], job.coeffs[e][bi], grad)
             elif job.readers[blk] == self.rank:
                 j = blk - k
                 region = self._region(lay.nodes[s.parity_nodes[j]])
-                p2, g2 = region[f"p2_{s.index}"], region[f"g2_{s.index}"][b]
+                p2 = region[f"p2_{s.index}"]
+                rows = [region[f"p2_{s.index}_pre"][i] if pre[blk][i] else p2[i] for i in range(L)] \
+                    if self.interval else p2
+                g2 = None if self.interval else region[f"g2_{s.index}"][b]
                 for mi, e in enumerate(missing):
                     for i in range(L):
-                        scale_into(acc[mi, i, :self.sb], job.coeffs[e][bi], p2[i])
-                        scale_into(acc[mi, i, self.sb:], job.coeffs[e][bi], g2[i])
+                        scale_into(acc[mi, i, :self.sb], job.coeffs[e][bi], rows[i])
+                        if g2 is not None:
+                            scale_into(acc[mi, i, self.sb:], job.coeffs[e][bi], g2[i])
         self.comm.all_reduce(buf, dist.ReduceOp.BXOR)
         for mi, e in enumerate(missing):
             node = lay.nodes[s.data_nodes[e]]
@@ -266,9 +290,33 @@ class Rebuilder:
                 src = lay.source_of(node, seg * L + i)
                 if src is None or src[0] not in self.plan.lost or self.plan.roles.holder[src[0]] != self.rank:
                     continue
-                if not self._keep(src[0], src[1], acc[mi, i, :self.sb], rep["v2"][e][i], rep["crc2"][e][i],
-                                  acc[mi, i, self.sb:], rep["gcrc2"][e][b][i]):
+                if self.interval:
+                    version, crc, gcrc = T, rep["crc_pre" if pre[first][i] else "crc2"][e][i], 0
+                else:
+                    version, crc, gcrc = rep["v2"][e][i], rep["crc2"][e][i], rep["gcrc2"][e][b][i]
+                if not self._keep(src[0], src[1], acc[mi, i, :self.sb], version, crc, acc[mi, i, self.sb:], gcrc):
                     self.corrupt.add(("tier2", s.index))
+
+    # ----- protection interval: every parity row at the recovery step, current or pre-image
+    def _from_preimage(self, versions: list[int], pre_step: int, where: str) -> bool:
+        """Whether a parity row's state at the recovery step is its pre-image (some source has
+        already folded in a later protected step) rather than the row itself (every source at T)."""
+        T = self.plan.step
+        if all(v == T for v in versions):
+            return False
+        if pre_step == T and min(versions) >= T:
+            return True
+        raise RecoveryError(f"{where}: no parity at the recovery step {T} (sources at steps "
+                            f"{sorted(set(versions))}, pre-image at step {pre_step})")
+
+    def _stripe_preimage(self, s: Stripe, rep: dict) -> list[bool]:
+        lay, L = self.layout, self.layout.segment_len
+        out = []
+        for i in range(L):
+            versions = [rep["v2"][p][i] for p, dn in enumerate(s.data_nodes)
+                        if lay.source_of(lay.nodes[dn], s.segment_of(dn) * L + i) is not None]
+            out.append(self._from_preimage(versions, rep["pre_step"][i], f"stripe {s.index} offset {i}"))
+        return out
 
     def _keep(self, r: int, c: int, state: np.ndarray, version: int, crc: int, grad: np.ndarray, gcrc: int) -> bool:
         """Keep decoded chunk `c` of lost rank `r` if its version and checksums are right;

@@ -65,6 +65,8 @@ class Trainer:
         self.protector: Protector | None = None
         self.watch: GenerationWatch | None = None
         self.plan: Plan | None = None
+        self.snap: torch.Tensor | None = None  # --protect-every > 1: the state at the last protected step
+        self.snap_step = -1
         self._t_last = time.perf_counter()
 
     def _allocate(self, shards: int) -> None:
@@ -84,10 +86,11 @@ class Trainer:
             offset += n
         # Protection keeps two versions of the shard (ping-pong by step parity, see docs/protection.md)
         copies = 2 if self.job.protection else 1
+        gcopies = copies if self.job.protect_every == 1 else 1  # an interval protects no gradients
         self.bufs = [torch.zeros(self.n_chunks, _STATE_ROWS, self.chunk_elems, device=dev) for _ in range(copies)]
-        self.gbufs = [torch.zeros(self.n_chunks, self.chunk_elems, device=dev) for _ in range(copies)]
+        self.gbufs = [torch.zeros(self.n_chunks, self.chunk_elems, device=dev) for _ in range(gcopies)]
         self.buf_step = [-1] * copies   # the step each state buffer holds
-        self.gbuf_step = [-1] * copies  # the step each gradient buffer holds
+        self.gbuf_step = [-1] * gcopies  # the step each gradient buffer holds
         self.param_shard = torch.zeros(self.shard_elems, device=dev)
 
     def reshard(self, shards: int, shard: torch.Tensor, params: torch.Tensor, step: int) -> None:
@@ -158,13 +161,16 @@ class Trainer:
             self.protector = None
         if self.rank == 0:
             geometry = Geometry(state.shape[0], self.chunk_elems)
-            layout = Layout(generation, base_step, geometry, self.plan.node_of_rank, self.job.ec)
+            layout = Layout(generation, base_step, geometry, self.plan.node_of_rank, self.job.ec,
+                            protect_every=self.job.protect_every)
             self.job.store.set(keys.layout(generation), layout.to_json())
         layout = Layout.from_json(self.job.store.get(keys.layout(generation)))
         self.protector = Protector(self.job.store, layout, self.rank, self.job.job_id, self.job.timeout_s,
                                    self.watch.reason)
         self.protector.stage_deltas(base_step, None, state)
         self.protector.wait_delta_commit(base_step)
+        if layout.protect_every > 1:  # the next protected step's deltas start from here
+            self.snap, self.snap_step = state.clone(), base_step
 
     # ----- the training loop
     def steps(self, total: int) -> Iterator[int]:
@@ -242,12 +248,17 @@ class Trainer:
         return self.gbufs[i][c]
 
     def bring_to(self, step: int) -> None:
-        """A survivor's own state at `step`: it holds it, or finishes the update of `step`."""
+        """A survivor's own state at `step`: it holds it, rolls back to its snapshot of the last
+        protected step (--protect-every > 1), or finishes the update of `step`."""
         n = len(self.bufs)
         if self.buf_step[step % n] == step:
             return
+        if self.snap_step == step:
+            self.bufs[step % n].copy_(self.snap)
+            self.buf_step[step % n] = step
+            return
         self.chunk_at(step - 1, 0)  # raises unless step-1 is held
-        old, grads, dst = self.bufs[(step - 1) % n], self.gbufs[step % n], self.bufs[step % n]
+        old, grads, dst = self.bufs[(step - 1) % n], self.gbufs[step % len(self.gbufs)], self.bufs[step % n]
         self.grad_at(step, 0)
         for c in range(self.n_chunks):
             self.optimizer.update(old[c], grads[c], dst[c], step, self._scratch)
@@ -258,22 +269,29 @@ class Trainer:
         t, n = self.step_count, len(self.bufs)
         prot, fault = self.protector, self._fault
         fault("forward", t + 1)
-        if prot is not None and t > prot.base:  # protect the update of step t (docs/protection.md)
+        every = prot.layout.protect_every if prot is not None else 1
+        if prot is not None and t > prot.base and every == 1:  # protect the update of step t (docs/protection.md)
             prot.wait_grad_commit(t)
             prot.stage_deltas(t, self.bufs[(t - 1) % n], self.bufs[t % n], lambda c: fault("parity", t + 1, c))
+        elif prot is not None and t > prot.base and prot.layout.protects(t):  # "Protection interval"
+            prot.stage_deltas(t, self.snap, self.bufs[t % n], lambda c: fault("parity", t + 1, c))
         self.flat_grad.zero_()
         loss = loss_fn()
         fault("backward", t + 1)
         (loss * w).backward()
         self._loss.fill_(loss.item() * w)
         self.comm.all_reduce(self._loss)
-        grads = self.gbufs[(t + 1) % n]
+        grads = self.gbufs[(t + 1) % len(self.gbufs)]
         fault("reduce-scatter", t + 1)
         self.comm.reduce_scatter(grads.view(-1), self.flat_grad)
-        self.gbuf_step[(t + 1) % n] = t + 1
-        if prot is not None:
+        self.gbuf_step[(t + 1) % len(self.gbufs)] = t + 1
+        if prot is not None and every == 1:
             prot.stage_grads(t + 1, grads, lambda c: fault("grads", t + 1, c))
             prot.wait_delta_commit(t)  # nobody needs step t-1 any more: its buffer may be overwritten
+        elif prot is not None and t - 1 > prot.base and prot.layout.protects(t - 1):
+            prot.wait_delta_commit(t - 1)  # the update overwrites protected step t-1: keep it
+            self.snap.copy_(self.bufs[(t - 1) % n])
+            self.snap_step = t - 1
         src, dst = self.bufs[t % n], self.bufs[(t + 1) % n]
         for c in range(self.n_chunks):
             fault("update", t + 1, c)
