@@ -192,3 +192,45 @@ def test_after_a_shrink_the_job_grows_back_when_a_shadow_is_ready(launcher, tmp_
     assert s["resizes"][0]["lost_steps"] <= 1
     check_trajectory(launcher, tmp_path, tmp_path / "run", *job)
     assert not no_process_left(tmp_path / "run")
+
+
+def _store(run_dir: Path):
+    from datetime import timedelta
+    import torch.distributed as dist
+    port = next(p for p in read_procs(run_dir) if p["role"] == "controller")["store_port"]
+    return dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
+
+
+def _recoveries(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r.get("event") == "recovery"]
+
+
+def test_replacement_shadows_are_forked_from_the_nodes_warm_zygote(launcher, tmp_path: Path) -> None:
+    """After an adoption the controller keeps --spares by forking the node's zygote (milliseconds,
+    no second torch import); the forked shadow is the controller's child (a subreaper) and adopts
+    the next lost rank."""
+    run_dir = tmp_path / "run"
+    ctl = launcher.start("train", "--run-dir", str(run_dir), *JOB[:-4], "--steps", "2000", "--seed", "0",
+                         run_dir=run_dir)
+    wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(step_records(run_dir)) >= 3, 120, "step 3")
+    store = _store(run_dir)
+    zygotes = [p["id"] for p in read_procs(run_dir) if p["role"] == "zygote"]
+    assert len(zygotes) == 2
+    wait_for(lambda: store.check([f"control/warm/{z}" for z in zygotes]), 120, "warm zygotes")
+    forked = None
+    for n, rank in enumerate((1, 2), start=1):
+        before = {p["pid"] for p in read_procs(run_dir)}
+        victim = next(p for p in read_procs(run_dir) if p["role"] == "worker" and p["rank"] == rank)
+        os.kill(victim["pid"], signal.SIGKILL)
+        wait_for(lambda: len(_recoveries(run_dir)) == n, 60, f"recovery {n}")
+        if forked is not None:  # the shadow forked after the first recovery adopted this rank
+            assert _recoveries(run_dir)[-1]["adopted_by"] == {str(rank): forked["id"]}
+        forked = wait_for(lambda: next((p for p in read_procs(run_dir) if p["role"] == "shadow"
+                                        and p["pid"] not in before), None), 60, "a replacement shadow")
+        assert store.check([f"control/forked/{forked['id']}"])  # made by a zygote, not started afresh
+        with open(f"/proc/{forked['pid']}/stat") as f:
+            assert int(f.read().rsplit(")", 1)[1].split()[1]) == ctl.pid  # its parent: the controller
+    ctl.send_signal(signal.SIGTERM)
+    ctl.communicate(timeout=60)
+    assert not no_process_left(run_dir)

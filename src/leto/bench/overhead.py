@@ -50,10 +50,16 @@ def memory_cost(model: str, workers: int, nodes: int, ec: tuple[int, int] | None
             "memory_overhead_with_worker_copies": round((keeper + second_copies) / protected, 4)}
 
 
+def _median_by_role(runs: list[dict[str, float]]) -> dict[str, float]:
+    roles = sorted({r for run in runs for r in run})
+    return {r: round(statistics.median(run.get(r, 0.0) for run in runs), 5) for r in roles}
+
+
 def main(args: argparse.Namespace) -> int:
     steps = args.steps or 40
     ec = default_code(NODES)
     off, on, prot = [], [], []
+    cpu: dict[bool, list[dict[str, float]]] = {False: [], True: []}
     with tempfile.TemporaryDirectory(prefix="leto-bench-") as tmp:
         for i in range(ROUNDS):  # interleaved so that machine load hits both alike
             for protection, sink in ((False, off), (True, on)):
@@ -61,6 +67,7 @@ def main(args: argparse.Namespace) -> int:
                 res = run_job(args.workers, steps + WARMUP_STEPS, args.model, d, nodes=NODES, protection=protection,
                               ec=ec if protection else None)
                 sink.append(steady_step_s(res["steps"]))
+                cpu[protection].append(res["cpu_s_per_step"])
                 if protection:
                     prot += res["steps"][WARMUP_STEPS:]
     step_off, step_on = statistics.median(off), statistics.median(on)
@@ -75,6 +82,7 @@ def main(args: argparse.Namespace) -> int:
            "protection_wait_s_per_step": round(statistics.mean(r.get("wait_s", 0) for r in prot), 6),
            "encode_gbps": round(codec["encode_gbps"], 2), "xor_gbps": round(codec["xor_gbps"], 2),
            "checksum_gbps": round(codec["checksum_gbps"], 2), "memcpy_gbps": round(codec["memcpy_gbps"], 2),
+           "cpu_s_per_step_off": _median_by_role(cpu[False]), "cpu_s_per_step_on": _median_by_role(cpu[True]),
            **{k: v for k, v in mem.items()}}
     if args.json:
         print(json.dumps(out))
@@ -84,6 +92,9 @@ def main(args: argparse.Namespace) -> int:
     print(f"  step time off {step_off * 1e3:.1f} ms, on {step_on * 1e3:.1f} ms: overhead ratio {out['overhead_ratio']:.3f}")
     print(f"  protection on the training thread per step: staging {out['protection_stage_s_per_step'] * 1e3:.2f} ms, "
           f"waiting for keepers {out['protection_wait_s_per_step'] * 1e3:.2f} ms (rank 0)")
+    c_off, c_on = out["cpu_s_per_step_off"], out["cpu_s_per_step_on"]
+    print(f"  CPU per step: workers {c_off.get('worker', 0) * 1e3:.0f} ms off, {c_on.get('worker', 0) * 1e3:.0f} ms on; "
+          f"keepers {c_on.get('keeper', 0) * 1e3:.0f} ms (all processes of a role, median of {ROUNDS} rounds)")
     print(f"  encode {out['encode_gbps']:.1f} GB/s, XOR {out['xor_gbps']:.1f} GB/s, crc32 {out['checksum_gbps']:.1f} GB/s, "
           f"memcpy {out['memcpy_gbps']:.1f} GB/s")
     print(f"  memory: keepers hold {out['memory_overhead']:.2f} B per protected B "

@@ -7,6 +7,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from leto.bench.cpu import CpuSampler
 from leto.control.controller import Controller, JobSpec
 from leto.training.model import PRESETS
 
@@ -15,16 +16,22 @@ WARMUP_STEPS = 5
 
 def run_job(workers: int, steps: int, model: str, run_dir: Path, extra: list[str] | None = None,
             spares: int = 0, nodes: int = 1, protection: bool = False, ec: tuple[int, int] | None = None) -> dict:
-    """Run the built-in job quietly; returns its summary and per-step records."""
+    """Run the built-in job quietly; returns its summary, per-step records and the CPU seconds
+    per step each role used over the steps after the warm-up."""
     run_dir.mkdir(parents=True, exist_ok=True)
     command = ["-m", "leto.training.job", "--steps", str(steps), "--model", model, *(extra or [])]
     spec = JobSpec(command, workers, spares, nodes, run_dir, quiet=True, protection=protection, ec=ec)
-    code = Controller(spec).run()
+    with CpuSampler(run_dir) as cpu:
+        code = Controller(spec).run()
     if code != 0:
         raise RuntimeError(f"benchmark job failed with exit code {code}; see {run_dir}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {"summary": json.loads((run_dir / "summary.json").read_text()),
-            "steps": [r for r in records if "event" not in r]}
+    steps_ = [r for r in records if "event" not in r]
+    measured = steps_[WARMUP_STEPS - 1:] if len(steps_) > WARMUP_STEPS else steps_
+    used = cpu.between(measured[0]["time"], measured[-1]["time"]) if len(measured) > 1 else {}
+    per_step = {role: round(v / (len(measured) - 1), 5) for role, v in used.items()}
+    return {"summary": json.loads((run_dir / "summary.json").read_text()), "steps": steps_,
+            "cpu_s_per_step": per_step}
 
 
 def steady_step_s(steps: list[dict]) -> float:

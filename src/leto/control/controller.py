@@ -21,10 +21,13 @@ import torch.distributed as dist
 from leto.console import MetricsTail, StepDisplay
 from leto.control import runtime as rt
 from leto.control.membership import DONE, Plan, heartbeat_key, plan_key, warm_key
+from leto.control.zygote import fork_key, forked_key
 from leto.protection import keys
 from leto.recovery.decision import Spare, grow_plan, next_plan
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+FORK_TIMEOUT_S = 2.0  # a zygote that does not deliver a shadow by then is passed over
 POLL_S = 0.01
 FAILURE_GRACE_S = 0.05
 HEARTBEAT_CHECK_S = 0.1
@@ -53,13 +56,44 @@ class JobSpec:
     env: dict[str, str] = field(default_factory=dict)
 
 
+class Forked:
+    """The Popen-like handle of a shadow forked by a zygote and reparented to the controller
+    (a child subreaper): poll, wait, signal and returncode like a Popen."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.returncode, self.args = pid, None, [f"<forked {pid}>"]
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere: it is gone, cause unknown
+                self.returncode = -signal.SIGKILL
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            time.sleep(1e-3)
+        return self.returncode  # type: ignore[return-value]
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+
 @dataclass
 class Proc:
     role: str
     rank: int | None
     node: int
     proc_id: str
-    popen: subprocess.Popen
+    popen: subprocess.Popen | Forked
 
     def record(self) -> dict:
         return {"role": self.role, "rank": self.rank, "node": self.node, "pid": self.popen.pid, "id": self.proc_id}
@@ -129,6 +163,7 @@ class Controller:
         self.max_step = 0
         self._last_beat_check = 0.0
         self._last_grow_check = 0.0
+        self._forks: dict[str, int] = {}       # zygote -> fork requests sent
 
     # ----- processes
     def _spawn(self, role: str, rank: int | None, node: int) -> Proc:
@@ -148,7 +183,7 @@ class Controller:
             env[rt.ENV_RANK] = str(rank)
         command = ["-m", "leto.protection.keeper"] if role == "keeper" else self.spec.command
         popen = subprocess.Popen([sys.executable, *command], env=env, start_new_session=True,
-                                 preexec_fn=_start_shadow if role == "shadow" else _die_with_parent)
+                                 preexec_fn=_start_shadow if role in ("shadow", "zygote") else _die_with_parent)
         proc = Proc(role, rank, node, proc_id, popen)
         self.procs.append(proc)
         return proc
@@ -191,6 +226,8 @@ class Controller:
         for stale in ("metrics.jsonl", "summary.json"):
             (self.run_dir / stale).unlink(missing_ok=True)
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        # shadows forked by zygotes are orphans: they are reparented here and supervised like children
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1)
         try:
             nodes = [node_of_rank(r, self.spec.workers, self.spec.nodes) for r in range(self.spec.workers)]
             workers = [self._spawn("worker", r, nodes[r]) for r in range(self.spec.workers)]
@@ -199,6 +236,9 @@ class Controller:
             self.store.set(plan_key(0), self.plan.to_json())
             for i in range(self.spec.spares):
                 self._spawn("shadow", None, i % self.spec.nodes)
+            if self.spec.spares and self.spec.protection:
+                for n in range(self.spec.nodes):
+                    self._spawn("zygote", None, n)
             if self.spec.protection:
                 for n in range(self.spec.nodes):
                     self._spawn("keeper", None, n)
@@ -397,14 +437,42 @@ class Controller:
 
     def _spare_node(self, lost_nodes: set[int]) -> int:
         live = [n for n in range(self.spec.nodes) if n not in lost_nodes | self.dead_keeper_nodes]
-        return min(live or [0], key=lambda n: sum(1 for p in self.procs if p.node == n and p.popen.poll() is None))
+        return min(live or [0], key=lambda n: sum(1 for p in self.procs if p.node == n and p.role != "zygote"
+                                                  and p.popen.poll() is None))
 
     def _replenish(self) -> None:
-        """Keep --spares shadows: start new ones in the background after adoptions."""
-        live = [p for p in self.procs if p.role == "shadow" and p.popen.poll() is None]
-        for _ in range(self.spec.spares - len(live)):
-            self._spawn("shadow", None, self._spare_node(set()))
+        """Keep --spares shadows: fork new ones from a warm zygote of the node (milliseconds),
+        else start them from scratch; restart zygotes that died on live nodes."""
+        live = [p for p in self.procs if p.role in ("shadow", "zygote") and p.popen.poll() is None]
+        if self.spec.spares and self.spec.protection:
+            for n in range(self.spec.nodes):
+                if n not in self.dead_keeper_nodes and not any(p.role == "zygote" and p.node == n for p in live):
+                    self._spawn("zygote", None, n)
+        for _ in range(self.spec.spares - sum(p.role == "shadow" for p in live)):
+            node = self._spare_node(set())
+            if self._fork_shadow(node) is None:
+                self._spawn("shadow", None, node)
         self._write_procs()
+
+    def _fork_shadow(self, node: int) -> Proc | None:
+        """Ask the node's warm zygote for a shadow; None if it has none ready in time."""
+        zygote = next((p for p in self.procs if p.role == "zygote" and p.node == node and p.popen.poll() is None
+                       and p.proc_id not in self.handled and self.store.check([warm_key(p.proc_id)])), None)
+        if zygote is None:
+            return None
+        self._seq += 1
+        proc_id = f"shadow-{self._seq}"
+        seq = self._forks.get(zygote.proc_id, 0)
+        self._forks[zygote.proc_id] = seq + 1
+        self.store.set(fork_key(zygote.proc_id, seq), json.dumps({"proc_id": proc_id, "node": node}))
+        deadline = time.monotonic() + FORK_TIMEOUT_S
+        while not self.store.check([forked_key(proc_id)]):
+            if time.monotonic() > deadline or zygote.popen.poll() is not None:
+                return None
+            time.sleep(1e-3)
+        proc = Proc("shadow", None, node, proc_id, Forked(int(self.store.get(forked_key(proc_id)))))
+        self.procs.append(proc)
+        return proc
 
     def _close_recoveries(self, rec: dict) -> None:
         """The first step completed after a recovery closes its record."""

@@ -9,6 +9,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from leto.control.runtime import connect
+
 DONE = "done"  # the heartbeat of a process that left the job on purpose
 CHECK_EVERY_S = 0.1  # how often a worker heartbeats (a new generation is noticed at once)
 
@@ -64,9 +66,7 @@ class GenerationWatch:
     """
 
     def __init__(self, addr: str, proc_id: str, generation: int, timeout_s: float) -> None:
-        host, port = addr.rsplit(":", 1)
-        self._store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                                    timeout=timedelta(seconds=timeout_s))
+        self._store = connect(addr, timeout_s)
         self.proc_id = proc_id
         self.generation = generation
         self._next: int | None = None

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 # The controller passes the membership to its children in these variables.
 ENV_STORE = "LETO_STORE"          # host:port of the controller's TCPStore
-ENV_ROLE = "LETO_ROLE"            # worker | shadow
+ENV_ROLE = "LETO_ROLE"            # worker | shadow | zygote
 ENV_RANK = "LETO_RANK"            # worker rank (absent for shadows)
 ENV_WORLD = "LETO_WORLD_SIZE"
 ENV_NODE = "LETO_NODE"
@@ -53,8 +53,19 @@ class Job:
     def is_shadow(self) -> bool:
         return self.role == "shadow"
 
+    @property
+    def is_zygote(self) -> bool:
+        return self.role == "zygote"
+
     def shutdown_requested(self) -> bool:
         return self.store.check([SHUTDOWN_KEY])
+
+
+def connect(addr: str, timeout_s: float) -> dist.TCPStore:
+    """A client of the controller's store at host:port."""
+    host, port = addr.rsplit(":", 1)
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
 
 
 def init(device: str | None = None) -> Job:
@@ -64,9 +75,7 @@ def init(device: str | None = None) -> Job:
     addr = os.environ.get(ENV_STORE)
     if addr is None:
         return Job("worker", 0, 1, 0, 1, None, dist.HashStore(), "solo", timeout_s, dev)
-    host, port = addr.rsplit(":", 1)
-    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
-                          wait_for_workers=False)
+    store = connect(addr, timeout_s)
     role = os.environ[ENV_ROLE]
     rank = int(os.environ[ENV_RANK]) if role == "worker" else None
     if dev.type == "cuda":

@@ -175,6 +175,12 @@ class Trainer:
     # ----- the training loop
     def steps(self, total: int) -> Iterator[int]:
         """Yield the step numbers to run (0-based); shadows wait here until the job ends."""
+        if self.job.is_zygote:  # forks shadows; returns in a fork, which is a shadow from here on
+            from leto.control.zygote import serve
+            if not serve(self.job):
+                return
+            if self.injector is not None:
+                self.injector.store, self.injector.proc_id = self.job.store, self.job.proc_id
         if self.job.is_shadow:
             if not self._wait_for_adoption():
                 return
