@@ -30,6 +30,7 @@ _PR_SET_CHILD_SUBREAPER = 36
 FORK_TIMEOUT_S = 2.0  # a zygote that does not deliver a shadow by then is passed over
 POLL_S = 0.01
 FAILURE_GRACE_S = 0.05
+NODE_GRACE_S = 0.5  # a dead keeper: how long the rest of its node gets to die (one node loss, not two events)
 HEARTBEAT_CHECK_S = 0.1
 MAX_GENERATIONS = 100  # a job that needs more recoveries than this is failing in a loop
 _GRACE_S = 5.0
@@ -270,6 +271,7 @@ class Controller:
                 if failed:  # processes of one node die within moments of each other: gather them
                     time.sleep(FAILURE_GRACE_S)
                     failed += self._find_failures()
+                    failed += self._await_nodes({p.node for p, _ in failed if p.role == "keeper"})
                     code = self._on_failures(failed)
                     if code is not None:
                         return code
@@ -282,6 +284,17 @@ class Controller:
                             self._close_recoveries(rec)
                     return 0
                 time.sleep(POLL_S)
+
+    def _await_nodes(self, nodes: set[int]) -> list[tuple[Proc, str]]:
+        """A dead keeper usually means its whole node is going down, and SIGKILLed processes are
+        reaped one by one (100+ ms apart on a loaded host): wait up to NODE_GRACE_S for the
+        node's other processes, so the node loss is decided as one event."""
+        deadline = time.monotonic() + NODE_GRACE_S
+        while nodes and time.monotonic() < deadline:
+            if not any(p.node in nodes and p.proc_id not in self.handled and p.popen.poll() is None for p in self.procs):
+                break
+            time.sleep(POLL_S)
+        return self._find_failures() if nodes else []
 
     def _find_failures(self) -> list[tuple[Proc, str]]:
         """Processes that died (any non-zero exit) or stopped heartbeating (fenced here)."""

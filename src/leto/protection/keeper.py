@@ -352,21 +352,24 @@ class Keeper:
             out["stripes"][str(si)] = {k: r[f"{k}_{si}"].tolist() for k in ("v2", "crc2", "gcrc2", "g2_step")}
         return out
 
-    def drain(self, live_nodes: set[int], timeout_s: float) -> dict:
-        """Apply everything staged and everything live peers sent, then report."""
+    def drain(self, live_nodes: set[int], timeout_s: float, abandoned: Callable[[], bool] = lambda: False) -> dict:
+        """Apply everything staged and everything live peers sent, then report. Waits for peers
+        end early once `abandoned()`: a later membership change (a peer died meanwhile) makes
+        this report moot, and the next drain must not sit out the timeout on a dead peer."""
         deadline = time.monotonic() + timeout_s
         while self._consume_slots() and time.monotonic() < deadline:
             pass
         for n, link in self.links.items():  # let our queued sends leave, then say how many
             if not link.bufs:
                 continue
-            while n in live_nodes and not link.idle() and link.error is None and time.monotonic() < deadline:
+            while n in live_nodes and not link.idle() and link.error is None and time.monotonic() < deadline \
+                    and not abandoned():
                 time.sleep(1e-3)
             self.store.set(keys.sent(self.gen, self.node, n), json.dumps(link.sent))
         for n, link in self.links.items():  # wait for what live senders sent us
             key = keys.sent(self.gen, n, self.node)
             while n in live_nodes and n in self.layout.senders_to(self.node) and link.error is None \
-                    and time.monotonic() < deadline:
+                    and time.monotonic() < deadline and not abandoned():
                 if self.store.check([key]):
                     want = {int(k): v for k, v in json.loads(self.store.get(key)).items()}
                     if all(link.received[k] >= v for k, v in want.items()):
@@ -385,11 +388,14 @@ class Keeper:
             self.region.unlink()
 
 
-def _report(committed: Keeper | None, live_nodes: set[int], job: rt.Job) -> dict:
-    """Drain and describe the last committed generation; a keeper with none says so."""
+def _report(committed: Keeper | None, plan: dict, job: rt.Job) -> dict:
+    """Drain and describe the last committed generation for the drain `plan`; a keeper with none
+    says so."""
     if committed is None:
         return {"node": job.node, "empty": True}
-    report = committed.drain(live_nodes, job.timeout_s)
+    later = keys.drain(int(plan["next_generation"]))
+    report = committed.drain(set(plan["live_nodes"]), job.timeout_s,
+                             lambda: job.shutdown_requested() or job.store.check([later]))
     report["generation_used"] = committed.gen
     return report
 
@@ -405,7 +411,7 @@ def main() -> None:
     while not job.shutdown_requested():
         if job.store.check([keys.drain(gen)]):  # abandoned before it started: report the committed one
             plan = json.loads(job.store.get(keys.drain(gen)))
-            job.store.set(keys.report(gen, node), json.dumps(_report(committed, set(plan["live_nodes"]), job)))
+            job.store.set(keys.report(gen, node), json.dumps(_report(committed, plan, job)))
             gen = int(plan["next_generation"])
             continue
         if not job.store.check([keys.layout(gen)]):
@@ -430,7 +436,7 @@ def main() -> None:
         if reason == "shutdown":
             break
         plan = json.loads(job.store.get(keys.drain(gen)))
-        job.store.set(keys.report(gen, node), json.dumps(_report(committed, set(plan["live_nodes"]), job)))
+        job.store.set(keys.report(gen, node), json.dumps(_report(committed, plan, job)))
         if current is not committed:
             current.close(unlink=True)
         gen = int(plan["next_generation"])
