@@ -180,10 +180,10 @@ def test_with_no_shadow_left_the_survivors_take_over_the_lost_shard(launcher, tm
 
 
 def test_after_a_shrink_the_job_grows_back_when_a_shadow_is_ready(launcher, tmp_path: Path) -> None:
-    """A node dies with one warm shadow for its two ranks: one rank is adopted, the job shrinks
-    to 3 ranks (the lost shard rebuilt from tier 2), and grows back to 4 once the replacement
-    shadow has warmed up."""
-    job = ("--workers", "4", "--nodes", "2", "--spares", "1", "--steps", "100", "--seed", "0")
+    """A node dies with one warm shadow for its two ranks and no zygote to fork another: one
+    rank is adopted, the job shrinks to 3 ranks (the lost shard rebuilt from tier 2), and grows
+    back to 4 once the replacement shadow, started from scratch, has warmed up."""
+    job = ("--workers", "4", "--nodes", "2", "--spares", "1", "--zygotes", "off", "--steps", "100", "--seed", "0")
     res, s = train(launcher, tmp_path / "run", *job, "--inject", "node-kill:node=1:step=6")
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     rec = s["recoveries"][0]
@@ -233,4 +233,28 @@ def test_replacement_shadows_are_forked_from_the_nodes_warm_zygote(launcher, tmp
             assert int(f.read().rsplit(")", 1)[1].split()[1]) == ctl.pid  # its parent: the controller
     ctl.send_signal(signal.SIGTERM)
     ctl.communicate(timeout=60)
+    assert not no_process_left(run_dir)
+
+
+def test_a_node_loss_beyond_the_warm_shadows_is_covered_by_a_fork(launcher, tmp_path: Path) -> None:
+    """Node 1 dies (workers 2 and 3, its shadow-less processes) with one warm shadow left: the
+    second lost rank is adopted by a shadow forked from node 0's zygote during the recovery, so
+    the job keeps 4 ranks and ends with the failure-free digest."""
+    job = (*JOB[:-4], "--steps", "60", "--seed", "0")
+    run_dir = tmp_path / "run"
+    ctl = launcher.start("train", "--run-dir", str(run_dir), *job, run_dir=run_dir)
+    wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(step_records(run_dir)) >= 3, 120, "step 3")
+    store = _store(run_dir)
+    zygotes = [p["id"] for p in read_procs(run_dir) if p["role"] == "zygote"]
+    wait_for(lambda: store.check([f"control/warm/{z}" for z in zygotes]), 120, "warm zygotes")
+    for p in read_procs(run_dir):
+        if p["node"] == 1:
+            os.kill(p["pid"], signal.SIGKILL)
+    out, err = ctl.communicate(timeout=240)
+    assert ctl.returncode == 0, err[-3000:]
+    s = json.loads((run_dir / "summary.json").read_text())
+    rec = s["recoveries"][0]
+    assert rec["failed_nodes"] == [1] and rec["failed_ranks"] == [2, 3] and rec["world_size"] == 4
+    assert any(store.check([f"control/forked/{pid}"]) for pid in rec["adopted_by"].values())
+    assert s["digest"] == reference_digest(launcher, tmp_path, *job)
     assert not no_process_left(run_dir)

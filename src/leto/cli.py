@@ -32,6 +32,9 @@ def _add_job_flags(p: argparse.ArgumentParser, workers: int, spares: int, nodes:
     p.add_argument("--no-spare", choices=["shrink", "wait"], default="shrink",
                    help="ranks lost with no shadow left: survivors take over their shards (shrink; the job grows "
                         "back when a shadow is ready), or wait for a newly started shadow (wait) [shrink]")
+    p.add_argument("--zygotes", choices=["on", "off"], default="on",
+                   help="one zygote per node forks replacement shadows in milliseconds instead of starting them "
+                        "(CPU jobs; costs one more warm copy of the model per node) [on]")
     p.add_argument("--ec", default="auto",
                    help="tier-2 code across nodes, k+m (e.g. 1+1, 3+1, 2+2) or none; auto: (nodes-1)+1 [auto]")
     p.add_argument("--protect-every", type=int, default=1, metavar="N",
@@ -145,7 +148,7 @@ def _run(args: argparse.Namespace) -> int:
     run_dir = make_run_dir(args.run_dir, "leto run")
     spec = JobSpec(command, args.workers, args.spares, args.nodes, run_dir, args.timeout,
                    protection=args.protection == "on", ec=args.ec, protect_every=args.protect_every,
-                   no_spare=args.no_spare)
+                   no_spare=args.no_spare, zygotes=args.zygotes == "on")
     return Controller(spec).run()
 
 
@@ -186,7 +189,7 @@ def _train(args: argparse.Namespace) -> int:
     spec = JobSpec(command, args.workers, args.spares, args.nodes, run_dir, args.timeout, total_steps=args.steps,
                    protection=args.protection == "on", ec=args.ec, protect_every=args.protect_every,
                    heartbeat_timeout_s=args.heartbeat_timeout,
-                   inject=args.inject, no_spare=args.no_spare)
+                   inject=args.inject, no_spare=args.no_spare, zygotes=args.zygotes == "on")
     code = Controller(spec).run()
     summary = json.loads((run_dir / "summary.json").read_text())
     if code == 0:

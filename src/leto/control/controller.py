@@ -21,7 +21,7 @@ import torch.distributed as dist
 from leto.console import MetricsTail, StepDisplay
 from leto.control import runtime as rt
 from leto.control.membership import DONE, Plan, heartbeat_key, plan_key, warm_key
-from leto.control.zygote import fork_key, forked_key
+from leto.control.zygote import ZYGOTES_OFF_KEY, fork_key, forked_key
 from leto.protection import keys
 from leto.recovery.decision import Spare, grow_plan, next_plan
 
@@ -54,6 +54,7 @@ class JobSpec:
     heartbeat_timeout_s: float = 3.0   # a worker silent this long is declared hung and fenced
     inject: list[str] = field(default_factory=list)  # fault injections (--inject)
     no_spare: str = "shrink"           # lost ranks without a shadow: "shrink" the job, or "wait" for a cold one
+    zygotes: bool = True               # one zygote per node forks replacement shadows (CPU jobs)
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -237,7 +238,7 @@ class Controller:
             self.store.set(plan_key(0), self.plan.to_json())
             for i in range(self.spec.spares):
                 self._spawn("shadow", None, i % self.spec.nodes)
-            if self.spec.spares and self.spec.protection:
+            if self._zygotes_wanted():
                 for n in range(self.spec.nodes):
                     self._spawn("zygote", None, n)
             if self.spec.protection:
@@ -364,6 +365,9 @@ class Controller:
         down = dead_keepers | self.dead_keeper_nodes | lost_nodes  # shadows there die with their node
         spares = [Spare(p.proc_id, p.node) for p in self.procs if p.role == "shadow" and p.popen.poll() is None
                   and p.proc_id not in self.handled and p.node not in down]
+        for n in sorted(self._live_nodes(down), key=self._load):  # fork warm shadows: milliseconds
+            while len(spares) < len(lost_ranks) and (forked := self._fork_shadow(n)) is not None:
+                spares.append(Spare(forked.proc_id, forked.node))
         while self.spec.no_spare == "wait" and len(spares) < len(lost_ranks):  # start cold shadows, wait for them
             p = self._spawn("shadow", None, self._spare_node(lost_nodes))
             spares.append(Spare(p.proc_id, p.node))
@@ -448,16 +452,26 @@ class Controller:
         last = self._heartbeat(p) if p.role == "worker" else None
         return min(t_detect, last) if last is not None else t_detect
 
+    def _live_nodes(self, lost_nodes: set[int]) -> list[int]:
+        return [n for n in range(self.spec.nodes) if n not in lost_nodes | self.dead_keeper_nodes]
+
+    def _load(self, node: int) -> int:
+        return sum(1 for p in self.procs if p.node == node and p.role != "zygote" and p.popen.poll() is None)
+
     def _spare_node(self, lost_nodes: set[int]) -> int:
-        live = [n for n in range(self.spec.nodes) if n not in lost_nodes | self.dead_keeper_nodes]
-        return min(live or [0], key=lambda n: sum(1 for p in self.procs if p.node == n and p.role != "zygote"
-                                                  and p.popen.poll() is None))
+        return min(self._live_nodes(lost_nodes) or [0], key=self._load)
+
+    def _zygotes_wanted(self) -> bool:
+        """Zygotes need spares to make, protection to adopt with, and a job that can fork (a
+        zygote that finds a CUDA context says so and exits: CUDA does not survive fork)."""
+        return bool(self.spec.zygotes and self.spec.spares and self.spec.protection
+                    and not self.store.check([ZYGOTES_OFF_KEY]))
 
     def _replenish(self) -> None:
         """Keep --spares shadows: fork new ones from a warm zygote of the node (milliseconds),
         else start them from scratch; restart zygotes that died on live nodes."""
         live = [p for p in self.procs if p.role in ("shadow", "zygote") and p.popen.poll() is None]
-        if self.spec.spares and self.spec.protection:
+        if self._zygotes_wanted():
             for n in range(self.spec.nodes):
                 if n not in self.dead_keeper_nodes and not any(p.role == "zygote" and p.node == n for p in live):
                     self._spawn("zygote", None, n)
@@ -497,7 +511,8 @@ class Controller:
             done = {k: v for k, v in pending.items() if k not in ("t_fail", "t_detect", "kind")}
             done.update({"tier": info.get("tier"), "step": info.get("step"), "repaired": info.get("repaired", []),
                          "detect_s": round(pending["t_detect"] - pending["t_fail"], 4),
-                         "restore_s": info.get("restore_s"),
+                         "restore_s": info.get("restore_s"), "join_s": info.get("join_s"),
+                         "protect_s": info.get("protect_s"),
                          "total_s": round(rec["time"] - pending["t_fail"], 4),
                          "lost_steps": None if info.get("step") is None else max(0, self.max_step - info["step"])})
             self.pending.remove(pending)

@@ -22,6 +22,7 @@ from leto.control import runtime as rt
 from leto.control.membership import warm_key
 
 _PR_SET_PDEATHSIG = 1
+ZYGOTES_OFF_KEY = "control/zygotes-off"  # why this job cannot use zygotes (set by one)
 REPARENT_TIMEOUT_S = 5.0
 
 
@@ -38,6 +39,10 @@ def forked_key(proc_id: str) -> str:
 def serve(job: rt.Job) -> bool:
     """Serve fork requests until the job shuts down (False); returns True in a forked child,
     which is now a shadow with its own identity and store connection."""
+    import torch
+    if torch.cuda.is_initialized():  # a CUDA context does not survive fork: no zygotes in this job
+        job.store.set(ZYGOTES_OFF_KEY, "the job's processes use CUDA, which cannot be forked")
+        return False
     job.store.set(warm_key(job.proc_id), "1")
     seq = 0
     while not job.shutdown_requested():

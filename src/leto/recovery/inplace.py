@@ -110,6 +110,7 @@ def join(tr: Trainer, gen: int) -> dict:
     if roles.reshard:
         shard, params = _reshard(tr, layout, roles, rb, T, me)
         restore_s = time.time() - t_decode
+        t_protect = time.time()
         tr.stage_reshard(gen, shard, params, T)
         tr._protect(gen, T, shard)
         tr.settle_reshard(gen)
@@ -123,12 +124,14 @@ def join(tr: Trainer, gen: int) -> dict:
         tr.param_shard.copy_(tr.state[:, MASTER, :].reshape(-1))
         tr.comm.all_gather(tr.flat_param, tr.param_shard)
         restore_s = time.time() - t_decode
+        t_protect = time.time()
         if job.protection:
             tr._protect(gen, T)
     record = {"generation": gen, "failed_ranks": list(roles.lost), "failed_nodes": list(plan.failed_nodes),
               "cause": plan.cause, "tier": rplan.tier, "step": T, "restore_s": round(restore_s, 4),
-              "world_size": tr.world_size, "resharded": roles.reshard,
-              "join_s": round(time.time() - t0, 4), "repaired": repaired}
+              "world_size": tr.world_size, "resharded": roles.reshard, "decode_start_s": round(t_decode - t0, 4),
+              "protect_s": round(time.time() - t_protect, 4), "join_s": round(time.time() - t0, 4),
+              "repaired": repaired}
     if rank == 0:
         store.set(recovery_key(gen), json.dumps(record))
     return record

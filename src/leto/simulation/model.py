@@ -433,10 +433,14 @@ def _section(doc: Mapping[str, Any], section: str, name: str) -> dict[str, tuple
             if rest is not None:
                 out[f"{prefix}_restore_s"] = (_number(rest, f"{name}: {p}restore_s"),
                                               f"{name}: {p}restore_s")
-            if rec is not None:
+            target = "leto_rebuild_s" if prefix == "leto" else f"{prefix}_restart_s"
+            rebuild = (s.get("breakdown") or {}).get("restart / rebuild") if isinstance(s.get("breakdown"), Mapping) \
+                else None
+            if rebuild is not None:  # without recomputed steps (charged as lost work) and slow steps after
+                out[target] = (max(0.0, _number(rebuild, f"{name}: {p}breakdown")), f"{name}: {p}breakdown[restart / rebuild]")
+            elif rec is not None:
                 fixed = _number(rec, f"{name}: {p}recovery_s")
                 fixed -= float(det or 0.0) + float(rest or 0.0)
-                target = "leto_rebuild_s" if prefix == "leto" else f"{prefix}_restart_s"
                 out[target] = (max(0.0, fixed), f"{name}: {p}recovery_s - detect_s - restore_s")
             if prefix == "leto":
                 take("lost_steps", "leto_lost_steps", s, p)
