@@ -79,6 +79,18 @@ def test_a_second_failure_during_recovery(launcher, tmp_path: Path) -> None:
     assert rec["failed_ranks"] == [1, 2] and rec["interrupted"]
 
 
+def test_a_failure_before_the_new_generation_is_encoded(launcher, tmp_path: Path) -> None:
+    """Rank 2 dies at the start of the first step after a recovery, while the new generation's
+    base encode may still be committing: the previous generation's tables rebuild it exactly."""
+    digest = reference_digest(launcher, tmp_path, *JOB)
+    res, s = train(launcher, tmp_path / "run", *JOB[:-6], "--spares", "2", *JOB[-4:],
+                   "--inject", "kill:rank=1:step=5:phase=update", "--inject", "kill:rank=2:step=6:phase=forward")
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    assert s["digest"] == digest
+    assert sorted({r for rec in s["recoveries"] for r in rec["failed_ranks"]}) == [1, 2]
+    assert not no_process_left(tmp_path / "run")
+
+
 def test_random_sigkills_from_outside(launcher, tmp_path: Path) -> None:
     """Kill a random worker at a random moment, twice, from outside the job, by PID."""
     rng = random.Random(int.from_bytes(os.urandom(4), "little"))

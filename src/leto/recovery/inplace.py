@@ -125,8 +125,8 @@ def join(tr: Trainer, gen: int) -> dict:
         tr.comm.all_gather(tr.flat_param, tr.param_shard)
         restore_s = time.time() - t_decode
         t_protect = time.time()
-        if job.protection:
-            tr._protect(gen, T)
+        if job.protection:  # the commit is awaited by the next step, overlapping its forward pass
+            tr._protect(gen, T, wait=False)
     record = {"generation": gen, "failed_ranks": list(roles.lost), "failed_nodes": list(plan.failed_nodes),
               "cause": plan.cause, "tier": rplan.tier, "step": T, "restore_s": round(restore_s, 4),
               "world_size": tr.world_size, "resharded": roles.reshard, "decode_start_s": round(t_decode - t0, 4),

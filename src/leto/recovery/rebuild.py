@@ -41,6 +41,19 @@ def recovery_step(reports: dict[int, dict], protect_every: int = 1) -> int:
     return c
 
 
+def _replay_needed(reports: dict[int, dict], step: int) -> bool:
+    """Does any recorded chunk version lag the recovery step (so its update must be replayed)?"""
+    if step < 1:  # nothing before step 0 to replay (and -1 marks chunks never written)
+        return False
+    for r in reports.values():
+        rows = list(r.get("v1", []))
+        for st in r.get("stripes", {}).values():
+            rows += st.get("v2", [])
+        if any(v == step - 1 for row in rows for v in row):
+            return True
+    return False
+
+
 @dataclass(frozen=True)
 class Roles:
     """Who is who between the generation that wrote the protection data (old ranks, the layout's
@@ -186,7 +199,10 @@ class Rebuilder:
         self.result_grad: dict[tuple[int, int], np.ndarray] = {}
         self.corrupt: set[tuple[str, int]] = set()   # ("tier1", node) / ("tier2", stripe) that failed checksums
         self.interval = layout.protect_every > 1  # state only, all at the recovery step; no replay
-        self.sb, self.gb = g.state_bytes, 0 if self.interval else g.grad_bytes
+        # gradients of the recovery step are decoded only to replay chunks one step behind; at a
+        # generation's base (a failure right after a recovery) no gradients of it were staged
+        self.grads = not self.interval and _replay_needed(reports, plan.step)
+        self.sb, self.gb = g.state_bytes, g.grad_bytes if self.grads else 0
 
     def _region(self, node: int) -> Region:
         if node not in self.regions:
@@ -219,16 +235,17 @@ class Rebuilder:
                 for c in range(n):
                     acc[c] ^= region["p1_pre" if pre[c] else "p1"][c]
             else:
+                acc[:, :self.sb] ^= region["p1"]
+            if self.grads:
                 if any(s != T for s in region["g1_step"][b]):
                     raise RecoveryError(f"tier-1 gradients of step {T} on node {job.node} are incomplete")
-                acc[:, :self.sb] ^= region["p1"]
                 acc[:, self.sb:] ^= region["g1"][b]
         if self.me is not None and lay.node_of_rank[self.me] == job.node:
             w = lay.local_index(self.me)
             for c in range(n):
                 v = T if self.interval else rep["v1"][w][c]
                 xor_into(acc[c, :self.sb], as_bytes(self.chunk(v, c)))
-                if not self.interval:
+                if self.grads:
                     xor_into(acc[c, self.sb:], as_bytes(self.grad(T, c)))
         comm = self.subgroup(f"t1n{job.node}", job.members)
         comm.all_reduce(buf, dist.ReduceOp.BXOR)
@@ -265,7 +282,7 @@ class Rebuilder:
                         continue
                     v = T if self.interval else rep["v2"][blk][i]
                     data = as_bytes(self.chunk(v, src[1]))
-                    grad = None if self.interval else as_bytes(self.grad(T, src[1]))
+                    grad = as_bytes(self.grad(T, src[1])) if self.grads else None
                     for mi, e in enumerate(missing):
                         scale_into(acc[mi, i, :self.sb], job.coeffs[e][bi], data)
                         if grad is not None:
@@ -276,7 +293,7 @@ class Rebuilder:
                 p2 = region[f"p2_{s.index}"]
                 rows = [region[f"p2_{s.index}_pre"][i] if pre[blk][i] else p2[i] for i in range(L)] \
                     if self.interval else p2
-                g2 = None if self.interval else region[f"g2_{s.index}"][b]
+                g2 = region[f"g2_{s.index}"][b] if self.grads else None
                 for mi, e in enumerate(missing):
                     for i in range(L):
                         scale_into(acc[mi, i, :self.sb], job.coeffs[e][bi], rows[i])

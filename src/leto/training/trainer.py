@@ -152,9 +152,12 @@ class Trainer:
         if job.protection and self.plan is not None:
             self._protect(0, self.step_count)
 
-    def _protect(self, generation: int, base_step: int, state: torch.Tensor | None = None) -> None:
+    def _protect(self, generation: int, base_step: int, state: torch.Tensor | None = None, wait: bool = True) -> None:
         """Start protection of this generation: encode the full state at `base_step` (this
-        rank's current shard, or `state` when the generation shards differently)."""
+        rank's current shard, or `state` when the generation shards differently). With
+        `wait=False` the commit is awaited by the next step, before its update (every-step
+        protection only: until then the previous generation's protection still covers
+        `base_step`, see docs/protection.md)."""
         state = self.state if state is None else state
         if self.protector is not None:
             self.protector.close()
@@ -168,7 +171,8 @@ class Trainer:
         self.protector = Protector(self.job.store, layout, self.rank, self.job.job_id, self.job.timeout_s,
                                    self.watch.reason)
         self.protector.stage_deltas(base_step, None, state)
-        self.protector.wait_delta_commit(base_step)
+        if wait or layout.protect_every > 1:
+            self.protector.wait_delta_commit(base_step)
         if layout.protect_every > 1:  # the next protected step's deltas start from here
             self.snap, self.snap_step = state.clone(), base_step
 
