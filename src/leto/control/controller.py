@@ -29,8 +29,9 @@ _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 FORK_TIMEOUT_S = 2.0  # a zygote that does not deliver a shadow by then is passed over
 POLL_S = 0.01
-FAILURE_GRACE_S = 0.05
-NODE_GRACE_S = 0.5  # a dead keeper: how long the rest of its node gets to die (one node loss, not two events)
+FAILURE_SETTLE_S = 0.005  # after a death: signals sent in one burst (a node's processes) have landed
+DYING_GRACE_S = 0.5       # the longest wait for killed processes to be reaped, to decide one event
+_PF_EXITING = 0x4
 HEARTBEAT_CHECK_S = 0.1
 MAX_GENERATIONS = 100  # a job that needs more recoveries than this is failing in a loop
 _GRACE_S = 5.0
@@ -270,9 +271,7 @@ class Controller:
                     return 128 + self._signal
                 failed = self._find_failures()
                 if failed:  # processes of one node die within moments of each other: gather them
-                    time.sleep(FAILURE_GRACE_S)
-                    failed += self._find_failures()
-                    failed += self._await_nodes({p.node for p, _ in failed if p.role == "keeper"})
+                    failed += self._await_dying()
                     code = self._on_failures(failed)
                     if code is not None:
                         return code
@@ -286,16 +285,16 @@ class Controller:
                     return 0
                 time.sleep(POLL_S)
 
-    def _await_nodes(self, nodes: set[int]) -> list[tuple[Proc, str]]:
-        """A dead keeper usually means its whole node is going down, and SIGKILLed processes are
-        reaped one by one (100+ ms apart on a loaded host): wait up to NODE_GRACE_S for the
-        node's other processes, so the node loss is decided as one event."""
-        deadline = time.monotonic() + NODE_GRACE_S
-        while nodes and time.monotonic() < deadline:
-            if not any(p.node in nodes and p.proc_id not in self.handled and p.popen.poll() is None for p in self.procs):
-                break
-            time.sleep(POLL_S)
-        return self._find_failures() if nodes else []
+    def _await_dying(self) -> list[tuple[Proc, str]]:
+        """Processes killed together (a node) are reaped one by one, 10-100+ ms apart on a loaded
+        host: wait while any of ours is killed but not yet reaped, so they make one event. A lone
+        failure costs only FAILURE_SETTLE_S."""
+        time.sleep(FAILURE_SETTLE_S)
+        deadline = time.monotonic() + DYING_GRACE_S
+        while time.monotonic() < deadline and any(  # poll() first: it reaps the dead (zombies are dying)
+                _dying(p.popen.pid) for p in self.procs if p.proc_id not in self.handled and p.popen.poll() is None):
+            time.sleep(1e-3)
+        return self._find_failures()
 
     def _find_failures(self) -> list[tuple[Proc, str]]:
         """Processes that died (any non-zero exit) or stopped heartbeating (fenced here)."""
@@ -537,6 +536,20 @@ class Controller:
                    "recoveries": [e for e in self.events if e["event"] == "recovery"],
                    "resizes": [e for e in self.events if e["event"] == "resize"]}
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+
+
+def _dying(pid: int) -> bool:
+    """Killed but not yet reaped: SIGKILL pending, exiting (PF_EXITING), or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        if fields[0] in ("Z", "X") or int(fields[6]) & _PF_EXITING:
+            return True
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith(("SigPnd:", "ShdPnd:")) and int(line.split()[1], 16) & (1 << (signal.SIGKILL - 1))
+                       for line in f)
+    except (OSError, ValueError, IndexError):
+        return False
 
 
 def _signal_quietly(popen: subprocess.Popen, sig: int) -> None:
