@@ -29,7 +29,7 @@ class Protector:
         self.spent = {"stage_s": 0.0, "wait_s": 0.0}  # time on the training thread, for metrics
         self.node = layout.node_of_rank[rank]
         self.w = layout.local_index(rank)
-        self._wait_until(lambda: store.check([keys.ready(layout.generation, self.node)]), "keeper ready", poll=5e-3)
+        self._wait_until(lambda: store.check([keys.ready(layout.generation, self.node)]), "keeper ready", poll=1e-3)
         self.region = Region(layout, job_id, self.node, create=False)
         self.hdr = self.region["slot_hdr"][self.w]
         self.data = self.region["slot_data"][self.w]

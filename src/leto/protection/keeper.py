@@ -31,7 +31,7 @@ from leto.protection.shm import (H_BASE, H_DCOMMIT, H_GCOMMIT, H_GEN, H_MAGIC, H
 HDR = 8           # int64 fields in a tier-2 message header
 TAG = {KIND_GRAD: 1, KIND_DELTA: 2}
 SEND_BUFFERS = 8  # in-flight tier-2 messages per link and kind
-CONTROL_EVERY_S = 0.02
+CONTROL_EVERY_S = 0.005  # how often the keeper checks the store for a drain (recovery latency)
 
 
 class _Link:
@@ -415,7 +415,7 @@ def main() -> None:
             gen = int(plan["next_generation"])
             continue
         if not job.store.check([keys.layout(gen)]):
-            time.sleep(0.005)
+            time.sleep(0.001)
             continue
         layout = Layout.from_json(job.store.get(keys.layout(gen)).decode())
         if node not in layout.nodes:
