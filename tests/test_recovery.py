@@ -68,7 +68,7 @@ def test_a_hung_worker_is_detected_by_heartbeat_fenced_and_replaced(launcher, tm
                    "--inject", "stop:rank=2:step=4:phase=all-gather")
     rec = check_recovered(res, s, digest, tmp_path / "run")[0]
     assert "hung" in rec["cause"] and rec["failed_ranks"] == [2]
-    assert rec["detect_s"] >= 1.5
+    assert rec["detect_s"] >= 1.5 - 0.1  # its last heartbeat may follow the hang's start by one period
 
 
 def test_a_second_failure_during_recovery(launcher, tmp_path: Path) -> None:
