@@ -423,10 +423,12 @@ def main() -> None:
             continue
         current = Keeper(job.store, job.job_id, node, layout, job.timeout_s)
 
+        calls = iter(range(1 << 62))
+
         def should_stop(gen: int = gen) -> str | None:
-            if job.shutdown_requested():
-                return "shutdown"
-            return "drain" if job.store.check([keys.drain(gen)]) else None
+            if job.store.check([keys.drain(gen)]):  # every call: it is on the recovery's path
+                return "drain"
+            return "shutdown" if next(calls) % 20 == 0 and job.shutdown_requested() else None
 
         reason = current.run(should_stop)
         if current.region.header[H_DCOMMIT] >= layout.base_step:
