@@ -310,6 +310,8 @@ class Trainer:
         self.param_shard.copy_(dst[:, MASTER, :].reshape(-1))
         fault("all-gather", t + 1)
         self.comm.all_gather(self.flat_param, self.param_shard)
+        if prot is not None and every == 1:  # a step completes once its gradients are protected everywhere,
+            prot.wait_grad_commit(t + 1)     # so a later failure loses at most the step in flight
         self.step_count = t + 1
         self.last_loss = float(self._loss.item())
         self._record(tokens)
