@@ -104,9 +104,6 @@ def join(tr: Trainer, gen: int) -> dict:
         rplan = make_plan(layout, plan, reports, roles, frozenset(bad["tier1"]) | rplan.force_tier2)
     g = layout.geometry
 
-    def update(old: torch.Tensor, grad: torch.Tensor, dst: torch.Tensor, step: int) -> None:
-        tr.optimizer.update(old, grad, dst, step, tr._scratch)
-
     if roles.reshard:
         shard, params = _reshard(tr, layout, roles, rb, T, me)
         restore_s = time.time() - t_decode
@@ -118,7 +115,7 @@ def join(tr: Trainer, gen: int) -> dict:
         for r, q in roles.holder.items():
             if q == rank and r in roles.lost:
                 dst = tr.bufs[T % len(tr.bufs)]
-                dst.copy_(rb.shard_at(r, g.n_chunks, g.chunk_elems, update))
+                dst.copy_(rb.shard_at(r, g.n_chunks, g.chunk_elems, tr.update_chunk))
                 tr.buf_step[T % len(tr.bufs)] = T
         tr.step_count = T
         tr.param_shard.copy_(tr.state[:, MASTER, :].reshape(-1))
@@ -147,12 +144,9 @@ def _reshard(tr: Trainer, layout: Layout, roles: Roles, rb: Rebuilder, T: int,
     if me is not None:
         full[me].copy_(tr.bufs[T % len(tr.bufs)])
 
-    def update(old: torch.Tensor, grad: torch.Tensor, dst: torch.Tensor, step: int) -> None:
-        tr.optimizer.update(old, grad, dst, step, tr._scratch)
-
     for r in roles.lost:
         if roles.holder[r] == tr.rank:
-            full[r].copy_(rb.shard_at(r, g.n_chunks, g.chunk_elems, update))
+            full[r].copy_(rb.shard_at(r, g.n_chunks, g.chunk_elems, tr.update_chunk))
     tr.comm.all_reduce(full.view(torch.int32), torch.distributed.ReduceOp.BXOR)
     rows = full.transpose(1, 2).reshape(layout.world_size, 3, -1).transpose(0, 1).reshape(3, -1)  # [3, elements]
     new = tr.geometry_for(tr.world_size)

@@ -257,6 +257,10 @@ class Trainer:
             raise RecoveryError(f"rank {self.rank} does not hold gradients of step {step} (it holds {self.gbuf_step})")
         return self.gbufs[i][c]
 
+    def update_chunk(self, old: torch.Tensor, grad: torch.Tensor, dst: torch.Tensor, step: int) -> None:
+        """The optimizer update of one chunk to `step` (also used to replay a decoded chunk)."""
+        self.optimizer.update(old, grad, dst, step, self._scratch)
+
     def bring_to(self, step: int) -> None:
         """A survivor's own state at `step`: it holds it, rolls back to its snapshot of the last
         protected step (--protect-every > 1), or finishes the update of `step`."""
@@ -271,7 +275,7 @@ class Trainer:
         old, grads, dst = self.bufs[(step - 1) % n], self.gbufs[step % len(self.gbufs)], self.bufs[step % n]
         self.grad_at(step, 0)
         for c in range(self.n_chunks):
-            self.optimizer.update(old[c], grads[c], dst[c], step, self._scratch)
+            self.update_chunk(old[c], grads[c], dst[c], step)
         self.buf_step[step % n] = step
 
     def _step(self, loss_fn: Callable[[], torch.Tensor], weight: float | None, tokens: int) -> float:
@@ -305,7 +309,7 @@ class Trainer:
         src, dst = self.bufs[t % n], self.bufs[(t + 1) % n]
         for c in range(self.n_chunks):
             fault("update", t + 1, c)
-            self.optimizer.update(src[c], grads[c], dst[c], t + 1, self._scratch)
+            self.update_chunk(src[c], grads[c], dst[c], t + 1)
         self.buf_step[(t + 1) % n] = t + 1
         self.param_shard.copy_(dst[:, MASTER, :].reshape(-1))
         fault("all-gather", t + 1)
