@@ -22,7 +22,7 @@ from leto.console import MetricsTail, StepDisplay
 from leto.control import runtime as rt
 from leto.control.membership import DONE, Plan, heartbeat_key, plan_key, warm_key
 from leto.control.zygote import ZYGOTES_OFF_KEY, fork_key, forked_key
-from leto.protection import keys
+from leto.protection import doorbell, keys
 from leto.recovery.decision import Spare, grow_plan, next_plan
 
 _PR_SET_PDEATHSIG = 1
@@ -113,6 +113,13 @@ def _die_with_parent() -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def _start_keeper() -> None:
+    """A keeper starts with its doorbells blocked, so every thread it starts (torch starts one at
+    import) inherits the mask and leaves the rings to the thread that sleeps on them."""
+    _die_with_parent()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {doorbell.DATA, doorbell.CONTROL})
+
+
 def _start_shadow() -> None:
     """A shadow warms up (imports, builds its model) only on CPU time the job leaves idle:
     SCHED_IDLE, undone by `_boost` when it is needed (allowed unprivileged, unlike renice)."""
@@ -186,7 +193,8 @@ class Controller:
             env[rt.ENV_RANK] = str(rank)
         command = ["-m", "leto.protection.keeper"] if role == "keeper" else self.spec.command
         popen = subprocess.Popen([sys.executable, *command], env=env, start_new_session=True,
-                                 preexec_fn=_start_shadow if role in ("shadow", "zygote") else _die_with_parent)
+                                 preexec_fn=_start_shadow if role in ("shadow", "zygote") else
+                                 _start_keeper if role == "keeper" else _die_with_parent)
         proc = Proc(role, rank, node, proc_id, popen)
         self.procs.append(proc)
         return proc
@@ -410,6 +418,9 @@ class Controller:
                 _boost(by_id[proc_id].popen.pid)
         self.store.set(keys.drain(self.plan.generation), json.dumps(
             {"live_nodes": live_nodes, "next_generation": new.generation}))
+        for p in self.procs:  # keepers sleep between doorbells: wake them to read the drain
+            if p.role == "keeper" and p.popen.poll() is None:
+                _signal_quietly(p.popen, doorbell.CONTROL)
         self.store.set(plan_key(new.generation), new.to_json())
         self.members_before = dict(self.members)
         self.members = {q: by_id[proc_id] for q, proc_id in enumerate(new.proc_of_rank)}

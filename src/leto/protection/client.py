@@ -9,9 +9,10 @@ import torch
 
 from leto.control.comm import PeerFailure
 from leto.protection import keys
+from leto.protection.doorbell import Doorbell
 from leto.protection.integrity import checksum
 from leto.protection.layout import Layout
-from leto.protection.shm import (H_DCOMMIT, H_GCOMMIT, KIND_DELTA, KIND_GRAD, S_CHUNK, S_CRC, S_KIND, S_READY,
+from leto.protection.shm import (H_DCOMMIT, H_GCOMMIT, H_PID, KIND_DELTA, KIND_GRAD, S_CHUNK, S_CRC, S_KIND, S_READY,
                                  S_STEP, Region)
 
 
@@ -33,6 +34,7 @@ class Protector:
         self.region = Region(layout, job_id, self.node, create=False)
         self.hdr = self.region["slot_hdr"][self.w]
         self.data = self.region["slot_data"][self.w]
+        self.bell = Doorbell(int(self.region.header[H_PID]))  # the keeper sleeps until rung
         self.seq = 0
         self.base = layout.base_step
 
@@ -69,6 +71,7 @@ class Protector:
         h[S_KIND], h[S_STEP], h[S_CHUNK], h[S_CRC] = kind, step, chunk, crc
         h[S_READY] = 1  # last: the keeper applies only complete slots
         self.seq += 1
+        self.bell.ring()
 
     def stage_grads(self, step: int, grads: torch.Tensor, before_chunk: Callable[[int], None] = lambda c: None) -> None:
         """Hand over this rank's gradient shard of `step` ([n_chunks, chunk_elems])."""
@@ -107,4 +110,5 @@ class Protector:
 
     def close(self) -> None:
         self.hdr = self.data = None  # type: ignore[assignment]
+        self.bell.close()
         self.region.close()

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from leto.control import runtime as rt
-from leto.protection import keys
+from leto.protection import doorbell, keys
 from leto.protection.codec import scale_into, xor_into
 from leto.protection.layout import Layout, Route
 from leto.protection.shm import (H_BASE, H_DCOMMIT, H_GCOMMIT, H_GEN, H_MAGIC, H_PID, H_STATE, KIND_DELTA,
@@ -31,7 +31,8 @@ from leto.protection.shm import (H_BASE, H_DCOMMIT, H_GCOMMIT, H_GEN, H_MAGIC, H
 HDR = 8           # int64 fields in a tier-2 message header
 TAG = {KIND_GRAD: 1, KIND_DELTA: 2}
 SEND_BUFFERS = 8  # in-flight tier-2 messages per link and kind
-CONTROL_EVERY_S = 0.005  # how often the keeper checks the store for a drain (recovery latency)
+IDLE_WAIT_S = 0.01  # longest sleep between doorbells (a lost doorbell costs at most this)
+CONTROL_EVERY_S = 0.05  # how often the keeper checks the store unasked (the controller rings on a drain)
 
 
 class _Link:
@@ -84,6 +85,7 @@ class _Link:
                 return
             self.sent[kind] += 1
             self.free[kind].put(i)
+            doorbell.ring_main()  # the main thread may be waiting for a free buffer
 
     def _recv_loop(self, kind: int, nbytes: int) -> None:
         buf = torch.zeros(HDR * 8 + nbytes, dtype=torch.uint8)
@@ -102,6 +104,7 @@ class _Link:
                 self.keeper.fold_remote(kind, step, stripe, p, i, crc, body)
                 self.keeper.dirty = True
             self.received[kind] += 1
+            doorbell.ring_main()
 
 
 class Keeper:
@@ -134,6 +137,8 @@ class Keeper:
         # barrier sequence: D(base), G(base+1), D(base+1), ...; with an interval D(base), D(P1), D(P2), ...
         self.next_barrier = (KIND_DELTA, layout.base_step)
         self.barrier_work: dist.Work | None = None
+        self.barrier_done = threading.Event()
+        self.barrier_failed = False
         self.barrier_buf = torch.zeros(1)
         self.broken = False
         self.dirty = True
@@ -282,11 +287,9 @@ class Keeper:
         if self.broken:
             return False
         if self.barrier_work is not None:
-            try:
-                if not self.barrier_work.is_completed():
-                    return False
-                self.barrier_work.wait()
-            except RuntimeError:  # another keeper died: nothing more commits in this generation
+            if not self.barrier_done.is_set():
+                return False
+            if self.barrier_failed:  # another keeper died: nothing more commits in this generation
                 self.broken = True
                 return False
             self.barrier_work = None
@@ -307,29 +310,37 @@ class Keeper:
             self.dirty = False
             done = self.deltas_complete(step) if kind == KIND_DELTA else self.grads_complete(step)
         if done:
+            self.barrier_done.clear()
             self.barrier_work = self.pg.allreduce([self.barrier_buf])
+            threading.Thread(target=self._await_barrier, args=(self.barrier_work,), daemon=True).start()
             return True
         return False
 
+    def _await_barrier(self, work: dist.Work) -> None:
+        """Wait for the barrier in a thread (gloo work cannot be polled cheaply) and ring."""
+        try:
+            work.wait()
+        except RuntimeError:
+            self.barrier_failed = True
+        self.barrier_done.set()
+        doorbell.ring_main()
+
     # ----- the loop
     def run(self, should_stop: Callable[[], str | None]) -> str:
-        """Serve until `should_stop` returns a reason (drain, shutdown)."""
-        idle = 1e-4
-        next_control = 0.0
+        """Serve until `should_stop` returns a reason (drain, shutdown). Sleeps between
+        doorbells (see `doorbell`) instead of polling."""
+        next_control, asked = 0.0, False
         while True:
             progress = self._consume_slots()
             progress |= self._advance_barrier()
             now = time.monotonic()
-            if now >= next_control:
-                next_control = now + CONTROL_EVERY_S
+            if asked or now >= next_control:
+                next_control, asked = now + CONTROL_EVERY_S, False
                 reason = should_stop()
                 if reason:
                     return reason
-            if progress:
-                idle = 1e-4
-            else:
-                time.sleep(idle)
-                idle = min(idle * 2, 1e-3)
+            if not progress:
+                asked = doorbell.wait(IDLE_WAIT_S) == doorbell.CONTROL
 
     def report(self) -> dict:
         """What recovery needs from this keeper (after draining)."""
@@ -403,6 +414,7 @@ def _report(committed: Keeper | None, plan: dict, job: rt.Job) -> dict:
 def main() -> None:
     """Entry point of a keeper process (started by the controller)."""
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    doorbell.install()
     torch.set_num_threads(1)
     job = rt.init(device="cpu")
     node = job.node
@@ -423,12 +435,10 @@ def main() -> None:
             continue
         current = Keeper(job.store, job.job_id, node, layout, job.timeout_s)
 
-        calls = iter(range(1 << 62))
-
         def should_stop(gen: int = gen) -> str | None:
-            if job.store.check([keys.drain(gen)]):  # every call: it is on the recovery's path
+            if job.store.check([keys.drain(gen)]):
                 return "drain"
-            return "shutdown" if next(calls) % 20 == 0 and job.shutdown_requested() else None
+            return "shutdown" if job.shutdown_requested() else None
 
         reason = current.run(should_stop)
         if current.region.header[H_DCOMMIT] >= layout.base_step:

@@ -51,7 +51,7 @@ class Layout:
     geometry: Geometry
     node_of_rank: tuple[int, ...]
     ec: tuple[int, int] | None          # requested tier-2 code
-    ring_slots: int = 16
+    ring_slots: int = 8
     notes: tuple[str, ...] = field(default=())
     protect_every: int = 1              # --protect-every: only every N-th step's state is protected
 
