@@ -37,14 +37,14 @@ def test_in_place_recovery_timeline() -> None:
     assert r["pre_step_s"] == pytest.approx(0.1)
     assert r["detect_s"] == pytest.approx(0.1)
     assert r["first_s"] == r["regain_s"] == pytest.approx(0.95)
-    # steps 22 (0.3 s) and 23 (0.2 s) exceed 1.25 x 0.1 s; 24, 25, 26 do not: recovered at the end of 24
-    assert r["recovery_s"] == pytest.approx(3.6 - 2.05)
+    # steps 22 (0.3 s) and 23 (0.2 s) exceed 1.25 x 0.1 s; 24, 25, 26 do not: full speed from the end of 23
+    assert r["recovery_s"] == pytest.approx(3.5 - 2.05)
     assert r["restore_s"] == pytest.approx(0.2)
     b = r["breakdown"]
     assert list(b) == list(SEGMENTS)
     assert sum(b.values()) == pytest.approx(r["recovery_s"], abs=1e-3)
     assert b["detect"] == pytest.approx(0.1) and b["restore"] == pytest.approx(0.2)
-    assert b["recompute"] == 0 and b["back to speed"] == pytest.approx(0.6)
+    assert b["recompute"] == 0 and b["back to speed"] == pytest.approx(0.5)
 
 
 def test_restart_recovery_counts_recomputed_steps() -> None:
@@ -82,10 +82,19 @@ def test_window_and_tolerance_are_parameters() -> None:
 
 def test_speed_is_judged_over_the_window_not_step_by_step() -> None:
     """One noisy step does not hide that throughput is back: 0.16 + 0.1 + 0.1 <= 3 x 1.25 x 0.1."""
-    recs = steps_every(1, 10, 0.1, 0.1) + [{"step": 11, "step_s": 0.16, "time": 2.0}] + steps_every(12, 4, 2.1, 0.1)
+    recs = steps_every(1, 10, 0.1, 0.1) + [{"step": 11, "step_s": 0.9, "time": 2.0},
+                                            {"step": 12, "step_s": 0.16, "time": 2.16}] + steps_every(13, 4, 2.26, 0.1)
     assert analyze_recovery(recs, 1.05)["recovery_s"] == pytest.approx(2.0 - 1.05)
-    recs[10]["step_s"] = 0.2  # 0.4 > 0.375: the window starting at step 12 is the first at speed
-    assert analyze_recovery(recs, 1.05)["recovery_s"] == pytest.approx(2.1 - 1.05)
+    recs[11]["step_s"] = 0.2  # 0.4 > 0.375: the window after step 12 is the first at speed
+    assert analyze_recovery(recs, 1.05)["recovery_s"] == pytest.approx(2.16 - 1.05)
+
+
+def test_the_outage_is_not_inside_the_window() -> None:
+    """The step in flight, redone, ends 0.6 s after the previous one (the outage is in its
+    step_s); the steps after it run at full speed, so throughput is back when it ends."""
+    recs = steps_every(1, 10, 0.1, 0.1) + [{"step": 11, "step_s": 0.6, "time": 1.6}] + steps_every(12, 4, 1.7, 0.1)
+    r = analyze_recovery(recs, 1.05)
+    assert r["recovery_s"] == r["regain_s"] == pytest.approx(1.6 - 1.05)
 
 
 def test_torchft_heal_is_off_the_critical_path() -> None:

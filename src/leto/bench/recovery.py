@@ -162,8 +162,8 @@ def print_table(report: dict) -> None:
                   f"{_fmt(s['restore_s']):>7}s {_steps(s['lost_steps']):>10} "
                   f"{s['trials_with_recovery']:>3}/{len(s['trials'])} "
                   f"{vs:>8}")
-    print(f"\nrecovery: kill -> end of the first of {cfg['window']} consecutive new steps that each ran at most "
-          f"{cfg['tolerance']}x the pre-failure median step time; regain: kill -> the step in flight is done; "
+    print(f"\nrecovery: kill -> the lost work is redone and the next {cfg['window']} steps together ran in at most "
+          f"{cfg['tolerance']}x their pre-failure median time; regain: kill -> the step in flight is done; "
           f"n: trials that got back to speed / trials; vs leto: the system's recovery / Leto's")
     print(f"plots: {', '.join(report['plots'])}\nraw results: {report['json']}")
 

@@ -285,10 +285,11 @@ def analyze_recovery(records: list[dict], t_kill: float, *, window: int = WINDOW
     * `detect_s`: kill -> the supervisor's `failure` event.
     * `first_s`: kill -> end of the first step completed after the kill (any step number).
     * `regain_s`: kill -> end of the first step beyond `failed_at` (the step in flight, redone).
-    * `recovery_s`: kill -> end of the first step of the first `window` consecutive steps beyond
-      `failed_at` that together took at most `window` x `tolerance` x `pre_step_s` (throughput over
-      the window back to at least 1/`tolerance` of its pre-failure level); None if that never
-      happened.
+    * `recovery_s`: kill -> end of the first step beyond `failed_at` (the lost work is redone)
+      after which the next `window` steps together took at most `window` x `tolerance` x
+      `pre_step_s`: from then on the job runs at no less than 1/`tolerance` of its pre-failure
+      throughput. None if that never happened. (A step's `step_s` runs from the previous step's
+      end, so the first step after the failure carries the outage; it is never inside the window.)
     * `lost_steps`: steps completed before the kill that were completed again after it.
     * `breakdown`: recovery_s split into SEGMENTS (restore taken from the system's own records).
     """
@@ -306,8 +307,8 @@ def analyze_recovery(records: list[dict], t_kill: float, *, window: int = WINDOW
     recovered = None
     if pre is not None and new:
         limit = tolerance * pre
-        for i in range(new[0], len(after) - window + 1):
-            if sum(r["step_s"] for r in after[i:i + window]) <= limit * window:
+        for i in range(new[0], len(after) - window):
+            if sum(r["step_s"] for r in after[i + 1:i + 1 + window]) <= limit * window:
                 recovered = after[i]
                 break
     restore_s, critical = system_restore_s(records, t_kill)
