@@ -117,7 +117,7 @@ def _start_keeper() -> None:
     """A keeper starts with its doorbells blocked, so every thread it starts (torch starts one at
     import) inherits the mask and leaves the rings to the thread that sleeps on them."""
     _die_with_parent()
-    signal.pthread_sigmask(signal.SIG_BLOCK, {doorbell.DATA, doorbell.CONTROL})
+    doorbell.block()
 
 
 def _start_shadow() -> None:

@@ -71,7 +71,7 @@ class Protector:
         h[S_KIND], h[S_STEP], h[S_CHUNK], h[S_CRC] = kind, step, chunk, crc
         h[S_READY] = 1  # last: the keeper applies only complete slots
         self.seq += 1
-        self.bell.ring()
+        self.bell.ring()  # per chunk: the keeper folds while the worker stages the next one
 
     def stage_grads(self, step: int, grads: torch.Tensor, before_chunk: Callable[[int], None] = lambda c: None) -> None:
         """Hand over this rank's gradient shard of `step` ([n_chunks, chunk_elems])."""

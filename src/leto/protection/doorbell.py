@@ -18,12 +18,18 @@ DATA = signal.SIGURG      # something to fold: a staged slot, a tier-2 message, 
 CONTROL = signal.SIGWINCH  # the controller wrote a drain request to the store
 
 
-def install() -> None:
-    """Block both doorbells in the calling (main) thread; threads it starts later inherit the
-    mask, so a ring stays pending until `wait` takes it."""
-    for sig in (DATA, CONTROL):
-        signal.signal(sig, lambda *_: None)  # a thread started earlier must not act on it
+def block() -> None:
+    """Block both doorbells in the calling thread; threads it starts later, and programs it
+    execs, inherit the mask. The controller calls it between fork and exec of a keeper, so that
+    the threads torch starts at import leave every ring pending for `wait`."""
     signal.pthread_sigmask(signal.SIG_BLOCK, {DATA, CONTROL})
+
+
+def install() -> None:
+    """Make the calling (main) thread the one that takes rings (see `block`)."""
+    for sig in (DATA, CONTROL):
+        signal.signal(sig, lambda *_: None)  # a thread that does not block them must not act on them
+    block()
 
 
 def wait(timeout_s: float) -> int | None:

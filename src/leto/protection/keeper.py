@@ -23,14 +23,15 @@ import torch.distributed as dist
 from leto.control import runtime as rt
 from leto.protection import doorbell, keys
 from leto.protection.codec import scale_into, xor_into
-from leto.protection.layout import Layout, Route
+from leto.protection.layout import Layout
 from leto.protection.shm import (H_BASE, H_DCOMMIT, H_GCOMMIT, H_GEN, H_MAGIC, H_PID, H_STATE, KIND_DELTA,
                                  KIND_GRAD, MAGIC, S_CHUNK, S_CRC, S_KIND, S_READY, S_STEP, STATE_DRAINED,
                                  STATE_RUNNING, Region)
 
 HDR = 8           # int64 fields in a tier-2 message header
 TAG = {KIND_GRAD: 1, KIND_DELTA: 2}
-SEND_BUFFERS = 8  # in-flight tier-2 messages per link and kind
+SEND_BUFFERS = 3  # tier-2 batches per link and kind (one filling, the others in flight)
+BATCH_BYTES = 4 << 20  # largest tier-2 message
 IDLE_WAIT_S = 0.01  # longest sleep between doorbells (a lost doorbell costs at most this)
 CONTROL_EVERY_S = 0.05  # how often the keeper checks the store unasked (the controller rings on a drain)
 
@@ -38,48 +39,71 @@ CONTROL_EVERY_S = 0.05  # how often the keeper checks the store unasked (the con
 class _Link:
     """Tier-2 traffic with one other keeper: a sender thread and receiver threads.
 
-    gloo's send/recv work objects cannot be polled (`is_completed()` stays False until
-    `wait()`), so each direction blocks in its own thread; the GIL is released while it waits.
+    Contributions travel in batches: a message holds up to `per_msg[kind]` records (a header of
+    HDR int64 and the chunk) after a leading record count; the keeper flushes a batch when it is
+    full, when every local chunk of a step has been shipped, and before a drain. gloo costs about
+    as much per message as per megabyte here, so one message a step instead of one a chunk
+    halves the transport's CPU. gloo's send/recv work objects cannot be polled (`is_completed()`
+    stays False until `wait()`), so each direction blocks in its own thread; the GIL is released
+    while it waits.
     """
 
     def __init__(self, keeper: Keeper, node: int, send: bool, recv: bool) -> None:
         self.keeper, self.node = keeper, node
         self.peer_rank = keeper.layout.nodes.index(node)
-        self.sent = {k: 0 for k in TAG}
+        self.sent = {k: 0 for k in TAG}       # messages
         self.received = {k: 0 for k in TAG}
         self.free: dict[int, queue.SimpleQueue[int]] = {}
         self.bufs: dict[int, list[torch.Tensor]] = {}
-        self.outbox: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
+        self.open: dict[int, list[int]] = {}  # kind -> [buffer, records in it]
+        self.outbox: queue.SimpleQueue[tuple[int, int, int] | None] = queue.SimpleQueue()
         self.error: str | None = None
         if send:
-            for kind, nb in keeper.nbytes.items():
-                self.bufs[kind] = [torch.zeros(HDR * 8 + nb, dtype=torch.uint8) for _ in range(SEND_BUFFERS)]
+            for kind in keeper.nbytes:
+                size = 8 + keeper.per_msg[kind] * keeper.record_bytes(kind)
+                self.bufs[kind] = [torch.zeros(size, dtype=torch.uint8) for _ in range(SEND_BUFFERS)]
                 self.free[kind] = queue.SimpleQueue()
                 for i in range(SEND_BUFFERS):
                     self.free[kind].put(i)
             threading.Thread(target=self._send_loop, daemon=True, name=f"keeper-send-{node}").start()
         if recv:
-            for kind, nb in keeper.nbytes.items():
-                threading.Thread(target=self._recv_loop, args=(kind, nb), daemon=True,
+            for kind in keeper.nbytes:
+                threading.Thread(target=self._recv_loop, args=(kind,), daemon=True,
                                  name=f"keeper-recv-{node}-{kind}").start()
 
-    def take(self, kind: int) -> int | None:
-        try:
-            return self.free[kind].get_nowait()
-        except queue.Empty:
-            return None
+    def has_room(self, kind: int) -> bool:
+        return kind in self.open or not self.free[kind].empty()
+
+    def record(self, kind: int) -> np.ndarray:
+        """The next record of this kind's open batch (header and body), as uint8."""
+        if kind not in self.open:
+            self.open[kind] = [self.free[kind].get_nowait(), 0]
+        i, n = self.open[kind]
+        rb = self.keeper.record_bytes(kind)
+        self.open[kind][1] = n + 1
+        return self.bufs[kind][i].numpy()[8 + n * rb:8 + (n + 1) * rb]
+
+    def full(self, kind: int) -> bool:
+        return self.open[kind][1] == self.keeper.per_msg[kind]
+
+    def flush(self, kind: int) -> None:
+        if kind not in self.open:
+            return
+        i, n = self.open.pop(kind)
+        self.bufs[kind][i][:8].numpy().view(np.int64)[0] = n
+        self.outbox.put((kind, i, 8 + n * self.keeper.record_bytes(kind)))
 
     def idle(self) -> bool:
-        return all(q.qsize() == SEND_BUFFERS for q in self.free.values())
+        return not self.open and all(q.qsize() == SEND_BUFFERS for q in self.free.values())
 
     def _send_loop(self) -> None:
         while True:
             item = self.outbox.get()
             if item is None:
                 return
-            kind, i = item
+            kind, i, used = item
             try:
-                self.keeper.pg.send([self.bufs[kind][i]], self.peer_rank, TAG[kind]).wait()
+                self.keeper.pg.send([self.bufs[kind][i][:used]], self.peer_rank, TAG[kind]).wait()
             except RuntimeError as e:
                 self.error = f"send to node {self.node} failed: {e}"
                 return
@@ -87,10 +111,10 @@ class _Link:
             self.free[kind].put(i)
             doorbell.ring_main()  # the main thread may be waiting for a free buffer
 
-    def _recv_loop(self, kind: int, nbytes: int) -> None:
-        buf = torch.zeros(HDR * 8 + nbytes, dtype=torch.uint8)
-        hdr = buf[:HDR * 8].numpy().view(np.int64)
-        body = buf[HDR * 8:].numpy()
+    def _recv_loop(self, kind: int) -> None:
+        rb, nbytes = self.keeper.record_bytes(kind), self.keeper.nbytes[kind]
+        buf = torch.zeros(8 + self.keeper.per_msg[kind] * rb, dtype=torch.uint8)
+        raw = buf.numpy()
         while not self.keeper.closed:
             try:
                 self.keeper.pg.recv([buf], self.peer_rank, TAG[kind]).wait()
@@ -99,9 +123,15 @@ class _Link:
                 return
             if self.keeper.closed:
                 return
-            _, step, _, stripe, p, i, crc, _ = (int(x) for x in hdr)
+            n = int(raw[:8].view(np.int64)[0])
+            if not 0 < n <= self.keeper.per_msg[kind]:
+                self.error = f"node {self.node} sent a batch of {n} records (at most {self.keeper.per_msg[kind]})"
+                return
             with self.keeper.lock:
-                self.keeper.fold_remote(kind, step, stripe, p, i, crc, body)
+                for r in range(n):
+                    rec = raw[8 + r * rb:8 + (r + 1) * rb]
+                    _, step, _, stripe, p, i, crc, _ = (int(x) for x in rec[:HDR * 8].view(np.int64))
+                    self.keeper.fold_remote(kind, step, stripe, p, i, crc, rec[HDR * 8:HDR * 8 + nbytes])
                 self.keeper.dirty = True
             self.received[kind] += 1
             doorbell.ring_main()
@@ -126,6 +156,12 @@ class Keeper:
         self.nbytes = {KIND_DELTA: g.state_bytes} if self.interval else \
             {KIND_GRAD: g.grad_bytes, KIND_DELTA: g.state_bytes}
         self.idx = layout.nodes.index(node)
+        # a batch holds up to a step's chunks of the largest node, within BATCH_BYTES (the same
+        # for every keeper: receivers size their buffers by it)
+        most = max(len(layout.local_ranks(n)) for n in layout.nodes) * g.n_chunks
+        self.per_msg = {k: max(1, min(most, BATCH_BYTES // self.record_bytes(k))) for k in self.nbytes}
+        self.shipped: dict[tuple[int, int], int] = {}  # (kind, step) -> local chunks shipped
+        self.routes = [layout.routes(node, pos) for pos in range(self.W * g.n_chunks)]  # by data position
         # blocked point-to-point waits of an abandoned generation stay behind in their threads
         self.pg = dist.ProcessGroupGloo(dist.PrefixStore(keys.keeper_pg(self.gen), store), self.idx,
                                         len(layout.nodes), timedelta(seconds=max(timeout_s, 3600.0)))
@@ -144,6 +180,9 @@ class Keeper:
         self.dirty = True
         h[H_STATE] = STATE_RUNNING
         store.set(keys.ready(self.gen, node), str(os.getpid()))
+
+    def record_bytes(self, kind: int) -> int:
+        return HDR * 8 + self.nbytes[kind]
 
     def _expected_counts(self) -> tuple[dict[int, np.ndarray], dict[tuple[int, int], np.ndarray]]:
         """Per parity stripe: contributions expected at each offset, and which offsets of each
@@ -202,29 +241,34 @@ class Keeper:
         r["gcrc1"][w, b, chunk] = crc
 
     def _ship(self, kind: int, step: int, w: int, chunk: int, crc: int, payload: np.ndarray) -> bool:
-        """Queue this chunk's tier-2 contributions; False when a link has no free buffer."""
-        rank = self.layout.local_ranks(self.node)[w]
-        routes = self.layout.routes(self.node, self.layout.position(rank, chunk))
-        taken: list[tuple[Route, _Link, int]] = []
-        for r in routes:
-            link = self.links[r.parity_node]
-            i = link.take(kind)
-            if i is None:
-                for _, other, j in taken:
-                    other.free[kind].put(j)
-                return False
-            taken.append((r, link, i))
-        for r, link, i in taken:
-            buf = link.bufs[kind][i]
-            buf[:HDR * 8].numpy().view(np.int64)[:] = (kind, step, self.idx, r.stripe, r.p, r.i, crc, self.gen)
-            body = buf[HDR * 8:].numpy()
+        """Add this chunk's tier-2 contributions to the links' batches; False when a link has
+        no free buffer (nothing is added then)."""
+        routes = self.routes[w * self.layout.geometry.n_chunks + chunk]
+        links = [self.links[r.parity_node] for r in routes]
+        if not all(link.has_room(kind) for link in links):
+            return False
+        for r, link in zip(routes, links):
+            rec = link.record(kind)
+            rec[:HDR * 8].view(np.int64)[:] = (kind, step, self.idx, r.stripe, r.p, r.i, crc, self.gen)
+            body = rec[HDR * 8:]
             if r.coef == 1:
                 body[...] = payload
             else:
                 body[...] = 0
                 scale_into(body, r.coef, payload)
-            link.outbox.put((kind, i))
+            if link.full(kind):
+                link.flush(kind)
+        key = (kind, step)
+        self.shipped[key] = self.shipped.get(key, 0) + 1
+        if self.shipped[key] == self.W * self.layout.geometry.n_chunks:  # the step's last local chunk
+            del self.shipped[key]
+            self._flush(kind)
         return True
+
+    def _flush(self, kind: int) -> None:
+        for link in self.links.values():
+            if link.bufs:
+                link.flush(kind)
 
     def fold_remote(self, kind: int, step: int, stripe: int, p: int, i: int, crc: int, body: np.ndarray) -> None:
         r = self.region
@@ -370,6 +414,8 @@ class Keeper:
         deadline = time.monotonic() + timeout_s
         while self._consume_slots() and time.monotonic() < deadline:
             pass
+        for kind in self.nbytes:  # batches a dead worker left unfinished
+            self._flush(kind)
         for n, link in self.links.items():  # let our queued sends leave, then say how many
             if not link.bufs:
                 continue

@@ -28,7 +28,7 @@ from leto.recovery.inject import Injector
 from leto.recovery.rebuild import RecoveryError
 from leto.training.optim import MASTER, AdamW
 
-DEFAULT_CHUNK_BYTES = 12 * 65536  # 768 KiB: 65536 elements of (master, exp_avg, exp_avg_sq); docs/protection.md
+DEFAULT_CHUNK_BYTES = 12 * 16384  # 192 KiB: 16384 elements of (master, exp_avg, exp_avg_sq)
 _STATE_ROWS = 3  # master, exp_avg, exp_avg_sq
 
 
