@@ -71,3 +71,11 @@ def test_ringing_a_process_that_does_not_listen_is_harmless() -> None:
     finally:
         p.kill()
         p.wait()
+
+
+def test_a_doorbell_for_a_process_that_is_gone_rings_nothing() -> None:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait(timeout=30)
+    bell = Doorbell(p.pid)  # reaped: no pidfd, no error
+    assert bell.fd is None
+    bell.ring()

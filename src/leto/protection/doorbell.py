@@ -47,7 +47,10 @@ class Doorbell:
     """Rings another process by pidfd, so a recycled PID can never be signalled."""
 
     def __init__(self, pid: int) -> None:
-        self.fd: int | None = os.pidfd_open(pid)
+        try:
+            self.fd: int | None = os.pidfd_open(pid)
+        except ProcessLookupError:  # already gone: ringing is a no-op, its supervisor handles it
+            self.fd = None
 
     def ring(self, sig: int = DATA) -> None:
         if self.fd is None:
