@@ -2,7 +2,8 @@
 
 The overhead benchmark uses it to say what protection costs in CPU (keepers, workers' staging)
 and not only in step time: on a machine whose cores the training already fills, every CPU
-second the keepers spend shows up in the step time.
+second the keepers spend shows up in the step time. Keepers are also split by thread (they name
+their threads), so the benchmark can say what dominates inside them.
 """
 from __future__ import annotations
 
@@ -14,16 +15,40 @@ import time
 from pathlib import Path
 
 _TICK = os.sysconf("SC_CLK_TCK")
+BY_THREAD = {"keeper"}  # roles whose CPU is also reported by thread group
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """user + system CPU seconds of a live process, None once it is gone."""
+def cpu_seconds(pid: int, tid: int | None = None) -> float | None:
+    """user + system CPU seconds of a live process (or one of its threads), None once gone."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
     try:
-        with open(f"/proc/{pid}/stat") as f:
+        with open(path) as f:
             fields = f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
     return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime (fields 14 and 15)
+
+
+def thread_group(name: str) -> str:
+    """What a thread of a keeper does, from its OS name."""
+    if name.startswith(("gloo", "pt_gloo")):
+        return "gloo"             # gloo's transport threads (TCP, its run loop)
+    if name in ("keeper-send", "keeper-recv"):
+        return "tier2-threads"    # Python threads feeding gloo and folding what arrives
+    if name == "leto-keeper":
+        return "main"             # staging slots, tier-1 folds, batching, barriers
+    return "other"
+
+
+def _threads(pid: int) -> dict[int, str]:
+    out = {}
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                out[int(tid)] = f.read().strip()
+    except OSError:
+        pass
+    return out
 
 
 class CpuSampler:
@@ -34,6 +59,7 @@ class CpuSampler:
         self.times: list[float] = []
         self.samples: list[dict[str, float]] = []   # role -> CPU seconds of its live processes so far
         self._last: dict[int, tuple[str, float]] = {}
+        self._last_thread: dict[tuple[int, int], tuple[str, float]] = {}  # a thread keeps its last value once gone
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="leto-cpu-sampler")
 
@@ -58,9 +84,21 @@ class CpuSampler:
                 if cpu is not None:  # a process keeps its role of first sight (shadows may adopt)
                     role = self._last.get(p["pid"], (p["role"], 0.0))[0]
                     self._last[p["pid"]] = (role, cpu)
+                    if role in BY_THREAD:
+                        for tid, name in _threads(p["pid"]).items():
+                            t = cpu_seconds(p["pid"], tid)
+                            if t is not None:
+                                self._last_thread[(p["pid"], tid)] = (f"{role}/{thread_group(name)}", t)
             totals: dict[str, float] = {}
             for role, cpu in self._last.values():
                 totals[role] = totals.get(role, 0.0) + cpu
+            seen: dict[int, float] = {}
+            for (pid, _), (group, cpu) in self._last_thread.items():
+                totals[group] = totals.get(group, 0.0) + cpu
+                seen[pid] = seen.get(pid, 0.0) + cpu
+            for pid, cpu in seen.items():  # threads that lived and ended between two samples
+                group = f"{self._last[pid][0]}/short-lived"
+                totals[group] = totals.get(group, 0.0) + max(self._last[pid][1] - cpu, 0.0)
             self.times.append(time.time())
             self.samples.append(totals)
 

@@ -95,6 +95,9 @@ def main(args: argparse.Namespace) -> int:
     c_off, c_on = out["cpu_s_per_step_off"], out["cpu_s_per_step_on"]
     print(f"  CPU per step: workers {c_off.get('worker', 0) * 1e3:.0f} ms off, {c_on.get('worker', 0) * 1e3:.0f} ms on; "
           f"keepers {c_on.get('keeper', 0) * 1e3:.0f} ms (all processes of a role, median of {ROUNDS} rounds)")
+    parts = sorted(((k.split("/", 1)[1], v) for k, v in c_on.items() if k.startswith("keeper/")), key=lambda kv: -kv[1])
+    if parts:
+        print("  keepers by thread: " + ", ".join(f"{name} {v * 1e3:.1f} ms" for name, v in parts))
     print(f"  encode {out['encode_gbps']:.1f} GB/s, XOR {out['xor_gbps']:.1f} GB/s, crc32 {out['checksum_gbps']:.1f} GB/s, "
           f"memcpy {out['memcpy_gbps']:.1f} GB/s")
     print(f"  memory: keepers hold {out['memory_overhead']:.2f} B per protected B "

@@ -5,7 +5,6 @@ Like torchrun, but the controller owns the TCPStore (no worker is special) and k
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -19,14 +18,13 @@ from pathlib import Path
 import torch.distributed as dist
 
 from leto.console import MetricsTail, StepDisplay
+from leto.control import linux
 from leto.control import runtime as rt
 from leto.control.membership import DONE, Plan, heartbeat_key, plan_key, warm_key
 from leto.control.zygote import ZYGOTES_OFF_KEY, fork_key, forked_key
 from leto.protection import doorbell, keys
 from leto.recovery.decision import Spare, grow_plan, next_plan
 
-_PR_SET_PDEATHSIG = 1
-_PR_SET_CHILD_SUBREAPER = 36
 FORK_TIMEOUT_S = 2.0  # a zygote that does not deliver a shadow by then is passed over
 POLL_S = 0.01
 FAILURE_SETTLE_S = 0.005  # after a death: signals sent in one burst (a node's processes) have landed
@@ -107,23 +105,17 @@ def node_of_rank(rank: int, workers: int, nodes: int) -> int:
     return rank * nodes // workers
 
 
-def _die_with_parent() -> None:
-    # children must not outlive a controller that was SIGKILLed
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 def _start_keeper() -> None:
     """A keeper starts with its doorbells blocked, so every thread it starts (torch starts one at
     import) inherits the mask and leaves the rings to the thread that sleeps on them."""
-    _die_with_parent()
+    linux.die_with_parent()
     doorbell.block()
 
 
 def _start_shadow() -> None:
     """A shadow warms up (imports, builds its model) only on CPU time the job leaves idle:
     SCHED_IDLE, undone by `_boost` when it is needed (allowed unprivileged, unlike renice)."""
-    _die_with_parent()
+    linux.die_with_parent()
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):
@@ -192,9 +184,10 @@ class Controller:
         if rank is not None:
             env[rt.ENV_RANK] = str(rank)
         command = ["-m", "leto.protection.keeper"] if role == "keeper" else self.spec.command
+        # every child dies with the controller, even a SIGKILLed one (the preexec functions)
         popen = subprocess.Popen([sys.executable, *command], env=env, start_new_session=True,
                                  preexec_fn=_start_shadow if role in ("shadow", "zygote") else
-                                 _start_keeper if role == "keeper" else _die_with_parent)
+                                 _start_keeper if role == "keeper" else linux.die_with_parent)
         proc = Proc(role, rank, node, proc_id, popen)
         self.procs.append(proc)
         return proc
@@ -238,7 +231,7 @@ class Controller:
             (self.run_dir / stale).unlink(missing_ok=True)
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         # shadows forked by zygotes are orphans: they are reparented here and supervised like children
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1)
+        linux.become_subreaper()
         try:
             nodes = [node_of_rank(r, self.spec.workers, self.spec.nodes) for r in range(self.spec.workers)]
             workers = [self._spawn("worker", r, nodes[r]) for r in range(self.spec.workers)]

@@ -11,17 +11,15 @@ reparented to the controller (a child subreaper), which supervises it like any c
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import os
-import signal
 import time
 from datetime import timedelta
 
+from leto.control import linux
 from leto.control import runtime as rt
 from leto.control.membership import warm_key
 
-_PR_SET_PDEATHSIG = 1
 ZYGOTES_OFF_KEY = "control/zygotes-off"  # why this job cannot use zygotes (set by one)
 REPARENT_TIMEOUT_S = 5.0
 
@@ -72,7 +70,7 @@ def _fork(job: rt.Job, request: dict) -> bool:
             if time.monotonic() > deadline:
                 os._exit(1)
             time.sleep(1e-3)
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        linux.die_with_parent()
         if os.getppid() != controller:  # the controller died in between
             os._exit(1)
         os.setsid()

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from leto.control import linux
 from leto.control import runtime as rt
 from leto.protection import doorbell, keys
 from leto.protection.codec import scale_into, xor_into
@@ -97,6 +98,7 @@ class _Link:
         return not self.open and all(q.qsize() == SEND_BUFFERS for q in self.free.values())
 
     def _send_loop(self) -> None:
+        linux.name_thread("keeper-send")  # OS thread names: `leto bench overhead` reports CPU by thread
         while True:
             item = self.outbox.get()
             if item is None:
@@ -112,6 +114,7 @@ class _Link:
             doorbell.ring_main()  # the main thread may be waiting for a free buffer
 
     def _recv_loop(self, kind: int) -> None:
+        linux.name_thread("keeper-recv")
         rb, nbytes = self.keeper.record_bytes(kind), self.keeper.nbytes[kind]
         buf = torch.zeros(8 + self.keeper.per_msg[kind] * rb, dtype=torch.uint8)
         raw = buf.numpy()
@@ -362,6 +365,7 @@ class Keeper:
 
     def _await_barrier(self, work: dist.Work) -> None:
         """Wait for the barrier in a thread (gloo work cannot be polled cheaply) and ring."""
+        linux.name_thread("keeper-barrier")
         try:
             work.wait()
         except RuntimeError:
@@ -461,6 +465,7 @@ def main() -> None:
     """Entry point of a keeper process (started by the controller)."""
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     doorbell.install()
+    linux.name_thread("leto-keeper")
     torch.set_num_threads(1)
     job = rt.init(device="cpu")
     node = job.node

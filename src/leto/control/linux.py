@@ -1,0 +1,25 @@
+"""The few Linux process controls Leto needs (prctl through libc)."""
+from __future__ import annotations
+
+import ctypes
+import signal
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
+_PR_SET_CHILD_SUBREAPER = 36
+_libc = ctypes.CDLL("libc.so.6", use_errno=True)
+
+
+def die_with_parent() -> None:
+    """SIGKILL this process when its parent dies (so nothing outlives a SIGKILLed controller)."""
+    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def become_subreaper() -> None:
+    """Adopt orphaned descendants (the shadows a zygote double-forks), to supervise them."""
+    _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+
+def name_thread(name: str) -> None:
+    """Name the calling OS thread (15 bytes at most; /proc/<pid>/task/<tid>/comm shows it)."""
+    _libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]))

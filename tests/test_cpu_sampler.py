@@ -1,0 +1,52 @@
+"""The CPU sampler attributes a keeper's CPU to its threads by their OS names."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from leto.bench.cpu import CpuSampler, thread_group
+
+BURNER = """
+import threading, time
+from leto.control import linux
+def spin(name, seconds):
+    linux.name_thread(name)
+    end = time.process_time() + seconds  # CPU seconds of the whole process: good enough to keep busy
+    while time.process_time() < end:
+        pass
+linux.name_thread("leto-keeper")
+t = threading.Thread(target=spin, args=("keeper-send", 0.6))
+t.start(); t.join()
+spin("leto-keeper", 0.3)
+print("done", flush=True)
+time.sleep(30)
+"""
+
+
+def test_thread_names_map_to_what_the_threads_do() -> None:
+    assert thread_group("gloo_tcp_loop") == thread_group("pt_gloo_runloop") == "gloo"
+    assert thread_group("keeper-send") == thread_group("keeper-recv") == "tier2-threads"
+    assert thread_group("leto-keeper") == "main"
+    assert thread_group("python3") == "other"
+
+
+def test_a_keepers_cpu_is_split_by_thread_and_adds_up(tmp_path: Path) -> None:
+    p = subprocess.Popen([sys.executable, "-c", BURNER], stdout=subprocess.PIPE, text=True)
+    try:
+        (tmp_path / "procs.json").write_text(json.dumps([{"role": "keeper", "pid": p.pid}]))
+        with CpuSampler(tmp_path, every_s=0.02) as sampler:
+            t0 = time.time()
+            assert p.stdout is not None and p.stdout.readline().strip() == "done"
+            time.sleep(0.1)  # one more sample after the work
+            used = sampler.between(t0 - 1.0, time.time())
+        assert used["keeper"] > 0.5
+        assert used["keeper/tier2-threads"] > 0.3     # the thread named keeper-send
+        assert used["keeper/main"] > 0.1
+        parts = sum(v for k, v in used.items() if k.startswith("keeper/"))
+        assert abs(parts - used["keeper"]) < 0.05     # the groups account for the process's CPU
+    finally:
+        p.kill()
+        p.wait()
