@@ -14,19 +14,16 @@ import threading
 import time
 from pathlib import Path
 
+from leto.control.linux import proc_stat
+
 _TICK = os.sysconf("SC_CLK_TCK")
 BY_THREAD = {"keeper"}  # roles whose CPU is also reported by thread group
 
 
 def cpu_seconds(pid: int, tid: int | None = None) -> float | None:
     """user + system CPU seconds of a live process (or one of its threads), None once gone."""
-    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
-    try:
-        with open(path) as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime (fields 14 and 15)
+    fields = proc_stat(pid, tid)
+    return None if fields is None else (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime (14, 15)
 
 
 def thread_group(name: str) -> str:

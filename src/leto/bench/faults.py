@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from leto.control.linux import proc_stat
+
 POLL_S = 0.005
 
 
@@ -81,11 +83,8 @@ def _targets(run_dir: Path, rank: int | None, node: int | None) -> list[int]:
 
 
 def _is_zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(") ", 1)[1][:1] == "Z"
-    except (FileNotFoundError, IndexError, ProcessLookupError):
-        return True
+    fields = proc_stat(pid)
+    return fields is None or fields[0] == "Z"  # gone counts as dead
 
 
 def inject_at_step(run_dir: Path, *, rank: int | None = None, node: int | None = None, step: int,

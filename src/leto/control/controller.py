@@ -544,9 +544,10 @@ class Controller:
 
 def _dying(pid: int) -> bool:
     """Killed but not yet reaped: SIGKILL pending, exiting (PF_EXITING), or a zombie."""
+    fields = linux.proc_stat(pid)
+    if fields is None:
+        return False
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
         if fields[0] in ("Z", "X") or int(fields[6]) & _PF_EXITING:
             return True
         with open(f"/proc/{pid}/status") as f:

@@ -1,4 +1,4 @@
-"""The few Linux process controls Leto needs (prctl through libc)."""
+"""The few Linux process controls Leto needs (prctl through libc, /proc)."""
 from __future__ import annotations
 
 import ctypes
@@ -18,6 +18,17 @@ def die_with_parent() -> None:
 def become_subreaper() -> None:
     """Adopt orphaned descendants (the shadows a zygote double-forks), to supervise them."""
     _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+
+def proc_stat(pid: int, tid: int | None = None) -> list[str] | None:
+    """The fields of /proc/<pid>/stat (or of one thread) after the command name, state first;
+    None once the process is gone."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    try:
+        with open(path) as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
 
 
 def name_thread(name: str) -> None:

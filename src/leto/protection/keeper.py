@@ -161,8 +161,7 @@ class Keeper:
         self.idx = layout.nodes.index(node)
         # a batch holds up to a step's chunks of the largest node, within BATCH_BYTES (the same
         # for every keeper: receivers size their buffers by it)
-        most = max(len(layout.local_ranks(n)) for n in layout.nodes) * g.n_chunks
-        self.per_msg = {k: max(1, min(most, BATCH_BYTES // self.record_bytes(k))) for k in self.nbytes}
+        self.per_msg = {k: max(1, min(layout.positions_per_node, BATCH_BYTES // self.record_bytes(k))) for k in self.nbytes}
         self.shipped: dict[tuple[int, int], int] = {}  # (kind, step) -> local chunks shipped
         self.routes = [layout.routes(node, pos) for pos in range(self.W * g.n_chunks)]  # by data position
         # blocked point-to-point waits of an abandoned generation stay behind in their threads
