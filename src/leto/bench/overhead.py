@@ -17,7 +17,7 @@ from leto.bench.throughput import WARMUP_STEPS, run_job, steady_step_s
 from leto.protection.codec_bench import measure_codec
 from leto.protection.layout import Geometry, Layout
 from leto.protection.placement import default_code
-from leto.protection.shm import _specs
+from leto.protection.shm import specs
 from leto.training.model import GPT, PRESETS
 from leto.training.trainer import DEFAULT_CHUNK_BYTES
 
@@ -34,7 +34,7 @@ def memory_cost(model: str, workers: int, nodes: int, ec: tuple[int, int] | None
     layout = Layout(0, 0, Geometry(n_chunks, elems), node_of_rank, ec)
     by_kind = {"parity": 0, "gradient_parity": 0, "staging": 0, "tables": 0}
     for n in layout.nodes:
-        for name, shape, dtype in _specs(layout, n):
+        for name, shape, dtype in specs(layout, n):
             size = int(np.prod(shape)) * np.dtype(dtype).itemsize
             kind = ("parity" if name.startswith(("p1", "p2_")) else "gradient_parity" if name.startswith(("g1", "g2_"))
                     and "step" not in name and "count" not in name else "staging" if name.startswith("slot")

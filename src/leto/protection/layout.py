@@ -54,6 +54,14 @@ class Layout:
     ring_slots: int = 8
     notes: tuple[str, ...] = field(default=())
     protect_every: int = 1              # --protect-every: only every N-th step's state is protected
+    replicated_grads: bool = False      # every rank holds the whole reduced gradient (gloo's all-reduce):
+    #                                     gradients are not staged, a replay takes them from a survivor
+
+    @property
+    def protects_grads(self) -> bool:
+        """Whether keepers hold gradient parity: only when a step's gradient shard exists on its
+        rank alone (a real reduce-scatter, NCCL) and every step is protected (docs/protection.md)."""
+        return self.protect_every == 1 and not self.replicated_grads
 
     # ----- protection interval (docs/protection.md, "Protection interval")
     def protects(self, step: int) -> bool:
@@ -146,11 +154,11 @@ class Layout:
                            "n_chunks": self.geometry.n_chunks, "chunk_elems": self.geometry.chunk_elems,
                            "node_of_rank": list(self.node_of_rank), "ec": list(self.ec) if self.ec else None,
                            "ring_slots": self.ring_slots, "notes": list(self.notes),
-                           "protect_every": self.protect_every})
+                           "protect_every": self.protect_every, "replicated_grads": self.replicated_grads})
 
     @staticmethod
     def from_json(text: str) -> Layout:
         d = json.loads(text)
         return Layout(d["generation"], d["base_step"], Geometry(d["n_chunks"], d["chunk_elems"]),
                       tuple(d["node_of_rank"]), tuple(d["ec"]) if d["ec"] else None, d["ring_slots"],
-                      tuple(d["notes"]), d["protect_every"])
+                      tuple(d["notes"]), d["protect_every"], d["replicated_grads"])

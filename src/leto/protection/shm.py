@@ -31,11 +31,12 @@ def region_name(job: str, generation: int, node: int) -> str:
     return f"leto-{job}-g{generation}-n{node}"
 
 
-def _specs(layout: Layout, node: int) -> list[tuple[str, tuple[int, ...], type]]:
+def specs(layout: Layout, node: int) -> list[tuple[str, tuple[int, ...], type]]:
+    """(name, shape, dtype) of every array in `node`'s region, in file order."""
     g = layout.geometry
     w = len(layout.local_ranks(node))
     r = layout.ring_slots
-    specs: list[tuple[str, tuple[int, ...], type]] = [
+    out: list[tuple[str, tuple[int, ...], type]] = [
         ("header", (16,), np.int64),
         ("slot_hdr", (w, r, 8), np.int64),
         ("slot_data", (w, r, g.state_bytes), np.uint8),
@@ -43,29 +44,27 @@ def _specs(layout: Layout, node: int) -> list[tuple[str, tuple[int, ...], type]]
         ("v1", (w, g.n_chunks), np.int64),
         ("crc1", (w, g.n_chunks), np.int64),
     ]
-    interval = layout.protect_every > 1  # no gradients; parity pre-images instead ("Protection interval")
-    specs += _preimage_specs("p1", "crc1", (w,), g.n_chunks, g.state_bytes) if interval else [
-        ("g1", (2, g.n_chunks, g.grad_bytes), np.uint8),
-        ("g1_step", (2, g.n_chunks), np.int64),
-        ("g1_count", (2, g.n_chunks), np.int64),
-        ("gcrc1", (w, 2, g.n_chunks), np.int64),
-    ]
+    # an interval keeps parity pre-images instead of gradients ("Protection interval"); replicated
+    # gradients (gloo) need neither
+    interval, grads = layout.protect_every > 1, layout.protects_grads
+    if interval:
+        out += _preimage_specs("p1", "crc1", (w,), g.n_chunks, g.state_bytes)
+    elif grads:
+        out += [("g1", (2, g.n_chunks, g.grad_bytes), np.uint8), ("g1_step", (2, g.n_chunks), np.int64),
+                ("g1_count", (2, g.n_chunks), np.int64), ("gcrc1", (w, 2, g.n_chunks), np.int64)]
     if layout.tier2 is not None:
         k = layout.tier2[0].k
         L = layout.segment_len
         for s, _ in layout.parity_stripes(node):
-            specs += [
-                (f"p2_{s.index}", (L, g.state_bytes), np.uint8),
-                (f"v2_{s.index}", (k, L), np.int64),
-                (f"crc2_{s.index}", (k, L), np.int64),
-            ]
-            specs += _preimage_specs(f"p2_{s.index}", f"crc2_{s.index}", (k,), L, g.state_bytes) if interval else [
-                (f"g2_{s.index}", (2, L, g.grad_bytes), np.uint8),
-                (f"g2_step_{s.index}", (2, L), np.int64),
-                (f"g2_count_{s.index}", (2, L), np.int64),
-                (f"gcrc2_{s.index}", (k, 2, L), np.int64),
-            ]
-    return specs
+            i = s.index
+            out += [(f"p2_{i}", (L, g.state_bytes), np.uint8), (f"v2_{i}", (k, L), np.int64),
+                    (f"crc2_{i}", (k, L), np.int64)]
+            if interval:
+                out += _preimage_specs(f"p2_{i}", f"crc2_{i}", (k,), L, g.state_bytes)
+            elif grads:
+                out += [(f"g2_{i}", (2, L, g.grad_bytes), np.uint8), (f"g2_step_{i}", (2, L), np.int64),
+                        (f"g2_count_{i}", (2, L), np.int64), (f"gcrc2_{i}", (k, 2, L), np.int64)]
+    return out
 
 
 def _preimage_specs(parity: str, crc: str, sources: tuple[int, ...], rows: int,
@@ -82,9 +81,9 @@ class Region:
     def __init__(self, layout: Layout, job: str, node: int, create: bool) -> None:
         self.layout, self.node = layout, node
         self.path = SHM_DIR / region_name(job, layout.generation, node)
-        specs = _specs(layout, node)
+        arrays = specs(layout, node)
         offsets, size = [], 0
-        for _, shape, dtype in specs:
+        for _, shape, dtype in arrays:
             size = -(-size // 64) * 64  # cache-line aligned arrays
             offsets.append(size)
             size += int(np.prod(shape)) * np.dtype(dtype).itemsize
@@ -102,7 +101,7 @@ class Region:
         finally:
             os.close(fd)
         self.arrays: dict[str, np.ndarray] = {}
-        for (name, shape, dtype), off in zip(specs, offsets):
+        for (name, shape, dtype), off in zip(arrays, offsets):
             self.arrays[name] = np.ndarray(shape, dtype=dtype, buffer=self._mm, offset=off)
         if create:
             for name, arr in self.arrays.items():
