@@ -21,12 +21,21 @@ SMALL = ("--workers", "4", "--nodes", "2", "--spares", "1", "--steps", "6", "--s
          "--chunk-bytes", CHUNK_BYTES)
 
 
-@pytest.mark.parametrize("phase", ["grads", "update", "parity"])
+# gloo's default: gradients are replicated on every rank, not staged; `--protect-grads on` runs
+# the protocol of a real reduce-scatter (NCCL), which stages them, on the same CPU job
+MODES = {"replicated-grads": (), "protected-grads": ("--protect-grads", "on")}
+
+
+@pytest.mark.parametrize("mode, phase", [("replicated-grads", "update"), ("replicated-grads", "parity"),
+                                         ("protected-grads", "grads"), ("protected-grads", "update"),
+                                         ("protected-grads", "parity")])
 @pytest.mark.parametrize("chunk", [0, 1, 2, 3])
-def test_kill_at_every_chunk_boundary_rebuilds_the_exact_state(launcher, tmp_path: Path, phase: str, chunk: int) -> None:
-    digest = reference_digest(launcher, tmp_path, *SMALL)
+def test_kill_at_every_chunk_boundary_rebuilds_the_exact_state(launcher, tmp_path: Path, mode: str, phase: str,
+                                                               chunk: int) -> None:
+    digest = reference_digest(launcher, tmp_path, *SMALL)  # the same digest in both modes
     rank = 1 + chunk % 3  # vary the victim (ranks 1..3, both nodes)
-    res, s = train(launcher, tmp_path / "run", *SMALL, "--inject", f"kill:rank={rank}:step=4:phase={phase}:chunk={chunk}")
+    res, s = train(launcher, tmp_path / "run", *SMALL, *MODES[mode],
+                   "--inject", f"kill:rank={rank}:step=4:phase={phase}:chunk={chunk}")
     assert res.returncode == 0, res.stderr[-3000:]
     assert s["digest"] == digest
     (rec,) = s["recoveries"]

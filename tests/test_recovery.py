@@ -30,13 +30,16 @@ def check_recovered(res, summary: dict, digest: str, run_dir: Path, recoveries: 
     return recs
 
 
-@pytest.mark.parametrize("rank, phase", [
-    (1, "forward"), (0, "backward"), (2, "reduce-scatter"), (3, "grads"),
-    (1, "update"), (0, "all-gather"), (2, "parity"),
+@pytest.mark.parametrize("rank, phase, grads", [
+    (1, "forward", "auto"), (0, "backward", "auto"), (2, "reduce-scatter", "auto"), (3, "grads", "on"),
+    (1, "update", "auto"), (0, "all-gather", "auto"), (2, "parity", "auto"), (1, "update", "on"),
 ])
-def test_a_killed_worker_is_replaced_in_place_in_any_phase(launcher, tmp_path: Path, rank: int, phase: str) -> None:
+def test_a_killed_worker_is_replaced_in_place_in_any_phase(launcher, tmp_path: Path, rank: int, phase: str,
+                                                           grads: str) -> None:
+    """`--protect-grads on` stages gradients as with NCCL's reduce-scatter (gloo replicates them)."""
     digest = reference_digest(launcher, tmp_path, *JOB)
-    res, s = train(launcher, tmp_path / "run", *JOB, "--inject", f"kill:rank={rank}:step=5:phase={phase}")
+    res, s = train(launcher, tmp_path / "run", *JOB, "--protect-grads", grads,
+                   "--inject", f"kill:rank={rank}:step=5:phase={phase}")
     rec = check_recovered(res, s, digest, tmp_path / "run")[0]
     assert rec["failed_ranks"] == [rank] and rec["tier"] == "tier1"
     assert "SIGKILL" in rec["cause"]

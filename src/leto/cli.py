@@ -40,6 +40,10 @@ def _add_job_flags(p: argparse.ArgumentParser, workers: int, spares: int, nodes:
     p.add_argument("--protect-every", type=int, default=1, metavar="N",
                    help="protect the state every N steps (for very large models): a recovery redoes at most N "
                         "steps plus the one in flight; costs one more shard of memory per worker [1]")
+    p.add_argument("--protect-grads", choices=["auto", "on"], default="auto",
+                   help="hand each step's gradient shard to the keepers: auto does so only where the reduction "
+                        "leaves a rank alone with its shard (NCCL's reduce-scatter); on gloo every rank holds "
+                        "the whole reduced gradient and a replay takes it from a survivor; on: always [auto]")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,6 +77,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", type=Path, default=None, help="folder for plots and raw results [a temp folder]")
     bench.add_argument("--workers", type=int, default=4)
     bench.add_argument("--model", default="tiny")
+    # overhead only (docs/benchmarks.md, "Protection overhead")
+    bench.add_argument("--rounds", type=int, default=None,
+                       help="interleaved off/on rounds of the default job (overhead; median) [3]")
+    bench.add_argument("--curve", default=None, metavar="none|default|full|POINTS",
+                       help="overhead: points of the curve of compute per protected byte besides the default job: "
+                            "default = 512 rows, full = 128 and 512 rows and the small preset, none, or a comma "
+                            "list of row counts (of --model) and preset names [default]")
+    bench.add_argument("--curve-rounds", type=int, default=None,
+                       help="interleaved off/on rounds of every other curve point (overhead) [3]")
+    bench.add_argument("--curve-steps", type=int, default=None,
+                       help="measured steps per run of every other curve point (overhead) [12]")
+    bench.add_argument("--rss", choices=["on", "off"], default=None,
+                       help="overhead: one more protected run with a shadow and zygotes to measure the memory of "
+                            "the processes that exist for protection [on]")
 
     sim = sub.add_parser("simulate", help="project productivity to large clusters", add_help=False)
     sim.add_argument("sim_args", nargs=argparse.REMAINDER)
@@ -148,6 +166,7 @@ def _run(args: argparse.Namespace) -> int:
     run_dir = make_run_dir(args.run_dir, "leto run")
     spec = JobSpec(command, args.workers, args.spares, args.nodes, run_dir, args.timeout,
                    protection=args.protection == "on", ec=args.ec, protect_every=args.protect_every,
+                   protect_grads=args.protect_grads == "on",
                    no_spare=args.no_spare, zygotes=args.zygotes == "on")
     return Controller(spec).run()
 
@@ -188,6 +207,7 @@ def _train(args: argparse.Namespace) -> int:
                "--model", args.model, "--lr", str(args.lr), "--chunk-bytes", str(args.chunk_bytes)]
     spec = JobSpec(command, args.workers, args.spares, args.nodes, run_dir, args.timeout, total_steps=args.steps,
                    protection=args.protection == "on", ec=args.ec, protect_every=args.protect_every,
+                   protect_grads=args.protect_grads == "on",
                    heartbeat_timeout_s=args.heartbeat_timeout,
                    inject=args.inject, no_spare=args.no_spare, zygotes=args.zygotes == "on")
     code = Controller(spec).run()

@@ -23,6 +23,12 @@ class PeerFailure(RuntimeError):
     """A collective failed or was aborted because the membership changed."""
 
 
+def reduction_replicates(device: torch.device) -> bool:
+    """Whether the gradient reduction leaves every rank holding the whole reduced gradient: on
+    gloo it is an all-reduce (see `Comm.reduce_scatter`), on NCCL a real reduce-scatter."""
+    return device.type != "cuda"
+
+
 class Comm:
     """Collectives of one membership generation over a torch.distributed backend."""
 

@@ -50,6 +50,7 @@ class JobSpec:
     protection: bool = True          # start keepers and protect every step
     ec: tuple[int, int] | None = None  # tier-2 code; None: tier 1 only
     protect_every: int = 1           # protect the state every N steps (--protect-every)
+    protect_grads: bool = False      # stage gradients even where every rank holds them (--protect-grads on)
     heartbeat_timeout_s: float = 3.0   # a worker silent this long is declared hung and fenced
     inject: list[str] = field(default_factory=list)  # fault injections (--inject)
     no_spare: str = "shrink"           # lost ranks without a shadow: "shrink" the job, or "wait" for a cold one
@@ -180,6 +181,7 @@ class Controller:
                     rt.ENV_JOB_ID: self.job_id, rt.ENV_PROTECTION: "on" if self.spec.protection else "off",
                     rt.ENV_EC: "+".join(map(str, self.spec.ec)) if self.spec.ec else "none",
                     rt.ENV_PROTECT_EVERY: str(self.spec.protect_every),
+                    rt.ENV_PROTECT_GRADS: "on" if self.spec.protect_grads else "auto",
                     rt.ENV_INJECT: json.dumps(self.spec.inject)})
         if rank is not None:
             env[rt.ENV_RANK] = str(rank)

@@ -23,6 +23,7 @@ ENV_JOB_ID = "LETO_JOB_ID"        # names the job's shared-memory files
 ENV_PROTECTION = "LETO_PROTECTION"  # on | off
 ENV_EC = "LETO_EC"                # tier-2 code "k+m", or "none"
 ENV_PROTECT_EVERY = "LETO_PROTECT_EVERY"  # protect the state every N steps (--protect-every)
+ENV_PROTECT_GRADS = "LETO_PROTECT_GRADS"  # "on": stage gradients even where every rank holds them
 ENV_INJECT = "LETO_INJECT"        # fault injections, a JSON list of --inject specs
 
 SHUTDOWN_KEY = "control/shutdown"
@@ -48,6 +49,7 @@ class Job:
     protection: bool = False
     ec: tuple[int, int] | None = None
     protect_every: int = 1
+    protect_grads: bool = False  # --protect-grads on (otherwise: only where the reduction shards them)
 
     @property
     def is_shadow(self) -> bool:
@@ -89,4 +91,5 @@ def init(device: str | None = None) -> Job:
     return Job(role, rank, int(os.environ[ENV_WORLD]), int(os.environ[ENV_NODE]),
                int(os.environ[ENV_NODES]), Path(run_dir) if run_dir else None, store,
                os.environ[ENV_PROC_ID], timeout_s, dev, os.environ.get(ENV_JOB_ID, "solo"),
-               os.environ.get(ENV_PROTECTION, "off") == "on", ec, int(os.environ.get(ENV_PROTECT_EVERY, "1")))
+               os.environ.get(ENV_PROTECTION, "off") == "on", ec, int(os.environ.get(ENV_PROTECT_EVERY, "1")),
+               os.environ.get(ENV_PROTECT_GRADS, "auto") == "on")

@@ -156,8 +156,9 @@ class Keeper:
         self.next_slot = [0] * self.W
         g = layout.geometry
         self.interval = layout.protect_every > 1  # docs/protection.md, "Protection interval"
-        self.nbytes = {KIND_DELTA: g.state_bytes} if self.interval else \
-            {KIND_GRAD: g.grad_bytes, KIND_DELTA: g.state_bytes}
+        self.grads = layout.protects_grads  # else gradients are not staged (an interval, or gloo's replicas)
+        self.nbytes = {KIND_GRAD: g.grad_bytes, KIND_DELTA: g.state_bytes} if self.grads else \
+            {KIND_DELTA: g.state_bytes}
         self.idx = layout.nodes.index(node)
         # a batch holds up to a step's chunks of the largest node, within BATCH_BYTES (the same
         # for every keeper: receivers size their buffers by it)
@@ -172,7 +173,8 @@ class Keeper:
         self.expected, self.real = self._expected_counts()
         self.links = {n: _Link(self, n, send=n in receivers, recv=n in senders)
                       for n in sorted(senders | receivers) if n != node}
-        # barrier sequence: D(base), G(base+1), D(base+1), ...; with an interval D(base), D(P1), D(P2), ...
+        # barrier sequence: D(base), G(base+1), D(base+1), ...; without gradients D(base), D(P1), D(P2), ...
+        # (P: the protected steps, every step unless an interval)
         self.next_barrier = (KIND_DELTA, layout.base_step)
         self.barrier_work: dist.Work | None = None
         self.barrier_done = threading.Event()
@@ -344,8 +346,8 @@ class Keeper:
                 h[H_DCOMMIT] = step
                 if step == self.layout.base_step:
                     self.store.set(keys.committed(self.gen, self.node), "1")
-                self.next_barrier = (KIND_DELTA, self.layout.next_protected(step)) if self.interval \
-                    else (KIND_GRAD, step + 1)
+                self.next_barrier = (KIND_GRAD, step + 1) if self.grads \
+                    else (KIND_DELTA, self.layout.next_protected(step))
             else:
                 h[H_GCOMMIT] = step
                 self.next_barrier = (KIND_DELTA, step)
@@ -393,14 +395,15 @@ class Keeper:
         """What recovery needs from this keeper (after draining)."""
         r, h = self.region, self.region.header
         g = int(h[H_GCOMMIT])
-        if self.interval:  # no gradients; the step every delta is folded at, and the pre-images
+        if not self.grads:  # the step every delta is folded at (and an interval's pre-images)
             out = {"node": self.node, "generation": self.gen, "d_commit": int(h[H_DCOMMIT]),
-                   "applied": self.applied_step(), "v1": r["v1"].tolist(), "crc1": r["crc1"].tolist(),
-                   "crc_pre": r["crc1_pre"].tolist(), "pre_step": r["p1_pre_step"].tolist(), "stripes": {}}
+                   "applied": self.applied_step(), "v1": r["v1"].tolist(), "crc1": r["crc1"].tolist(), "stripes": {}}
+            if self.interval:
+                out.update({"crc_pre": r["crc1_pre"].tolist(), "pre_step": r["p1_pre_step"].tolist()})
             for si in self.parity:
-                out["stripes"][str(si)] = {"v2": r[f"v2_{si}"].tolist(), "crc2": r[f"crc2_{si}"].tolist(),
-                                           "crc_pre": r[f"crc2_{si}_pre"].tolist(),
-                                           "pre_step": r[f"p2_{si}_pre_step"].tolist()}
+                st = out["stripes"][str(si)] = {"v2": r[f"v2_{si}"].tolist(), "crc2": r[f"crc2_{si}"].tolist()}
+                if self.interval:
+                    st.update({"crc_pre": r[f"crc2_{si}_pre"].tolist(), "pre_step": r[f"p2_{si}_pre_step"].tolist()})
             return out
         out = {"node": self.node, "generation": self.gen, "g_commit": g, "d_commit": int(h[H_DCOMMIT]),
                "grads_complete": [s for s in (g, g + 1) if self.grads_complete(s)],

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -82,9 +83,19 @@ def join(tr: Trainer, gen: int) -> dict:
                             f"generation {used_gen} has {layout.geometry}")
     if tr.injector is not None:
         tr.injector.at("recovery", tr.step_count + 1, rank, plan.node_of_rank)
-    rplan = make_plan(layout, plan, reports, roles)
+    held, source = _held_gradients(tr, layout)
+    rplan = make_plan(layout, plan, reports, roles, held=held)
     T = rplan.step
     t_decode = time.time()
+    g = layout.geometry
+    grads = _share_gradients(tr, layout, T, source) if T == held >= 0 else None
+    tr.grad_step = T if grads is tr.flat_grad else None
+
+    def lost_grad(r: int, c: int) -> torch.Tensor:  # lost rank r's gradient chunk c of step T
+        lo = (r * g.n_chunks + c) * g.chunk_elems
+        return grads[lo:lo + g.chunk_elems]
+
+    grad_of = lost_grad if grads is not None else None
     if me is not None:
         tr.bring_to(T)
     repaired: list[str] = []
@@ -101,11 +112,10 @@ def join(tr: Trainer, gen: int) -> dict:
             raise RecoveryError(f"decoded state failed its checksums ({what}) and no other redundancy "
                                 f"is left: stopping rather than continue on corrupt state")
         repaired += [f"tier-1 data of node {n} failed its checksums; rebuilt from tier 2" for n in bad["tier1"]]
-        rplan = make_plan(layout, plan, reports, roles, frozenset(bad["tier1"]) | rplan.force_tier2)
-    g = layout.geometry
+        rplan = make_plan(layout, plan, reports, roles, frozenset(bad["tier1"]) | rplan.force_tier2, held)
 
     if roles.reshard:
-        shard, params = _reshard(tr, layout, roles, rb, T, me)
+        shard, params = _reshard(tr, layout, roles, rb, T, me, grad_of)
         restore_s = time.time() - t_decode
         t_protect = time.time()
         tr.stage_reshard(gen, shard, params, T)
@@ -115,7 +125,7 @@ def join(tr: Trainer, gen: int) -> dict:
         for r, q in roles.holder.items():
             if q == rank and r in roles.lost:
                 dst = tr.bufs[T % len(tr.bufs)]
-                dst.copy_(rb.shard_at(r, g.n_chunks, g.chunk_elems, tr.update_chunk))
+                dst.copy_(rb.shard_at(r, g.n_chunks, g.chunk_elems, tr.update_chunk, grad_of))
                 tr.buf_step[T % len(tr.bufs)] = T
         tr.step_count = T
         tr.param_shard.copy_(tr.state[:, MASTER, :].reshape(-1))
@@ -134,8 +144,8 @@ def join(tr: Trainer, gen: int) -> dict:
     return record
 
 
-def _reshard(tr: Trainer, layout: Layout, roles: Roles, rb: Rebuilder, T: int,
-             me: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _reshard(tr: Trainer, layout: Layout, roles: Roles, rb: Rebuilder, T: int, me: int | None,
+             grad_of: Callable[[int, int], torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Every shard of the old layout at step T, exchanged through one BXOR all-reduce (each is
     held by exactly one process; XOR with zeros keeps every bit, -0.0 included), then cut into
     this rank's shard of the new world size. Returns (new shard, all parameters)."""
@@ -146,7 +156,7 @@ def _reshard(tr: Trainer, layout: Layout, roles: Roles, rb: Rebuilder, T: int,
 
     for r in roles.lost:
         if roles.holder[r] == tr.rank:
-            full[r].copy_(rb.shard_at(r, g.n_chunks, g.chunk_elems, tr.update_chunk))
+            full[r].copy_(rb.shard_at(r, g.n_chunks, g.chunk_elems, tr.update_chunk, grad_of))
     tr.comm.all_reduce(full.view(torch.int32), torch.distributed.ReduceOp.BXOR)
     rows = full.transpose(1, 2).reshape(layout.world_size, 3, -1).transpose(0, 1).reshape(3, -1)  # [3, elements]
     new = tr.geometry_for(tr.world_size)
@@ -158,6 +168,30 @@ def _reshard(tr: Trainer, layout: Layout, roles: Roles, rb: Rebuilder, T: int,
         shard[:, :hi - lo].copy_(rows[:, lo:hi])
     shard = shard.view(3, new.n_chunks, new.chunk_elems).transpose(0, 1).contiguous()
     return shard, rows[MASTER, :tr.numel].clone()
+
+
+def _held_gradients(tr: Trainer, layout: Layout) -> tuple[int, int]:
+    """Where gradients are replicated, not protected: the latest step whose whole reduced
+    gradient a member holds (-1: none) and the lowest member holding it (one all-reduce)."""
+    if layout.protects_grads or layout.protect_every > 1:
+        return -1, -1
+    W = tr.world_size
+    mine = tr.grad_step if tr.grad_step is not None and tr.geometry == layout.geometry else -1
+    key = torch.tensor([mine * W + (W - 1 - tr.rank) if mine >= 0 else -1], dtype=torch.int64)
+    tr.comm.all_reduce(key, torch.distributed.ReduceOp.MAX)
+    k = int(key.item())
+    return (-1, -1) if k < 0 else (k // W, W - 1 - k % W)
+
+
+def _share_gradients(tr: Trainer, layout: Layout, step: int, source: int) -> torch.Tensor:
+    """Broadcast the whole reduced gradient of `step` from `source`: survivors that were still
+    in the reduction need their shard of it, the holder of a lost rank its shard to replay."""
+    g = layout.geometry
+    numel = layout.world_size * g.n_chunks * g.chunk_elems
+    same = tr.geometry == layout.geometry and tr.flat_grad.numel() == numel
+    buf = tr.flat_grad if same else torch.zeros(numel, device=tr.flat_grad.device)
+    tr.comm.broadcast(buf, source)
+    return buf
 
 
 def _agree_on_corruption(tr: Trainer, layout: Layout, corrupt: set[tuple[str, int]]) -> dict[str, list[int]]:

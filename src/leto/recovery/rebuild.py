@@ -28,13 +28,21 @@ class RecoveryError(RuntimeError):
     """The lost state cannot be rebuilt exactly; the job must stop rather than go on wrong."""
 
 
-def recovery_step(reports: dict[int, dict], protect_every: int = 1) -> int:
+def recovery_step(reports: dict[int, dict], layout: Layout, held: int = -1) -> int:
     """The one step every rank is rebuilt at (docs/protection.md, "Recovery point"; with
-    `protect_every` > 1, "Protection interval": the last step every surviving keeper holds whole)."""
+    `protect_every` > 1, "Protection interval": the last step every surviving keeper holds whole).
+    `held`: the latest step whose whole reduced gradient a member of the new generation holds
+    (-1: none), which decides where gradients are not protected but replicated."""
     if not reports:
         raise RecoveryError("no keeper survived: there is no protection data to rebuild from")
-    if protect_every > 1:
+    if layout.protect_every > 1:
         return min(r["applied"] for r in reports.values())
+    if not layout.protects_grads:  # replicated gradients ("Recovery point")
+        applied = min(r["applied"] for r in reports.values())
+        if held < applied and held != -1 or held > applied + 1:
+            raise RecoveryError(f"inconsistent recovery point: gradients of step {held} held, every delta of "
+                                f"step {applied} applied")
+        return max(held, applied)
     c = max(r["g_commit"] for r in reports.values())
     if all(c + 1 in r["grads_complete"] for r in reports.values()):
         return c + 1
@@ -123,10 +131,10 @@ class RebuildPlan:
 
 
 def make_plan(layout: Layout, new: Plan, reports: dict[int, dict], roles: Roles,
-              force_tier2: frozenset[int] = frozenset()) -> RebuildPlan:
+              force_tier2: frozenset[int] = frozenset(), held: int = -1) -> RebuildPlan:
     """Which tier rebuilds which lost rank, and who contributes. Nodes in `force_tier2` are
-    rebuilt from tier 2 (their tier-1 data failed its checksums)."""
-    step = recovery_step(reports, layout.protect_every)
+    rebuilt from tier 2 (their tier-1 data failed its checksums); `held` as in `recovery_step`."""
+    step = recovery_step(reports, layout, held)
     lost = roles.lost
     tier1, t2_nodes = [], set()
     for n in layout.nodes:
@@ -201,7 +209,7 @@ class Rebuilder:
         self.interval = layout.protect_every > 1  # state only, all at the recovery step; no replay
         # gradients of the recovery step are decoded only to replay chunks one step behind; at a
         # generation's base (a failure right after a recovery) no gradients of it were staged
-        self.grads = not self.interval and _replay_needed(reports, plan.step)
+        self.grads = layout.protects_grads and _replay_needed(reports, plan.step)
         self.sb, self.gb = g.state_bytes, g.grad_bytes if self.grads else 0
 
     def _region(self, node: int) -> Region:
@@ -254,7 +262,8 @@ class Rebuilder:
                 if self.interval:
                     version, crc, gcrc = T, rep["crc_pre" if pre[c] else "crc1"][w_lost][c], 0
                 else:
-                    version, crc, gcrc = rep["v1"][w_lost][c], rep["crc1"][w_lost][c], rep["gcrc1"][w_lost][b][c]
+                    version, crc = rep["v1"][w_lost][c], rep["crc1"][w_lost][c]
+                    gcrc = rep["gcrc1"][w_lost][b][c] if self.grads else 0
                 if not self._keep(job.lost_rank, c, acc[c, :self.sb], version, crc, acc[c, self.sb:], gcrc):
                     self.corrupt.add(("tier1", job.node))
 
@@ -310,7 +319,8 @@ class Rebuilder:
                 if self.interval:
                     version, crc, gcrc = T, rep["crc_pre" if pre[first][i] else "crc2"][e][i], 0
                 else:
-                    version, crc, gcrc = rep["v2"][e][i], rep["crc2"][e][i], rep["gcrc2"][e][b][i]
+                    version, crc = rep["v2"][e][i], rep["crc2"][e][i]
+                    gcrc = rep["gcrc2"][e][b][i] if self.grads else 0
                 if not self._keep(src[0], src[1], acc[mi, i, :self.sb], version, crc, acc[mi, i, self.sb:], gcrc):
                     self.corrupt.add(("tier2", s.index))
 
@@ -341,16 +351,18 @@ class Rebuilder:
         T = self.plan.step
         if version not in (T - 1, T) or checksum(state) != crc:
             return False
-        if version == T - 1 and checksum(grad) != gcrc:
+        if version == T - 1 and self.grads and checksum(grad) != gcrc:
             return False
         self.result_state[r, c], self.result_version[r, c] = state.copy(), version
-        if version == T - 1:
+        if version == T - 1 and self.grads:
             self.result_grad[r, c] = grad.copy()
         return True
 
-    def shard_at(self, r: int, n_chunks: int, chunk_elems: int, update: Callable) -> torch.Tensor:
+    def shard_at(self, r: int, n_chunks: int, chunk_elems: int, update: Callable,
+                 grad_of: Callable[[int, int], torch.Tensor] | None = None) -> torch.Tensor:
         """Lost rank `r`'s decoded shard at the recovery step ([n_chunks, 3, chunk_elems]),
-        replaying the interrupted update of chunks still one step behind."""
+        replaying the interrupted update of chunks still one step behind (with the decoded
+        gradient chunk, or `grad_of(r, c)` where gradients are replicated, not protected)."""
         T = self.plan.step
         missing = [c for c in range(n_chunks) if (r, c) not in self.result_state]
         if missing:
@@ -360,6 +372,10 @@ class Rebuilder:
             data = torch.from_numpy(self.result_state[r, c].view(np.float32).reshape(3, chunk_elems))
             if self.result_version[r, c] == T:
                 out[c].copy_(data)
-            else:
+            elif (r, c) in self.result_grad:
                 update(data.clone(), torch.from_numpy(self.result_grad[r, c].view(np.float32)), out[c], T)
+            elif grad_of is not None:
+                update(data.clone(), grad_of(r, c), out[c], T)
+            else:
+                raise RecoveryError(f"rank {r} chunk {c} needs a replay of step {T} and no gradient of it is held")
         return out

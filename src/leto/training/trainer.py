@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from leto.control import runtime as rt
-from leto.control.comm import Comm, PeerFailure
+from leto.control.comm import Comm, PeerFailure, reduction_replicates
 from leto.control.membership import GenerationWatch, Plan, plan_key, read_plan, warm_key
 from leto.control.runtime import FATAL_KEY, RESULT_KEY, Job
 from leto.protection import keys
@@ -50,6 +50,9 @@ class Trainer:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.numel = sum(p.numel() for p in self.params)
         self.chunk_elems = chunk_bytes // (_STATE_ROWS * 4)
+        # on gloo every rank holds the whole reduced gradient: the keepers need no copy of it
+        self.replicated_grads = reduction_replicates(job.device) and not job.protect_grads
+        self.grad_step: int | None = None  # the step whose whole reduced gradient flat_grad holds
         self._allocate(job.world_size)
         self.buf_step[0] = 0
         self.generation = 0
@@ -86,7 +89,10 @@ class Trainer:
             offset += n
         # Protection keeps two versions of the shard (ping-pong by step parity, see docs/protection.md)
         copies = 2 if self.job.protection else 1
-        gcopies = copies if self.job.protect_every == 1 else 1  # an interval protects no gradients
+        # a gradient shard of its own only where the reduction leaves one (NCCL); two when it is
+        # protected (an interval protects no gradients)
+        gcopies = 0 if self.replicated_grads else copies if self.job.protect_every == 1 else 1
+        self.grad_step = None
         self.bufs = [torch.zeros(self.n_chunks, _STATE_ROWS, self.chunk_elems, device=dev) for _ in range(copies)]
         self.gbufs = [torch.zeros(self.n_chunks, self.chunk_elems, device=dev) for _ in range(gcopies)]
         self.buf_step = [-1] * copies   # the step each state buffer holds
@@ -165,7 +171,7 @@ class Trainer:
         if self.rank == 0:
             geometry = Geometry(state.shape[0], self.chunk_elems)
             layout = Layout(generation, base_step, geometry, self.plan.node_of_rank, self.job.ec,
-                            protect_every=self.job.protect_every)
+                            protect_every=self.job.protect_every, replicated_grads=self.replicated_grads)
             self.job.store.set(keys.layout(generation), layout.to_json())
         layout = Layout.from_json(self.job.store.get(keys.layout(generation)))
         self.protector = Protector(self.job.store, layout, self.rank, self.job.job_id, self.job.timeout_s,
@@ -251,11 +257,21 @@ class Trainer:
             raise RecoveryError(f"rank {self.rank} does not hold step {step} (it holds {self.buf_step})")
         return self.bufs[i][c]
 
-    def grad_at(self, step: int, c: int) -> torch.Tensor:
+    def grads_of(self, step: int) -> torch.Tensor:
+        """This rank's gradient shard of `step` ([n_chunks, chunk_elems]): a view of the whole
+        reduced gradient where every rank holds it, else one of its own gradient shards."""
+        if self.replicated_grads:
+            if self.grad_step != step:
+                raise RecoveryError(f"rank {self.rank} does not hold gradients of step {step} (it holds {self.grad_step})")
+            lo = self.rank * self.shard_elems
+            return self.flat_grad[lo:lo + self.shard_elems].view(self.n_chunks, self.chunk_elems)
         i = step % len(self.gbufs)
         if self.gbuf_step[i] != step:
             raise RecoveryError(f"rank {self.rank} does not hold gradients of step {step} (it holds {self.gbuf_step})")
-        return self.gbufs[i][c]
+        return self.gbufs[i]
+
+    def grad_at(self, step: int, c: int) -> torch.Tensor:
+        return self.grads_of(step)[c]
 
     def update_chunk(self, old: torch.Tensor, grad: torch.Tensor, dst: torch.Tensor, step: int) -> None:
         """The optimizer update of one chunk to `step` (also used to replay a decoded chunk)."""
@@ -272,8 +288,7 @@ class Trainer:
             self.buf_step[step % n] = step
             return
         self.chunk_at(step - 1, 0)  # raises unless step-1 is held
-        old, grads, dst = self.bufs[(step - 1) % n], self.gbufs[step % len(self.gbufs)], self.bufs[step % n]
-        self.grad_at(step, 0)
+        old, grads, dst = self.bufs[(step - 1) % n], self.grads_of(step), self.bufs[step % n]
         for c in range(self.n_chunks):
             self.update_chunk(old[c], grads[c], dst[c], step)
         self.buf_step[step % n] = step
@@ -282,27 +297,37 @@ class Trainer:
         w = 1.0 / self.world_size if weight is None else weight
         t, n = self.step_count, len(self.bufs)
         prot, fault = self.protector, self._fault
-        fault("forward", t + 1)
         every = prot.layout.protect_every if prot is not None else 1
+        grads_protected = prot is not None and prot.layout.protects_grads
+        fault("forward", t + 1)
         if prot is not None and t > prot.base and every == 1:  # protect the update of step t (docs/protection.md)
-            prot.wait_grad_commit(t)
+            if grads_protected:
+                prot.wait_grad_commit(t)
             prot.stage_deltas(t, self.bufs[(t - 1) % n], self.bufs[t % n], lambda c: fault("parity", t + 1, c))
         elif prot is not None and t > prot.base and prot.layout.protects(t):  # "Protection interval"
             prot.stage_deltas(t, self.snap, self.bufs[t % n], lambda c: fault("parity", t + 1, c))
-        self.flat_grad.zero_()
         loss = loss_fn()
         fault("backward", t + 1)
+        if prot is not None and every == 1 and not grads_protected:
+            prot.wait_delta_commit(t)  # until then a replay of step t takes its gradients from flat_grad
+        self.grad_step = None
+        self.flat_grad.zero_()
         (loss * w).backward()
-        self._loss.fill_(loss.item() * w)
-        self.comm.all_reduce(self._loss)
-        grads = self.gbufs[(t + 1) % len(self.gbufs)]
         fault("reduce-scatter", t + 1)
-        self.comm.reduce_scatter(grads.view(-1), self.flat_grad)
-        self.gbuf_step[(t + 1) % len(self.gbufs)] = t + 1
-        if prot is not None and every == 1:
+        if self.replicated_grads:
+            self.comm.all_reduce(self.flat_grad)
+            self.grad_step = t + 1
+            grads = self.grads_of(t + 1)
+        else:
+            grads = self.gbufs[(t + 1) % len(self.gbufs)]
+            self.comm.reduce_scatter(grads.view(-1), self.flat_grad)
+            self.gbuf_step[(t + 1) % len(self.gbufs)] = t + 1
+        self._loss.fill_(loss.item() * w)
+        self.comm.all_reduce(self._loss)  # after the gradients: done anywhere, every rank holds them
+        if grads_protected:
             prot.stage_grads(t + 1, grads, lambda c: fault("grads", t + 1, c))
             prot.wait_delta_commit(t)  # nobody needs step t-1 any more: its buffer may be overwritten
-        elif prot is not None and t - 1 > prot.base and prot.layout.protects(t - 1):
+        elif prot is not None and t - 1 > prot.base and prot.layout.protects(t - 1) and every > 1:
             prot.wait_delta_commit(t - 1)  # the update overwrites protected step t-1: keep it
             self.snap.copy_(self.bufs[(t - 1) % n])
             self.snap_step = t - 1
@@ -314,8 +339,8 @@ class Trainer:
         self.param_shard.copy_(dst[:, MASTER, :].reshape(-1))
         fault("all-gather", t + 1)
         self.comm.all_gather(self.flat_param, self.param_shard)
-        if prot is not None and every == 1:  # a step completes once its gradients are protected everywhere,
-            prot.wait_grad_commit(t + 1)     # so a later failure loses at most the step in flight
+        if grads_protected:  # a step completes once its gradients are protected everywhere,
+            prot.wait_grad_commit(t + 1)  # so a later failure loses at most the step in flight
         self.step_count = t + 1
         self.last_loss = float(self._loss.item())
         self._record(tokens)
