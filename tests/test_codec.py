@@ -242,9 +242,14 @@ def test_checksum_detects_flipped_bit(length: int, seed: int, data: st.DataObjec
     assert "tier-1 parity" in str(err) and "owner 3" in str(err)
 
 
-def test_checksum_is_deterministic_constant() -> None:
-    assert checksum(np.frombuffer(b"123456789", dtype=np.uint8)) == 0xCBF43926
-    verify(b"123456789", 0xCBF43926, "reference")
+def test_checksum_is_xxh3_64_as_a_signed_int64() -> None:
+    # XXH3-64 of the empty input is 0x2D06800538D394C2 (xxHash's reference vector)
+    assert checksum(b"") == 0x2D06800538D394C2
+    assert checksum(np.frombuffer(b"123456789", dtype=np.uint8)) == 0x72DCB18B67A17DFF
+    value = checksum(b"a")  # 0xE6C632B61E964E1F: the high bit is set, so it is stored as a negative int64
+    assert value == 0xE6C632B61E964E1F - (1 << 64)
+    assert np.array([value], dtype=np.int64)[0] == value  # fits the int64 tables in shared memory
+    verify(b"a", value, "reference")
 
 
 def test_measure_codec_keys() -> None:
