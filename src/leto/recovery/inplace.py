@@ -57,6 +57,8 @@ def join(tr: Trainer, gen: int) -> dict:
     tr.generation, tr.plan, job.rank, job.world_size = gen, plan, rank, len(plan.proc_of_rank)
     if tr.comm is not None:
         tr.comm.close(abandon=True)
+        if tr.grad_step is None:  # its reduction of the step in flight may still be running
+            tr.fresh_grads()
     tr.comm = Comm(store, gen, rank, tr.world_size, job.timeout_s, tr.watch.reason, job.device)
 
     drain = json.loads(store.get(keys.drain(gen - 1))) if store.check([keys.drain(gen - 1)]) else None

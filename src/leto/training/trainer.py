@@ -79,25 +79,34 @@ class Trainer:
         self.n_chunks = -(-self.numel // (shards * self.chunk_elems))
         self.shard_elems = self.n_chunks * self.chunk_elems
         self.flat_param = torch.zeros(shards * self.shard_elems, device=dev)
-        self.flat_grad = torch.zeros_like(self.flat_param)
         offset = 0
         for p in self.params:  # parameters and gradients become views of the flat buffers
             n = p.numel()
             self.flat_param[offset:offset + n].copy_(p.data.view(-1))
             p.data = self.flat_param[offset:offset + n].view_as(p)
-            p.grad = self.flat_grad[offset:offset + n].view_as(p)
             offset += n
+        self.fresh_grads()
         # Protection keeps two versions of the shard (ping-pong by step parity, see docs/protection.md)
         copies = 2 if self.job.protection else 1
         # a gradient shard of its own only where the reduction leaves one (NCCL); two when it is
         # protected (an interval protects no gradients)
         gcopies = 0 if self.replicated_grads else copies if self.job.protect_every == 1 else 1
-        self.grad_step = None
         self.bufs = [torch.zeros(self.n_chunks, _STATE_ROWS, self.chunk_elems, device=dev) for _ in range(copies)]
         self.gbufs = [torch.zeros(self.n_chunks, self.chunk_elems, device=dev) for _ in range(gcopies)]
         self.buf_step = [-1] * copies   # the step each state buffer holds
         self.gbuf_step = [-1] * gcopies  # the step each gradient buffer holds
         self.param_shard = torch.zeros(self.shard_elems, device=dev)
+
+    def fresh_grads(self) -> None:
+        """Give the gradients a new flat buffer. After a failure, a reduction abandoned in a gloo
+        thread may still write into the old one (it stays with the parked process group)."""
+        self.flat_grad = torch.zeros_like(self.flat_param)
+        self.grad_step = None
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad = self.flat_grad[offset:offset + n].view_as(p)
+            offset += n
 
     def reshard(self, shards: int, shard: torch.Tensor, params: torch.Tensor, step: int) -> None:
         """Switch to ZeRO-1 over `shards` ranks holding `shard` ([n_chunks, 3, chunk_elems]) at
@@ -322,6 +331,7 @@ class Trainer:
             grads = self.gbufs[(t + 1) % len(self.gbufs)]
             self.comm.reduce_scatter(grads.view(-1), self.flat_grad)
             self.gbuf_step[(t + 1) % len(self.gbufs)] = t + 1
+            self.grad_step = t + 1
         self._loss.fill_(loss.item() * w)
         self.comm.all_reduce(self._loss)  # after the gradients: done anywhere, every rank holds them
         if grads_protected:
