@@ -18,6 +18,7 @@ from .engine import (
     Scenario,
     SimulationResult,
     SweepPoint,
+    input_figures,
     simulate,
     sweep,
     sweep_sizes,
@@ -266,6 +267,10 @@ def _run(argv: Sequence[str] | None) -> int:
         doc = res.to_json()
         doc["runtime_s"] = runtime
         doc["calibration_sources"] = dict(calibration.sources)
+        doc["calibration_notes"] = list(calibration.notes)
+        doc["inputs"] = input_figures(sc, calibration)
+        if calibration.details:
+            doc["protection_calibration"] = dict(calibration.details)
         if series:
             doc["sweep"] = [dataclasses.asdict(pt) for pt in series]
         if plot is not None:
@@ -273,6 +278,10 @@ def _run(argv: Sequence[str] | None) -> int:
         print(json.dumps(_jsonable(doc), indent=2, allow_nan=False))
     else:
         print(format_table(res, runtime))
+        if calibration.notes:
+            print("\ncalibration notes (what the file left out and what stands in):")
+            for note in calibration.notes:
+                print(f"  {note}")
         if series:
             print("\nproductivity vs cluster size (mean of independent runs):")
             print("  " + "gpus".rjust(8) + "runs".rjust(6)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .model import (
+    CALIBRATION_UNITS,
     DAY,
     DETECTION_CLASSES,
     GB,
@@ -39,12 +40,14 @@ from .model import (
     Assumptions,
     Calibration,
     FailureClass,
+    assumption_fields,
     checkpoint_bytes_per_gpu,
     checkpoint_read_s,
     checkpoint_write_s,
     comm_init_s,
     daly_interval_s,
     dp_degree,
+    failure_mix,
     load_calibration,
     optimizer_bytes_per_gpu,
     step_time_s,
@@ -62,7 +65,11 @@ __all__ = [
     "SweepPoint",
     "build_costs",
     "closed_form_checkpoint_restart",
+    "d2h_bps",
     "draw_failures",
+    "free_host_cores",
+    "input_figures",
+    "leto_protection",
     "simulate",
     "sweep",
     "sweep_sizes",
@@ -111,6 +118,11 @@ class Scenario:
             raise ValueError(f"--spares must be an integer >= 0, got {self.spares!r}")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"--seed must be an integer >= 0, got {self.seed!r}")
+        if free_host_cores(a, g) <= 0:
+            raise ValueError(
+                f"no host cores left for protection: host_cores_per_node "
+                f"{a.host_cores_per_node} - gpus per node {g} x train_cores_per_gpu "
+                f"{a.train_cores_per_gpu:g} <= 0 (change with --set)")
         expected = self.horizon_s / self.job_mtbf_s
         if expected > MAX_EXPECTED_FAILURES:
             raise ValueError(
@@ -207,6 +219,45 @@ def _exposed(a: Assumptions, background_s: float, step_s: float) -> float:
     return max(0.0, background_s - a.protect_overlap * step_s)
 
 
+def free_host_cores(a: Assumptions, gpus_per_node: int) -> float:
+    """Host cores per node that GPU training leaves idle (where the keepers' work runs)."""
+    return a.host_cores_per_node - gpus_per_node * a.train_cores_per_gpu
+
+
+def d2h_bps(a: Assumptions, cal: Calibration) -> float:
+    """Device-to-host bytes/s per GPU: measured ``d2h_gbps`` if a GPU run gave it, else PCIe."""
+    return (cal.d2h_gbps if cal.d2h_gbps is not None else a.pcie_gbps) * GB
+
+
+def leto_protection(sc: Scenario, cal: Calibration) -> dict[str, float]:
+    """Leto's per-step protection cost on ``sc`` from the measured CPU per byte (simulation.md).
+
+    Per GPU: ``b`` bytes of optimizer state (ZeRO-1), ``moved = gamma b`` bytes moved a step.
+    Host CPU per node ``c G moved`` spread over the free host cores; device-to-host copy
+    ``moved / d2h``; tier-2 transfer ``tau b tier2_m / net``. The copy is on the critical path
+    except its ``d2h_overlap`` part; host work, tier-2 and the overlapped copy are hidden up to
+    ``protect_overlap x step`` and add beyond it.
+    """
+    a, n, g = sc.assumptions, sc.gpus, sc.gpus_per_node
+    step = step_time_s(a)
+    b = optimizer_bytes_per_gpu(a, n)
+    moved = cal.protect_moved_per_state_byte * b
+    cpu_node = cal.protect_cpu_s_per_byte * g * moved
+    cores = free_host_cores(a, g)
+    host = cpu_node / cores
+    d2h = moved / d2h_bps(a, cal)
+    tier2 = cal.protect_tier2_per_state_byte * b * a.tier2_m / (a.net_gbps_per_gpu * GB)
+    od = a.d2h_overlap
+    background = host + tier2 + od * d2h
+    exposed = _exposed(a, background, step)
+    return {"protect_per_step_s": (1.0 - od) * d2h + exposed,
+            "protect_bytes_moved_per_gpu": moved, "protect_host_cpu_s_per_node": cpu_node,
+            "protect_free_cores_per_node": cores, "protect_host_s": host,
+            "protect_d2h_s": d2h, "protect_tier2_s": tier2,
+            "protect_hidden_window_s": a.protect_overlap * step,
+            "protect_exposed_background_s": exposed}
+
+
 def build_costs(policy: str, sc: Scenario, cal: Calibration) -> PolicyCosts:
     """Scale the calibrated component costs to ``sc`` for ``policy``."""
     a, n = sc.assumptions, sc.gpus
@@ -229,7 +280,9 @@ def build_costs(policy: str, sc: Scenario, cal: Calibration) -> PolicyCosts:
                         "restart_s": restart})
     if policy == "memory-restart":
         b = checkpoint_bytes_per_gpu(a, n)
-        protect = b / pcie + _exposed(a, (a.gemini_replicas - 1) * b / net, step)
+        copy, od = b / d2h_bps(a, cal), a.d2h_overlap  # the same GPU-to-host copy as Leto's
+        protect = (1.0 - od) * copy + _exposed(a, od * copy + (a.gemini_replicas - 1) * b / net,
+                                               step)
         if cal.mr_restore_s and cal.bench_state_bytes:
             local = b * cal.mr_restore_s / cal.bench_state_bytes
         else:
@@ -255,7 +308,8 @@ def build_costs(policy: str, sc: Scenario, cal: Calibration) -> PolicyCosts:
         tier2 = b * a.tier2_k / net
         h2d = b / pcie
         weights = w / net
-        protect = b / pcie + _exposed(a, b / cal.encode_bps + b * a.tier2_m / net, step)
+        prot = leto_protection(sc, cal)
+        protect = prot["protect_per_step_s"]
         redo = max(0.0, cal.leto_lost_steps - 1.0) * (step + protect)
         return PolicyCosts(
             policy, step, protect,
@@ -268,12 +322,62 @@ def build_costs(policy: str, sc: Scenario, cal: Calibration) -> PolicyCosts:
             redo_s=redo,
             shrink_nodes=_shrink_nodes(a, sc.gpus_per_node),
             shrink_gpus=_shrink_nodes(a, sc.gpus_per_node) * sc.gpus_per_node,
-            components={"protect_per_step_s": protect, "rebuild_s": rebuild,
+            components={**prot, "rebuild_s": rebuild,
                         "tier1_decode_s": tier1, "tier2_decode_s": tier2,
                         "weights_from_peer_s": weights, "h2d_s": h2d,
                         "recover_process_s": rebuild + tier1 + h2d + weights,
                         "recover_node_s": rebuild + tier2 + h2d + weights})
     raise ValueError(f"unknown policy {policy!r} (choose from {', '.join(POLICIES)})")
+
+
+RECORDED_ONLY = frozenset({"process_start_s", "restart_new_procs_s", "allreduce_gbps",
+                           "encode_gbps", "protect_s_per_step", "memory_overhead"})
+"""Calibration figures kept for reference that no cost law uses (docs/simulation.md)."""
+
+
+def _kind(source: str) -> str:
+    return "assumed" if ("PLACEHOLDER" in source or "ASSUMED" in source
+                         or "ASSUMPTION" in source) else "measured"
+
+
+def input_figures(sc: Scenario, cal: Calibration) -> dict[str, dict[str, object]]:
+    """Every number the simulation starts from: value, unit, measured or assumed, and source.
+
+    ``kind`` is "measured" for figures from a ``leto bench`` run (source: file and key, with
+    the derivation) and "assumed" for the rest (source: the publication or the reason).
+    """
+    a = sc.assumptions
+    out: dict[str, dict[str, object]] = {
+        "mtbf_gpu_hours": {
+            "value": sc.mtbf_gpu_hours, "unit": "GPU-hours", "kind": "assumed",
+            "source": ("Llama 3 405B: 54 d x 24 h x 16,384 GPUs / 419 unexpected interruptions "
+                       "(Dubey et al. 2024, Sec. 3.3.4)" if sc.mtbf_gpu_hours
+                       == LLAMA3_MTBF_GPU_HOURS else "--mtbf-gpu-hours")},
+        "failure_mix_node_lost": {
+            "value": failure_mix(sc.failure_classes)["node_lost"], "unit": "of failures",
+            "kind": "assumed",
+            "source": "Llama 3 Table 5 counts (Dubey et al. 2024) with this simulator's "
+                      "node-lost classification (docs/simulation.md)"},
+    }
+    defaults = Assumptions()
+    for name, f in assumption_fields().items():
+        value = getattr(a, name)
+        source = str(f.metadata["source"])
+        if value != getattr(defaults, name):
+            source = f"--set {name}={value!r} (default {getattr(defaults, name)!r}: {source})"
+        out[name] = {"value": value, "unit": f.metadata["unit"], "kind": "assumed",
+                     "source": source}
+    for name, source in sorted(cal.sources.items()):
+        out[f"calibration.{name}"] = {
+            "value": getattr(cal, name), "unit": CALIBRATION_UNITS.get(name, ""),
+            "kind": _kind(source), "used": name not in RECORDED_ONLY, "source": source}
+    if cal.d2h_gbps is None:
+        out["calibration.d2h_gbps"] = {
+            "value": a.pcie_gbps, "unit": "GB/s", "kind": "assumed",
+            "source": "no GPU run has measured it ('leto bench overhead' on a GPU host writes "
+                      "d2h_gbps): the PCIe link rate pcie_gbps, an upper bound (pinned copies "
+                      "reach less)"}
+    return out
 
 
 # --------------------------------------------------------------------------- event loop

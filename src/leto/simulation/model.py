@@ -180,9 +180,23 @@ class Assumptions:
     tier2_k: int = _f(8, "nodes", "ASSUMPTION: tier-2 Reed-Solomon data nodes per stripe")
     tier2_m: int = _f(2, "nodes", "ASSUMPTION: tier-2 parity nodes per stripe")
     protect_overlap: float = _f(
-        0.0, "of a step", "ASSUMPTION: fraction of a step's compute that hides per-step "
-        "background protection (host encode, parity/replica transfer); 0 = all of it on the "
-        "critical path (conservative) until 'leto bench overhead' measures the implementation")
+        1.0, "of a step", "ASSUMPTION: fraction of a step during which per-step background "
+        "protection (host CPU work on idle host cores, tier-2 / replica transfers) runs hidden: "
+        "on a GPU host the step computes on the GPU while the keepers process the previous "
+        "step's deltas (docs/protection.md), so that work is hidden when it fits in one step "
+        "and adds when it does not; not measurable on the CPU-only bench machine (no idle "
+        "cores there); 0 = all of it on the critical path")
+    d2h_overlap: float = _f(
+        0.0, "of the copy", "ASSUMPTION: fraction of the per-step device-to-host copy of the "
+        "protected bytes that overlaps compute; 0 = on the critical path (conservative: the "
+        "copy takes the state between one update and the next, and Leto has no GPU copy-stream "
+        "path yet)")
+    host_cores_per_node: int = _f(
+        112, "cores", "2 x 56-core Intel Xeon Platinum 8480C per 8-GPU H100 host (NVIDIA DGX "
+        "H100 user guide, hardware overview)")
+    train_cores_per_gpu: float = _f(
+        4.0, "cores", "ASSUMPTION: host cores GPU training keeps busy per GPU (the training "
+        "thread, NCCL's proxy thread, data loading); the rest run protection")
     # memory-restart (Gemini-like)
     gemini_replicas: int = _f(
         2, "copies", "ASSUMPTION: in-CPU-memory checkpoint copies (local + 1 peer), as in "
@@ -210,11 +224,12 @@ def with_overrides(base: Assumptions, overrides: Mapping[str, str]) -> Assumptio
             raise ValueError(f"assumption {key}: must be a finite number >= 0, got {text!r}")
         changes[key] = value
     result = dataclasses.replace(base, **changes)
-    if result.protect_overlap > 1:
-        raise ValueError("assumption protect_overlap: must be between 0 and 1")
+    for key in ("protect_overlap", "d2h_overlap"):
+        if getattr(result, key) > 1:
+            raise ValueError(f"assumption {key}: must be between 0 and 1")
     for key in ("params", "tp", "pp", "tokens_per_gpu_step", "achieved_tflops_per_gpu",
                 "net_gbps_per_gpu", "pcie_gbps", "storage_gbps_aggregate", "tier2_k",
-                "tier2_m", "gemini_replicas"):
+                "tier2_m", "gemini_replicas", "host_cores_per_node"):
         if getattr(result, key) <= 0:
             raise ValueError(f"assumption {key}: must be > 0")
     return result
@@ -250,6 +265,10 @@ class Calibration:
     torchft_heartbeat_s: float
     leto_exit_detect_s: float
     leto_lost_steps: float
+    protect_cpu_s_per_byte: float
+    protect_moved_per_state_byte: float
+    protect_tier2_per_state_byte: float
+    d2h_gbps: float | None = None
     bench_step_s: float | None = None
     bench_state_bytes: float | None = None
     encode_gbps: float | None = None
@@ -264,6 +283,8 @@ class Calibration:
     mr_restart_s: float | None = None
     mr_restore_s: float | None = None
     sources: Mapping[str, str] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+    details: Mapping[str, Any] = field(default_factory=dict)
 
     # ---- derived quantities (the laws in docs/simulation.md, section "Calibration")
 
@@ -306,15 +327,6 @@ class Calibration:
         return self.memcpy_gbps * GB
 
     @property
-    def encode_bps(self) -> float:
-        """Host bytes/s of per-step protection (measured overhead if known, else encode/memcpy)."""
-        if self.protect_s_per_step is not None and self.bench_state_bytes:
-            if self.protect_s_per_step <= 0:
-                return math.inf
-            return self.bench_state_bytes / self.protect_s_per_step
-        return (self.encode_gbps or self.memcpy_gbps) * GB
-
-    @property
     def leto_rebuild_fixed_s(self) -> float:
         """Size-independent part of Leto's in-place group rebuild (shadow already running)."""
         if self.leto_rebuild_s is not None:
@@ -330,8 +342,10 @@ class Calibration:
         return None
 
 
+_META = ("sources", "notes", "details")
 _REQUIRED = tuple(f.name for f in dataclasses.fields(Calibration)
-                  if f.default is dataclasses.MISSING and f.name != "sources")
+                  if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+                  and f.name not in _META)
 _OPTIONAL = tuple(f.name for f in dataclasses.fields(Calibration)
                   if f.default is None)
 
@@ -364,7 +378,33 @@ def _read_json(path: Path) -> Any:
 
 
 _POSITIVE = {"restart_first_step_s", "ckpt_bytes", "ckpt_save_s", "ckpt_load_s", "memcpy_gbps",
-             "allreduce_gbps", "bench_step_s", "bench_state_bytes", "encode_gbps"}
+             "allreduce_gbps", "bench_step_s", "bench_state_bytes", "encode_gbps", "d2h_gbps"}
+
+CALIBRATION_UNITS = {
+    "process_start_s": "s", "restart_new_procs_s": "s", "restart_group_ready_s": "s",
+    "restart_first_step_s": "s", "ckpt_bytes": "bytes", "ckpt_save_s": "s", "ckpt_load_s": "s",
+    "memcpy_gbps": "GB/s", "allreduce_gbps": "GB/s", "torchft_commit_s": "s",
+    "torchft_heartbeat_s": "s", "leto_exit_detect_s": "s", "leto_lost_steps": "steps",
+    "protect_cpu_s_per_byte": "CPU s/byte moved",
+    "protect_moved_per_state_byte": "bytes moved/byte of optimizer state/step",
+    "protect_tier2_per_state_byte": "tier-2 bytes/parity node/byte of optimizer state/step",
+    "d2h_gbps": "GB/s", "bench_step_s": "s", "bench_state_bytes": "bytes", "encode_gbps": "GB/s",
+    "protect_s_per_step": "s", "memory_overhead": "bytes/byte", "leto_restore_s": "s",
+    "leto_rebuild_s": "s", "cr_detect_s": "s", "cr_restart_s": "s", "cr_restore_s": "s",
+    "mr_detect_s": "s", "mr_restart_s": "s", "mr_restore_s": "s",
+}
+"""Unit of every calibration field (for the JSON listing of inputs)."""
+
+BENCH_STATE_BYTES_PER_ELEMENT = 12
+"""Optimizer state the bench protects per parameter element: fp32 master, exp_avg, exp_avg_sq
+(training/optim.py). Converts the bench's per-element bytes into bytes per byte of state."""
+
+GRAD_BYTES_PER_ELEMENT = 4.0
+"""The fp32 gradient of one protected element (staged on the NCCL path, docs/protection.md)."""
+
+DEFAULT_MOVED_PER_ELEMENT = 16.0
+"""Bytes staged per protected element per step when the overhead file does not say: 12 B of
+optimizer-state deltas + 4 B of fp32 gradient (docs/protection.md, protocol of 2026-11-30)."""
 
 
 def _measurements(doc: Mapping[str, Any], name: str) -> dict[str, tuple[float, str]]:
@@ -381,11 +421,242 @@ def _measurements(doc: Mapping[str, Any], name: str) -> dict[str, tuple[float, s
             raise CalibrationError(f"{name}: measurement {key!r} needs 'value' and 'source'")
         value = _number(entry["value"], f"{name}: measurements.{key}.value",
                         positive=key in _POSITIVE)
-        out[key] = (value, str(entry["source"]))
+        out[key] = (value, f"{name}: measurements.{key}: {entry['source']}")
     return out
 
 
-def _section(doc: Mapping[str, Any], section: str, name: str) -> dict[str, tuple[float, str]]:
+
+def _mapping(obj: Any, where: str, what: str) -> Mapping[str, Any]:
+    if not isinstance(obj, Mapping):
+        raise CalibrationError(f"{where}: expected an object of {what}, got {obj!r}")
+    return obj
+
+
+def _parity_count(ec: Any, name: str, notes: list[str]) -> int | None:
+    """Tier-2 parity nodes of the bench run (``ec`` = "k+m" or "none"), None if unknown."""
+    if ec is None:
+        notes.append(f"{name}: no 'ec': the bench's tier-2 parity count is taken as 1")
+        return 1
+    text = str(ec).strip().lower()
+    if text == "none":
+        return None
+    k, sep, m = text.partition("+")
+    if sep and k.isdigit() and m.isdigit() and int(m) > 0:
+        return int(m)
+    notes.append(f"{name}: ec {ec!r} is not of the form k+m: the bench's tier-2 parity count "
+                 f"is taken as 1")
+    return 1
+
+
+def _bytes_per_element(obj: Any, where: str,
+                       notes: list[str]) -> tuple[float, float | None, bool | None]:
+    """(staged, tier2_sent, gradients staged?) per protected element per step from the bench's
+    accounting; the last is None when the accounting has no per-buffer rows to tell."""
+    bpe = _mapping(obj, f"{where}bytes_per_element_per_step",
+                   "{buffer: {staged, checksummed, tier2_sent}}")
+    buffers = [str(k) for k in bpe if k != "total"]
+    grads = any(b.lower().startswith("grad") for b in buffers) if buffers else None
+    total = bpe.get("total")
+    if total is not None:
+        t = _mapping(total, f"{where}bytes_per_element_per_step.total",
+                     "bytes per element {staged, checksummed, tier2_sent}")
+        if t.get("staged") is None:
+            raise CalibrationError(f"{where}bytes_per_element_per_step.total: no 'staged' figure")
+        staged = _number(t["staged"], f"{where}bytes_per_element_per_step.total.staged")
+        tier2 = t.get("tier2_sent")
+        return staged, (None if tier2 is None else
+                        _number(tier2, f"{where}bytes_per_element_per_step.total.tier2_sent")), grads
+    staged_sum, tier2_sum, seen_staged, seen_tier2 = 0.0, 0.0, False, False
+    for buf, entry in bpe.items():
+        e = _mapping(entry, f"{where}bytes_per_element_per_step.{buf}",
+                     "bytes per element {staged, checksummed, tier2_sent}")
+        if e.get("staged") is not None:
+            staged_sum += _number(e["staged"], f"{where}bytes_per_element_per_step.{buf}.staged")
+            seen_staged = True
+        if e.get("tier2_sent") is not None:
+            tier2_sum += _number(e["tier2_sent"],
+                                 f"{where}bytes_per_element_per_step.{buf}.tier2_sent")
+            seen_tier2 = True
+    if not seen_staged:
+        raise CalibrationError(f"{where}bytes_per_element_per_step: no 'total' and no buffer "
+                               f"with a 'staged' figure")
+    notes.append(f"{where}bytes_per_element_per_step has no 'total': summed over its buffers")
+    return staged_sum, (tier2_sum if seen_tier2 else None), grads
+
+
+def _cpu_figure(entry: Mapping[str, Any], where: str, label: str, notes: list[str],
+                top: dict[str, Any] | None, key: str = "default job") -> dict[str, Any] | None:
+    """Protection CPU per byte moved of one bench run (the default job or a curve entry).
+
+    ``top`` is the default job's figure, used for what a curve entry leaves out. Returns None
+    (with a note) when the entry lacks what the figure needs.
+    """
+    on = entry.get("cpu_s_per_step_on")
+    if on is None:
+        notes.append(f"{where}no cpu_s_per_step_on: {label} gives no protection CPU figure")
+        return None
+    on = _mapping(on, f"{where}cpu_s_per_step_on", "CPU seconds per step by role")
+    if on.get("keeper") is None:
+        notes.append(f"{where}cpu_s_per_step_on has no 'keeper': {label} gives no protection "
+                     f"CPU figure")
+        return None
+    keeper = _number(on["keeper"], f"{where}cpu_s_per_step_on.keeper")
+    off = entry.get("cpu_s_per_step_off")
+    if off is not None:
+        off = _mapping(off, f"{where}cpu_s_per_step_off", "CPU seconds per step by role")
+    w_on = on.get("worker")
+    w_off = off.get("worker") if off is not None else None
+    # protected elements (all ranks)
+    if entry.get("protected_elements") is not None:
+        elements = _number(entry["protected_elements"], f"{where}protected_elements",
+                           positive=True)
+        elements_from = "protected_elements"
+    elif entry.get("protected_bytes") is not None:
+        elements = _number(entry["protected_bytes"], f"{where}protected_bytes",
+                           positive=True) / BENCH_STATE_BYTES_PER_ELEMENT
+        elements_from = f"protected_bytes / {BENCH_STATE_BYTES_PER_ELEMENT}"
+        notes.append(f"{where}no protected_elements: protected_bytes / "
+                     f"{BENCH_STATE_BYTES_PER_ELEMENT} (fp32 master, exp_avg, exp_avg_sq)")
+    elif top is not None and entry.get("model") == top["model"]:
+        elements, elements_from = top["elements"], "the default job's (same model)"
+        notes.append(f"{where}no protected_elements: the default job's ({top['model']})")
+    else:
+        notes.append(f"{where}no protected_elements or protected_bytes for model "
+                     f"{entry.get('model')!r}: {label} not used")
+        return None
+    # bytes moved per element
+    if entry.get("bytes_per_element_per_step") is not None:
+        staged, tier2, grads = _bytes_per_element(entry["bytes_per_element_per_step"], where,
+                                                  notes)
+        moved_from, moved_assumed = "bytes_per_element_per_step.total.staged", False
+    elif top is not None:
+        staged, tier2, grads = (top["moved_per_element"], top["tier2_per_element"],
+                                top["grads_staged"])
+        moved_from, moved_assumed = "the default job's bytes per element", top["moved_assumed"]
+        notes.append(f"{where}no bytes_per_element_per_step: the default job's "
+                     f"({staged:g} B per element)")
+    else:
+        staged, tier2, grads = DEFAULT_MOVED_PER_ELEMENT, None, True
+        moved_from = f"{DEFAULT_MOVED_PER_ELEMENT:g} B per element (assumed)"
+        moved_assumed = True
+        notes.append(f"{where}no bytes_per_element_per_step: {DEFAULT_MOVED_PER_ELEMENT:g} B "
+                     f"moved per protected element a step assumed (12 B of optimizer-state "
+                     f"deltas + 4 B of gradient, docs/protection.md as of 2026-11-30)")
+    moved = elements * staged
+    if moved <= 0:
+        raise CalibrationError(f"{where}no bytes moved per step ({elements_from} x "
+                               f"{moved_from} = 0): no protection CPU per byte")
+    # extra worker CPU with protection on
+    if w_on is not None and w_off is not None:
+        extra = (_number(w_on, f"{where}cpu_s_per_step_on.worker")
+                 - _number(w_off, f"{where}cpu_s_per_step_off.worker"))
+        if extra < 0:
+            notes.append(f"{where}workers used less CPU with protection on ({extra:+.5f} s a "
+                         f"step, noise): their extra counted as 0")
+            extra = 0.0
+        extra_from = "cpu_s_per_step_on.worker - cpu_s_per_step_off.worker"
+    elif top is not None:
+        extra = top["worker_extra_s_per_byte"] * moved
+        extra_from = "the default job's extra worker CPU per byte"
+        notes.append(f"{where}no worker CPU with protection off: {label} takes the default "
+                     f"job's extra worker CPU per byte moved")
+    else:
+        extra, extra_from = 0.0, "not measured (0)"
+        notes.append(f"{where}no worker CPU with protection {'off' if w_on is not None else 'on'}:"
+                     f" only the keepers' CPU counted (an underestimate)")
+    cpu = keeper + extra
+    return {"label": key, "model": entry.get("model"), "rows": entry.get("rows"),
+            "elements": elements, "moved_per_element": staged, "moved_assumed": moved_assumed,
+            "tier2_per_element": tier2, "grads_staged": grads,
+            "bytes_per_step": moved, "keeper_cpu_s_per_step": keeper,
+            "worker_extra_cpu_s_per_step": extra, "worker_extra_s_per_byte": extra / moved,
+            "cpu_s_per_step": cpu, "cpu_s_per_byte": cpu / moved,
+            "formula": f"(cpu_s_per_step_on.keeper [{keeper:.5g}] + {extra_from} "
+                       f"[{extra:.5g}]) / ({elements_from} [{elements:.6g}] x {moved_from} "
+                       f"[{staged:g}])"}
+
+
+def _protection_from_overhead(doc: Mapping[str, Any], name: str, notes: list[str],
+                              details: dict[str, Any]) -> dict[str, tuple[float, str]]:
+    """Leto's protection cost figures from ``leto bench overhead --json`` (docs/simulation.md)."""
+    out: dict[str, tuple[float, str]] = {}
+    if doc.get("d2h_gbps") is not None:
+        out["d2h_gbps"] = (_number(doc["d2h_gbps"], f"{name}: d2h_gbps", positive=True),
+                           f"{name}: d2h_gbps")
+    top = _cpu_figure(doc, f"{name}: ", "the default job", notes, None)
+    if top is not None:
+        top["where"] = ""
+    candidates = [top] if top is not None else []
+    curve = doc.get("curve")
+    if curve is not None:
+        if not isinstance(curve, list):
+            raise CalibrationError(f"{name}: curve: expected a list of runs, got {curve!r}")
+        for i, entry in enumerate(curve):
+            where = f"{name}: curve[{i}]."
+            entry = _mapping(entry, f"{name}: curve[{i}]", "one bench run")
+            label = str(entry.get("label") or f"curve[{i}]")
+            fig = _cpu_figure(entry, where, f"curve entry {label!r}", notes, top, label)
+            if fig is not None:
+                fig["where"] = f"curve[{i}]."
+                candidates.append(fig)
+    if not candidates:
+        notes.append(f"{name}: no protection CPU figure in this file (it needs "
+                     f"cpu_s_per_step_on.keeper and protected_elements or protected_bytes): the "
+                     f"shipped protection figures are kept")
+        return out
+    m_bench = _parity_count(doc.get("ec"), name, notes)
+    # the run moving the most bytes a step amortises per-step fixed costs best (a cluster shard
+    # is far larger than any bench model); ties: the most rows (most compute per byte)
+    best = max(candidates, key=lambda f: (f["bytes_per_step"], f["rows"] or 0))
+    where = f"{name}: {best['where'].rstrip('.')}:" if best["where"] else f"{name}:"
+    details["protection_figures"] = [{k: v for k, v in f.items() if k != "where"}
+                                     for f in candidates]
+    details["protection_chosen"] = best["label"]
+    out["protect_cpu_s_per_byte"] = (best["cpu_s_per_byte"], f"{where} {best['formula']}")
+    # the bench's path vs the cluster's: on gloo every rank holds the reduced gradient, so the
+    # bench does not stage it; NCCL's reduce-scatter leaves each rank only its gradient shard,
+    # which protection then covers (docs/protection.md): its 4 B an element are added at scale
+    staged = best["moved_per_element"]
+    if best["grads_staged"] is False:
+        grad, grad_text = GRAD_BYTES_PER_ELEMENT, (
+            f" + {GRAD_BYTES_PER_ELEMENT:g} B of gradient shard (staged on the NCCL path, not on "
+            f"the bench's gloo path)")
+        notes.append(f"{where} no gradient buffer in bytes_per_element_per_step (the bench's "
+                     f"gloo path, where every rank holds the reduced gradient): the cluster's "
+                     f"NCCL path stages each rank's gradient shard too, "
+                     f"+{GRAD_BYTES_PER_ELEMENT:g} B an element at scale")
+    else:
+        grad, grad_text = 0.0, ""
+        if best["grads_staged"] is None:
+            notes.append(f"{where} bytes_per_element_per_step has only a 'total': taken as what "
+                         f"the cluster's NCCL path stages (gradients included)")
+    assumed = "ASSUMED (the file has no bytes_per_element_per_step): " if best["moved_assumed"] \
+        else ""
+    out["protect_moved_per_state_byte"] = (
+        (staged + grad) / BENCH_STATE_BYTES_PER_ELEMENT,
+        f"{where} {assumed}(bytes moved per element [{staged:g}]{grad_text}) / "
+        f"{BENCH_STATE_BYTES_PER_ELEMENT} B of optimizer state per element")
+    tier2 = best["tier2_per_element"]
+    if tier2 is not None and m_bench is not None and tier2 > 0:
+        out["protect_tier2_per_state_byte"] = (
+            (tier2 / m_bench + grad) / BENCH_STATE_BYTES_PER_ELEMENT,
+            f"{where} (bytes_per_element_per_step.total.tier2_sent [{tier2:g}] / parity nodes "
+            f"[{m_bench}]{grad_text}) / {BENCH_STATE_BYTES_PER_ELEMENT}")
+    else:
+        why = ("no tier-2 bytes in the accounting" if tier2 is None else
+               "the bench ran without tier 2")
+        notes.append(f"{where} {why}: every byte moved is taken to go once to each tier-2 "
+                     f"parity node (as the 1+1 mirror of 2026-11-30: 6.8 MB each way for "
+                     f"13.6 MB moved)")
+        out["protect_tier2_per_state_byte"] = (
+            (staged + grad) / BENCH_STATE_BYTES_PER_ELEMENT,
+            f"{where} ASSUMED ({why}): each byte moved sent once per parity node: (bytes "
+            f"moved per element [{staged:g}]{grad_text}) / {BENCH_STATE_BYTES_PER_ELEMENT}")
+    return out
+
+
+def _section(doc: Mapping[str, Any], section: str, name: str, notes: list[str],
+             details: dict[str, Any]) -> dict[str, tuple[float, str]]:
     """Map one ``leto bench`` JSON section onto calibration fields."""
     out: dict[str, tuple[float, str]] = {}
 
@@ -408,8 +679,11 @@ def _section(doc: Mapping[str, Any], section: str, name: str) -> dict[str, tuple
             d = _number(on, f"{name}: step_s_on") - _number(off, f"{name}: step_s_off")
             out["protect_s_per_step"] = (max(0.0, d), f"{name}: step_s_on - step_s_off")
         elif ratio is not None and off is not None:
-            d = _number(ratio, f"{name}: overhead_ratio") * _number(off, f"{name}: step_s_off")
-            out["protect_s_per_step"] = (d, f"{name}: overhead_ratio x step_s_off")
+            d = ((_number(ratio, f"{name}: overhead_ratio") - 1.0)
+                 * _number(off, f"{name}: step_s_off"))
+            out["protect_s_per_step"] = (max(0.0, d),
+                                         f"{name}: (overhead_ratio - 1) x step_s_off")
+        out.update(_protection_from_overhead(doc, name, notes, details))
     elif section == "recovery":
         take("state_bytes_per_rank", "bench_state_bytes", positive=True)
         systems = doc.get("systems")
@@ -457,7 +731,10 @@ def _detect_section(doc: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _parse(doc: Any, name: str) -> dict[str, tuple[float, str]]:
+def _parse(doc: Any, name: str, notes: list[str] | None = None,
+           details: dict[str, Any] | None = None) -> dict[str, tuple[float, str]]:
+    notes = [] if notes is None else notes
+    details = {} if details is None else details
     if not isinstance(doc, Mapping):
         raise CalibrationError(f"{name}: expected a JSON object, got {type(doc).__name__}")
     if "measurements" in doc:
@@ -467,7 +744,8 @@ def _parse(doc: Any, name: str) -> dict[str, tuple[float, str]]:
     if merged:
         for section in ("throughput", "overhead", "recovery"):
             if section in merged:
-                values.update(_section(doc[section], section, f"{name} [{section}]"))
+                values.update(_section(doc[section], section, f"{name} [{section}]", notes,
+                                       details))
         return values
     detected = _detect_section(doc)
     if detected is None:
@@ -476,7 +754,7 @@ def _parse(doc: Any, name: str) -> dict[str, tuple[float, str]]:
             f"{name}: not a calibration: expected output of 'leto bench throughput|overhead|"
             f"recovery --json', a dict with keys throughput/overhead/recovery, or "
             f"'measurements'; found keys: {keys}")
-    return _section(doc, detected, name)
+    return _section(doc, detected, name, notes, details)
 
 
 def load_calibration(path: str | Path | None = None) -> Calibration:
@@ -487,15 +765,17 @@ def load_calibration(path: str | Path | None = None) -> Calibration:
     """
     ref = resources.files("leto.simulation").joinpath(_DEFAULT_FILE)
     values = _parse(json.loads(ref.read_text()), _DEFAULT_FILE)
+    notes: list[str] = []
+    details: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
-        values.update(_parse(_read_json(p), str(p)))
+        values.update(_parse(_read_json(p), str(p), notes, details))
     missing = [k for k in _REQUIRED if k not in values]
     if missing:
         raise CalibrationError(f"calibration lacks {', '.join(missing)}")
     kwargs: dict[str, Any] = {k: v for k, (v, _) in values.items()}
     sources = {k: s for k, (_, s) in values.items()}
-    return Calibration(**kwargs, sources=sources)
+    return Calibration(**kwargs, sources=sources, notes=tuple(notes), details=details)
 
 
 # --------------------------------------------------------------------------- scale laws
