@@ -87,17 +87,23 @@ class Protector:
     def stage_deltas(self, step: int, old: torch.Tensor | None, new: torch.Tensor,
                      before_chunk: Callable[[int], None] = lambda c: None) -> None:
         """Hand over `old XOR new` per chunk (the full chunk when `old` is None) at version `step`."""
-        t0, w0 = time.perf_counter(), self.spent["wait_s"]
         for c in range(new.shape[0]):
             before_chunk(c)
-            nb = as_bytes(new[c])
-            idx = self._slot()
-            dst = self.data[idx, :nb.size]
-            if old is None:
-                dst[...] = nb
-            else:
-                np.bitwise_xor(as_bytes(old[c]), nb, out=dst)
-            self._publish(idx, KIND_DELTA, step, c, checksum(nb))
+            self.stage_delta(step, c, None if old is None else old[c], new[c])
+
+    def stage_delta(self, step: int, c: int, old: torch.Tensor | None, new: torch.Tensor) -> None:
+        """Hand over chunk `c`'s `old XOR new` (`new` when `old` is None) at version `step`, with
+        the checksum of `new`. Returns once the slot is published; only a wait for a free slot
+        can raise (PeerFailure), and then nothing of this chunk was handed over."""
+        t0, w0 = time.perf_counter(), self.spent["wait_s"]
+        nb = as_bytes(new)
+        idx = self._slot()
+        dst = self.data[idx, :nb.size]
+        if old is None:
+            dst[...] = nb
+        else:
+            np.bitwise_xor(as_bytes(old), nb, out=dst)
+        self._publish(idx, KIND_DELTA, step, c, checksum(nb))
         self.spent["stage_s"] += time.perf_counter() - t0 - (self.spent["wait_s"] - w0)
 
     def wait_grad_commit(self, step: int) -> None:

@@ -126,9 +126,7 @@ def join(tr: Trainer, gen: int) -> dict:
     else:
         for r, q in roles.holder.items():
             if q == rank and r in roles.lost:
-                dst = tr.bufs[T % len(tr.bufs)]
-                dst.copy_(rb.shard_at(r, g.n_chunks, g.chunk_elems, tr.update_chunk, grad_of))
-                tr.buf_step[T % len(tr.bufs)] = T
+                tr.install(rb.shard_at(r, g.n_chunks, g.chunk_elems, tr.update_chunk, grad_of), T)
         tr.step_count = T
         tr.param_shard.copy_(tr.state[:, MASTER, :].reshape(-1))
         tr.comm.all_gather(tr.flat_param, tr.param_shard)
@@ -154,7 +152,7 @@ def _reshard(tr: Trainer, layout: Layout, roles: Roles, rb: Rebuilder, T: int, m
     g = layout.geometry
     full = torch.zeros(layout.world_size, g.n_chunks, 3, g.chunk_elems)
     if me is not None:
-        full[me].copy_(tr.bufs[T % len(tr.bufs)])
+        full[me].copy_(tr.state_at(T))
 
     for r in roles.lost:
         if roles.holder[r] == tr.rank:

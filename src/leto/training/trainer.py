@@ -53,8 +53,13 @@ class Trainer:
         # on gloo every rank holds the whole reduced gradient: the keepers need no copy of it
         self.replicated_grads = reduction_replicates(job.device) and not job.protect_grads
         self.grad_step: int | None = None  # the step whose whole reduced gradient flat_grad holds
+        # every-step protection with replicated gradients updates the one shard in place, handing
+        # each chunk's delta over as it is computed (docs/protection.md, "One step, in order")
+        self.inplace = job.protection and self.replicated_grads and job.protect_every == 1
+        self._kept: dict[int, tuple[int, torch.Tensor]] = {}  # chunk -> (step, data) a recovery replaced
         self._allocate(job.world_size)
         self.buf_step[0] = 0
+        self.chunk_step = [0] * self.n_chunks
         self.generation = 0
         self._pending_reshard: tuple[int, int, torch.Tensor, torch.Tensor, int] | None = None
         self.recoveries: list[dict] = []
@@ -87,13 +92,15 @@ class Trainer:
             offset += n
         self.fresh_grads()
         # Protection keeps two versions of the shard (ping-pong by step parity, see docs/protection.md)
-        copies = 2 if self.job.protection else 1
+        copies = 2 if self.job.protection and not self.inplace else 1
         # a gradient shard of its own only where the reduction leaves one (NCCL); two when it is
         # protected (an interval protects no gradients)
         gcopies = 0 if self.replicated_grads else copies if self.job.protect_every == 1 else 1
         self.bufs = [torch.zeros(self.n_chunks, _STATE_ROWS, self.chunk_elems, device=dev) for _ in range(copies)]
         self.gbufs = [torch.zeros(self.n_chunks, self.chunk_elems, device=dev) for _ in range(gcopies)]
         self.buf_step = [-1] * copies   # the step each state buffer holds
+        self.chunk_step = [-1] * self.n_chunks  # in place: the step each chunk holds
+        self._next = torch.zeros(_STATE_ROWS, self.chunk_elems, device=dev)  # in place: a chunk's next step
         self.gbuf_step = [-1] * gcopies  # the step each gradient buffer holds
         self.param_shard = torch.zeros(self.shard_elems, device=dev)
 
@@ -112,12 +119,18 @@ class Trainer:
         """Switch to ZeRO-1 over `shards` ranks holding `shard` ([n_chunks, 3, chunk_elems]) at
         `step`, with parameters `params` (after a shrink or grow)."""
         self._allocate(shards)
-        if shard.shape != self.bufs[0].shape:
-            raise RecoveryError(f"resharded state has shape {tuple(shard.shape)}, expected {tuple(self.bufs[0].shape)}")
-        self.bufs[step % len(self.bufs)].copy_(shard)
-        self.buf_step[step % len(self.bufs)] = step
+        self.install(shard, step)
         self.flat_param[:self.numel].copy_(params[:self.numel])
         self.step_count = step
+
+    def install(self, shard: torch.Tensor, step: int) -> None:
+        """Hold `shard` ([n_chunks, 3, chunk_elems], decoded or resharded) as this rank's state at `step`."""
+        if shard.shape != self.bufs[0].shape:
+            raise RecoveryError(f"shard of shape {tuple(shard.shape)} installed, expected {tuple(self.bufs[0].shape)}")
+        i = step % len(self.bufs)
+        self.bufs[i].copy_(shard)
+        self.buf_step[i] = step
+        self.chunk_step = [step] * self.n_chunks
 
     def stage_reshard(self, generation: int, shard: torch.Tensor, params: torch.Tensor, step: int) -> None:
         """Hold a resharded state until the protection of `generation` commits: until then the
@@ -138,6 +151,13 @@ class Trainer:
     def state(self) -> torch.Tensor:
         """This rank's unique state at `step_count`: [n_chunks, 3, chunk_elems]."""
         return self.bufs[self.step_count % len(self.bufs)]
+
+    def state_at(self, step: int) -> torch.Tensor:
+        """This rank's whole state at `step` ([n_chunks, 3, chunk_elems]), which it must hold."""
+        i = step % len(self.bufs)
+        if self.buf_step[i] != step or (self.inplace and any(c != step for c in self.chunk_step)):
+            raise RecoveryError(f"rank {self.rank} does not hold its whole state at step {step}")
+        return self.bufs[i]
 
     @property
     def geometry(self) -> Geometry:
@@ -188,6 +208,7 @@ class Trainer:
         self.protector.stage_deltas(base_step, None, state)
         if wait or layout.protect_every > 1:
             self.protector.wait_delta_commit(base_step)
+            self._kept.clear()
         if layout.protect_every > 1:  # the next protected step's deltas start from here
             self.snap, self.snap_step = state.clone(), base_step
 
@@ -260,7 +281,16 @@ class Trainer:
             self.injector.at(phase, step, self.rank, self.plan.node_of_rank if self.plan else (), chunk, self.n_chunks)
 
     def chunk_at(self, step: int, c: int) -> torch.Tensor:
-        """This rank's state chunk `c` at `step` (one of the two it keeps)."""
+        """This rank's state chunk `c` at `step` (one of the two it keeps; in place: the one it
+        holds, or the one a recovery replaced while the tables may still name it)."""
+        if self.inplace:
+            if self.chunk_step[c] == step:
+                return self.bufs[0][c]
+            kept = self._kept.get(c)
+            if kept is not None and kept[0] == step:
+                return kept[1]
+            raise RecoveryError(f"rank {self.rank} does not hold chunk {c} at step {step} "
+                                f"(it holds step {self.chunk_step[c]})")
         i = step % len(self.bufs)
         if self.buf_step[i] != step:
             raise RecoveryError(f"rank {self.rank} does not hold step {step} (it holds {self.buf_step})")
@@ -290,6 +320,9 @@ class Trainer:
         """A survivor's own state at `step`: it holds it, rolls back to its snapshot of the last
         protected step (--protect-every > 1), or finishes the update of `step`."""
         n = len(self.bufs)
+        if self.inplace:
+            self._bring_in_place(step)
+            return
         if self.buf_step[step % n] == step:
             return
         if self.snap_step == step:
@@ -302,6 +335,22 @@ class Trainer:
             self.update_chunk(old[c], grads[c], dst[c], step)
         self.buf_step[step % n] = step
 
+    def _bring_in_place(self, step: int) -> None:
+        """Finish the update of `step` in place. A replaced chunk is kept until the next
+        generation's protection commits: until then a second failure decodes from the previous
+        tables, which may name it."""
+        behind = [c for c in range(self.n_chunks) if self.chunk_step[c] != step]
+        if not behind:
+            return
+        grads, s = self.grads_of(step), self.bufs[0]
+        for c in behind:
+            if self.chunk_step[c] != step - 1:
+                raise RecoveryError(f"rank {self.rank} chunk {c} is at step {self.chunk_step[c]}, cannot reach {step}")
+            self._kept[c] = (step - 1, s[c].clone())
+            self.update_chunk(s[c], grads[c], s[c], step)
+            self.chunk_step[c] = step
+        self.buf_step[0] = step
+
     def _step(self, loss_fn: Callable[[], torch.Tensor], weight: float | None, tokens: int) -> float:
         w = 1.0 / self.world_size if weight is None else weight
         t, n = self.step_count, len(self.bufs)
@@ -309,16 +358,17 @@ class Trainer:
         every = prot.layout.protect_every if prot is not None else 1
         grads_protected = prot is not None and prot.layout.protects_grads
         fault("forward", t + 1)
-        if prot is not None and t > prot.base and every == 1:  # protect the update of step t (docs/protection.md)
+        if prot is not None and t > prot.base and every == 1 and not self.inplace:  # protect the update of step t
             if grads_protected:
                 prot.wait_grad_commit(t)
             prot.stage_deltas(t, self.bufs[(t - 1) % n], self.bufs[t % n], lambda c: fault("parity", t + 1, c))
-        elif prot is not None and t > prot.base and prot.layout.protects(t):  # "Protection interval"
+        elif prot is not None and t > prot.base and every > 1 and prot.layout.protects(t):  # "Protection interval"
             prot.stage_deltas(t, self.snap, self.bufs[t % n], lambda c: fault("parity", t + 1, c))
         loss = loss_fn()
         fault("backward", t + 1)
         if prot is not None and every == 1 and not grads_protected:
             prot.wait_delta_commit(t)  # until then a replay of step t takes its gradients from flat_grad
+            self._kept.clear()  # the tables name nothing older than t any more
         self.grad_step = None
         self.flat_grad.zero_()
         (loss * w).backward()
@@ -344,7 +394,14 @@ class Trainer:
         src, dst = self.bufs[t % n], self.bufs[(t + 1) % n]
         for c in range(self.n_chunks):
             fault("update", t + 1, c)
-            self.update_chunk(src[c], grads[c], dst[c], t + 1)
+            if prot is None or not self.inplace:
+                self.update_chunk(src[c], grads[c], dst[c], t + 1)
+                continue
+            self.update_chunk(src[c], grads[c], self._next, t + 1)  # in place: the chunk's delta is handed
+            fault("parity", t + 1, c)                               # over before the chunk is replaced
+            prot.stage_delta(t + 1, c, src[c], self._next)
+            dst[c].copy_(self._next)
+            self.chunk_step[c] = t + 1
         self.buf_step[(t + 1) % n] = t + 1
         self.param_shard.copy_(dst[:, MASTER, :].reshape(-1))
         fault("all-gather", t + 1)
