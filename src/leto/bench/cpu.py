@@ -4,6 +4,10 @@ The overhead benchmark uses it to say what protection costs in CPU (keepers, wor
 and not only in step time: on a machine whose cores the training already fills, every CPU
 second the keepers spend shows up in the step time. Keepers are also split by thread (they name
 their threads), so the benchmark can say what dominates inside them.
+
+With `memory_every_s` the sampler also reads each process's resident memory (`/proc/<pid>/status`
+and `smaps_rollup`), so the benchmark can report what the processes that exist only for
+protection (keepers, zygotes) cost per node, measured while the job runs.
 """
 from __future__ import annotations
 
@@ -37,6 +41,37 @@ def thread_group(name: str) -> str:
     return "other"
 
 
+_STATUS_FIELDS = {"VmRSS": "vm_rss", "RssAnon": "rss_anon", "RssFile": "rss_file", "RssShmem": "rss_shmem"}
+_ROLLUP_FIELDS = {"Pss": "pss", "Pss_Anon": "pss_anon", "Pss_File": "pss_file", "Pss_Shmem": "pss_shmem"}
+
+
+def _kb_fields(path: str, wanted: dict[str, str]) -> dict[str, int]:
+    out = {}
+    with open(path) as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in wanted:
+                out[wanted[key]] = int(rest.split()[0]) * 1024  # "1234 kB"
+    return out
+
+
+def memory_bytes(pid: int) -> dict[str, int] | None:
+    """Resident memory of a live process in bytes: vm_rss, rss_anon, rss_file, rss_shmem (from
+    status) and pss, pss_anon, pss_file, pss_shmem (from smaps_rollup: shared pages divided among
+    the processes that map them); None once gone. Missing smaps_rollup leaves out the pss fields."""
+    try:
+        out = _kb_fields(f"/proc/{pid}/status", _STATUS_FIELDS)
+    except OSError:
+        return None
+    if "vm_rss" not in out:  # a zombie has no memory left
+        return None
+    try:
+        out.update(_kb_fields(f"/proc/{pid}/smaps_rollup", _ROLLUP_FIELDS))
+    except OSError:
+        pass
+    return out
+
+
 def _threads(pid: int) -> dict[int, str]:
     out = {}
     try:
@@ -51,8 +86,11 @@ def _threads(pid: int) -> dict[int, str]:
 class CpuSampler:
     """Samples every process in a run's procs.json every `every_s` seconds, in a thread."""
 
-    def __init__(self, run_dir: Path, every_s: float = 0.1) -> None:
-        self.run_dir, self.every_s = run_dir, every_s
+    def __init__(self, run_dir: Path, every_s: float = 0.1, memory_every_s: float | None = None) -> None:
+        self.run_dir, self.every_s, self.memory_every_s = run_dir, every_s, memory_every_s
+        # (time, {"pid", "role", "node", **memory_bytes}) for every process, every memory_every_s
+        self.memory: list[tuple[float, dict]] = []
+        self._next_memory = 0.0
         self.times: list[float] = []
         self.samples: list[dict[str, float]] = []   # role -> CPU seconds of its live processes so far
         self._last: dict[int, tuple[str, float]] = {}
@@ -98,6 +136,31 @@ class CpuSampler:
                 totals[group] = totals.get(group, 0.0) + max(self._last[pid][1] - cpu, 0.0)
             self.times.append(time.time())
             self.samples.append(totals)
+            if self.memory_every_s is not None and time.monotonic() >= self._next_memory:
+                self._next_memory = time.monotonic() + self.memory_every_s
+                self._sample_memory(procs)
+
+    def _sample_memory(self, procs: list[dict]) -> None:
+        now = time.time()
+        for p in procs:
+            if p["role"] == "controller":
+                continue
+            mem = memory_bytes(p["pid"])
+            if mem is not None:
+                role = self._last.get(p["pid"], (p["role"], 0.0))[0]
+                self.memory.append((now, {"pid": p["pid"], "role": role, "node": p.get("node"), **mem}))
+
+    def peak_memory(self, t0: float | None = None, t1: float | None = None) -> dict[int, dict]:
+        """Per process, its memory sample with the largest pss (vm_rss without smaps_rollup)
+        taken between two wall-clock times (default: the whole run)."""
+        out: dict[int, dict] = {}
+        for t, rec in self.memory:
+            if (t0 is not None and t < t0) or (t1 is not None and t > t1):
+                continue
+            key = "pss" if "pss" in rec else "vm_rss"
+            if rec["pid"] not in out or rec[key] > out[rec["pid"]][key]:
+                out[rec["pid"]] = rec
+        return out
 
     def between(self, t0: float, t1: float) -> dict[str, float]:
         """CPU seconds each role used between two wall-clock times (nearest samples)."""

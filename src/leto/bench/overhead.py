@@ -1,37 +1,163 @@
 """`leto bench overhead`: the default job with protection off and on, interleaved in one run.
 
-Also: encode throughput next to memcpy on this machine, and the memory protection costs
-(protection bytes / protected bytes), computed from the buffers the keepers and workers allocate.
+Besides the default job, the same off/on ratio over a curve of compute per protected byte (more
+rows of the global batch on the same model, and a larger preset), the bytes protection moves per
+protected element and step, encode throughput next to memcpy on this machine, and the memory
+protection costs: every buffer that exists for protection, wherever it lives, per protected byte
+(computed from the same layout and constants the keepers and workers allocate by), and the
+measured resident memory of the processes that exist only for protection. docs/benchmarks.md
+("Protection overhead") describes the method and the JSON.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import re
 import statistics
+import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from leto.bench.throughput import WARMUP_STEPS, run_job, steady_step_s
+from leto.control.controller import node_of_rank
+from leto.protection.accounting import bytes_per_element_per_step
 from leto.protection.codec_bench import measure_codec
+from leto.protection.keeper import BATCH_BYTES, HDR, SEND_BUFFERS
 from leto.protection.layout import Geometry, Layout
 from leto.protection.placement import default_code
-from leto.protection.shm import specs
+from leto.protection.shm import KIND_DELTA, KIND_GRAD, specs
 from leto.training.model import GPT, PRESETS
 from leto.training.trainer import DEFAULT_CHUNK_BYTES
 
-ROUNDS = 3
+ROUNDS = 3          # interleaved off/on rounds of the default job (median)
 NODES = 2
+CURVES = {"none": (), "default": ("512",), "full": ("128", "512", "small")}  # besides the default job
+CURVE_ROUNDS = 3    # interleaved rounds of every other curve point (--curve-rounds)
+CURVE_STEPS = 12    # measured steps per run of every other curve point (--curve-steps)
+RSS_STEPS = 30      # steps of the run whose processes' memory is read (--rss on)
+RSS_EVERY_S = 0.5
+TARGET_RATIO_DEFAULT = 1.03   # overhead_ratio on the default job
+TARGET_RATIO_ROWS, TARGET_ROWS = 1.01, 512  # overhead_ratio at 512 rows of the default model
+TARGET_MEMORY = 3.0           # all-in memory_overhead on the default job
+PROTECTION_ROLES = ("keeper", "zygote")  # processes that exist only for protection
+RECOVERY_ROLES = ("shadow",)             # warm spares: for recovery, reported apart
 
 
-def memory_cost(model: str, workers: int, nodes: int, ec: tuple[int, int] | None) -> dict:
-    """Bytes of protection per byte of protected (unique) state, from the real allocations."""
+# ----- memory, counted whole
+# part -> (where it lives, whether it grows with the model: the others are bounded by constants)
+PARTS = {
+    "tier1_parity": ("keeper shm", True),
+    "tier2_parity": ("keeper shm", True),
+    "gradient_parity": ("keeper shm", True),
+    "parity_preimages": ("keeper shm", True),
+    "tables": ("keeper shm", True),
+    "staging_slots": ("keeper shm", False),
+    "tier2_batch_buffers": ("keeper heap", False),
+    "worker_second_state": ("worker heap", True),
+    "worker_second_grads": ("worker heap", True),
+    "worker_snapshot": ("worker heap", True),
+    "worker_chunk_scratch": ("worker heap", False),
+}
+
+
+def job_layout(model: str, workers: int, nodes: int, ec: tuple[int, int] | None, *, replicated_grads: bool = True,
+               protect_every: int = 1, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> tuple[Layout, int]:
+    """The generation-0 layout the built-in job's trainer builds (and the parameter count):
+    `replicated_grads` is the CPU/gloo path, where every rank holds the reduced gradient."""
     numel = sum(p.numel() for p in GPT(PRESETS[model]).parameters())
-    elems = DEFAULT_CHUNK_BYTES // 12
+    elems = chunk_bytes // 12
     n_chunks = -(-numel // (workers * elems))
-    node_of_rank = tuple(r * nodes // workers for r in range(workers))
-    layout = Layout(0, 0, Geometry(n_chunks, elems), node_of_rank, ec)
+    layout = Layout(0, 0, Geometry(n_chunks, elems), tuple(node_of_rank(r, workers, nodes) for r in range(workers)),
+                    ec, protect_every=protect_every, replicated_grads=replicated_grads)
+    return layout, numel
+
+
+def _region_part(name: str) -> str:
+    """Which part of the memory accounting an array of a keeper's region is (shm.specs names)."""
+    if name in ("slot_hdr", "slot_data"):
+        return "staging_slots"
+    if re.fullmatch(r"p1|p2_\d+", name):
+        return "tier1_parity" if name == "p1" else "tier2_parity"
+    if re.fullmatch(r"p(1|2_\d+)_pre", name):
+        return "parity_preimages"
+    if re.fullmatch(r"g(1|2_\d+)", name):
+        return "gradient_parity"
+    return "tables"  # header, versions, checksums, gradient steps and counts
+
+
+def keeper_batch_buffer_bytes(layout: Layout, node: int) -> int:
+    """Bytes of `node`'s keeper's tier-2 batch buffers (keeper._Link): per link to a node it
+    ships to, SEND_BUFFERS per kind; per link from a node it receives from, one per kind; each
+    of 8 + per_msg x record bytes, per_msg and the kinds as the Keeper computes them."""
+    g = layout.geometry
+    nbytes = {KIND_GRAD: g.grad_bytes, KIND_DELTA: g.state_bytes} if layout.protects_grads else \
+        {KIND_DELTA: g.state_bytes}
+    senders, receivers = set(layout.senders_to(node)), set(layout.receivers_from(node))
+    total = 0
+    for nb in nbytes.values():
+        record = HDR * 8 + nb
+        size = 8 + max(1, min(layout.positions_per_node, BATCH_BYTES // record)) * record
+        for peer in (senders | receivers) - {node}:
+            total += (SEND_BUFFERS if peer in receivers else 0) * size + (1 if peer in senders else 0) * size
+    return total
+
+
+def worker_copy_bytes(layout: Layout) -> dict[str, int]:
+    """What one worker holds only because its state is protected (trainer._allocate, with
+    protection on). Where gradients are replicated and every step is protected (gloo), the shard
+    is updated in place, chunk by chunk through one scratch chunk (`_next`), each chunk's delta
+    handed over before the chunk is replaced; otherwise it keeps a second version of its shard
+    (ping-pong by step parity). Where the keepers protect gradients (NCCL), a second gradient
+    shard (the reduce-scatter output exists anyway); under --protect-every > 1 the snapshot of
+    the last protected step. Chunks a recovery replaces in place are kept until the next
+    generation commits: transient, not counted."""
+    g = layout.geometry
+    shard, gshard = g.n_chunks * g.state_bytes, g.n_chunks * g.grad_bytes
+    inplace = layout.replicated_grads and layout.protect_every == 1  # Trainer.inplace
+    return {"worker_second_state": 0 if inplace else shard,
+            "worker_second_grads": gshard if layout.protects_grads else 0,
+            "worker_snapshot": shard if layout.protect_every > 1 else 0,
+            "worker_chunk_scratch": g.state_bytes if inplace else 0}
+
+
+def memory_parts(layout: Layout) -> dict[str, int]:
+    """Bytes of every buffer that exists for protection in the whole job, by part (PARTS)."""
+    parts = dict.fromkeys(PARTS, 0)
+    for n in layout.nodes:
+        for name, shape, dtype in specs(layout, n):
+            parts[_region_part(name)] += int(np.prod(shape)) * np.dtype(dtype).itemsize
+        parts["tier2_batch_buffers"] += keeper_batch_buffer_bytes(layout, n)
+    for part, b in worker_copy_bytes(layout).items():
+        parts[part] += layout.world_size * b
+    return parts
+
+
+def protected_bytes(layout: Layout) -> int:
+    """Unique state of the job (master, exp_avg, exp_avg_sq of every shard, padded to chunks)."""
+    return layout.world_size * layout.geometry.n_chunks * layout.geometry.state_bytes
+
+
+def memory_summary(layout: Layout) -> dict:
+    """The all-in figure and its parts, per protected byte, and what it tends to for a larger
+    model (the parts that grow with it; staging slots and batch buffers stay constant)."""
+    parts, protected = memory_parts(layout), protected_bytes(layout)
+    return {"memory_overhead": round(sum(parts.values()) / protected, 4),
+            "memory_overhead_large_model_limit": round(sum(b for p, b in parts.items() if PARTS[p][1]) / protected, 4),
+            "memory_parts": {p: {"bytes": b, "per_protected_byte": round(b / protected, 4), "where": PARTS[p][0],
+                                 "scales_with_model": PARTS[p][1]} for p, b in parts.items()}}
+
+
+def memory_cost(model: str, workers: int, nodes: int, ec: tuple[int, int] | None,
+                replicated_grads: bool = True) -> dict:
+    """Bytes of protection per byte of protected (unique) state, from the layout and constants
+    the keepers and workers allocate by. Headline `memory_overhead`: all of it; the figure of the
+    keepers' shared regions alone (what was reported before) stays as
+    `memory_overhead_without_batches_and_copies`."""
+    layout, _ = job_layout(model, workers, nodes, ec, replicated_grads=replicated_grads)
     by_kind = {"parity": 0, "gradient_parity": 0, "staging": 0, "tables": 0}
     for n in layout.nodes:
         for name, shape, dtype in specs(layout, n):
@@ -40,14 +166,85 @@ def memory_cost(model: str, workers: int, nodes: int, ec: tuple[int, int] | None
                     and "step" not in name and "count" not in name else "staging" if name.startswith("slot")
                     else "tables")
             by_kind[kind] += size
-    protected = workers * n_chunks * layout.geometry.state_bytes
-    # workers keep a second copy of their shard and of their gradient shard (docs/protection.md)
-    second_copies = workers * n_chunks * (layout.geometry.state_bytes + layout.geometry.grad_bytes)
-    keeper = sum(by_kind.values())
-    return {"protected_bytes": protected, "keeper_bytes": keeper, "keeper_breakdown": by_kind,
-            "worker_second_copies_bytes": second_copies,
-            "memory_overhead": round(keeper / protected, 4),
-            "memory_overhead_with_worker_copies": round((keeper + second_copies) / protected, 4)}
+    protected = protected_bytes(layout)
+    copies = layout.world_size * sum(worker_copy_bytes(layout).values())
+    region = sum(by_kind.values())
+    summary = memory_summary(layout)
+    nccl, _ = job_layout(model, workers, nodes, ec, replicated_grads=False)
+    nccl_summary = memory_summary(nccl)
+    return {"protected_bytes": protected, "protected_elements": layout.world_size * layout.geometry.n_chunks
+            * layout.geometry.chunk_elems, "keeper_bytes": region, "keeper_breakdown": by_kind,
+            "keeper_batch_buffer_bytes": summary["memory_parts"]["tier2_batch_buffers"]["bytes"],
+            "worker_second_copies_bytes": copies, **summary,
+            "memory_overhead_without_batches_and_copies": round(region / protected, 4),
+            "memory_overhead_with_worker_copies": round((region + copies) / protected, 4),
+            "memory_overhead_by_path": {
+                "gloo": {k: summary[k] for k in ("memory_overhead", "memory_overhead_large_model_limit")},
+                "nccl": {k: nccl_summary[k] for k in ("memory_overhead", "memory_overhead_large_model_limit")}},
+            "memory_layout": {"replicated_grads": layout.replicated_grads, "protects_grads": layout.protects_grads,
+                              "n_chunks": layout.geometry.n_chunks, "chunk_elems": layout.geometry.chunk_elems,
+                              "ring_slots": layout.ring_slots}}
+
+
+def rss_summary(peaks: dict[int, dict]) -> dict:
+    """Measured memory of a job's processes by role (`CpuSampler.peak_memory`). A process's own
+    cost is its proportional set size without the shared regions (those are counted in the
+    memory parts): Pss - Pss_Shmem (VmRSS - RssShmem without smaps_rollup). Per node: the sum of
+    a role's processes on a node, the largest node."""
+    per_node: dict[str, dict[int, int]] = {}
+    by_role: dict[str, dict[str, int]] = {}
+    for rec in peaks.values():
+        own = rec["pss"] - rec.get("pss_shmem", 0) if "pss" in rec else rec["vm_rss"] - rec.get("rss_shmem", 0)
+        role = rec["role"]
+        nodes = per_node.setdefault(role, {})
+        nodes[rec.get("node") or 0] = nodes.get(rec.get("node") or 0, 0) + own
+        r = by_role.setdefault(role, {"processes": 0, "own_bytes": 0, "vm_rss_bytes": 0, "rss_shmem_bytes": 0,
+                                      "pss_bytes": 0})
+        r["processes"] += 1
+        r["own_bytes"] += own
+        r["vm_rss_bytes"] += rec["vm_rss"]
+        r["rss_shmem_bytes"] += rec.get("rss_shmem", 0)
+        r["pss_bytes"] += rec.get("pss", 0)
+    return {"fixed_rss_bytes_per_node": {r: max(per_node[r].values()) for r in PROTECTION_ROLES if r in per_node},
+            "recovery_rss_bytes_per_node": {r: max(per_node[r].values()) for r in RECOVERY_ROLES if r in per_node},
+            "rss_by_role": dict(sorted(by_role.items()))}
+
+
+# ----- the curve of compute per protected byte
+@dataclass(frozen=True)
+class Point:
+    """One point of the curve: `rows` of the global batch of `model` (None: the preset's own)."""
+
+    model: str
+    rows: int | None = None
+
+    @property
+    def global_rows(self) -> int:
+        return self.rows if self.rows is not None else PRESETS[self.model].batch_size
+
+    @property
+    def label(self) -> str:
+        return f"{self.model} x{self.global_rows} rows"
+
+
+def parse_curve(spec: str, model: str, workers: int) -> list[Point]:
+    """The curve points besides the default job: none | default | full, or a comma-separated
+    list of row counts (of `model`) and preset names (at their own batch)."""
+    tokens = CURVES.get(spec, tuple(t.strip() for t in spec.split(",") if t.strip()))
+    points: list[Point] = []
+    for t in tokens:
+        if t in PRESETS:
+            p = Point(t)
+        elif t.isdigit():
+            p = Point(model, int(t))
+            if p.global_rows < workers:
+                raise ValueError(f"--curve {spec}: {t} rows cannot be split over {workers} workers")
+        else:
+            raise ValueError(f"--curve {spec}: {t!r} is neither a row count nor a preset "
+                             f"({', '.join(PRESETS)}); or none, default, full")
+        if (p.model, p.global_rows) != (model, PRESETS[model].batch_size) and p not in points:
+            points.append(p)  # the default job itself is always measured
+    return points
 
 
 def _median_by_role(runs: list[dict[str, float]]) -> dict[str, float]:
@@ -55,26 +252,120 @@ def _median_by_role(runs: list[dict[str, float]]) -> dict[str, float]:
     return {r: round(statistics.median(run.get(r, 0.0) for run in runs), 5) for r in roles}
 
 
+def curve_entry(point: Point, numel: int, layout: Layout, off: list[float], on: list[float],
+                cpu_off: list[dict[str, float]], cpu_on: list[dict[str, float]], steps: int,
+                prot: list[dict] | None = None) -> dict:
+    """One curve entry from its runs (median of each run's steady step time, median CPU by role
+    and thread over the rounds)."""
+    step_off, step_on = statistics.median(off), statistics.median(on)
+    tokens = point.global_rows * PRESETS[point.model].block_size
+    prot = prot or []
+    return {"label": point.label, "model": point.model, "rows": point.global_rows,
+            "step_s_off": round(step_off, 5), "step_s_on": round(step_on, 5),
+            "overhead_ratio": round(step_on / step_off, 4),
+            "cpu_s_per_step_off": _median_by_role(cpu_off), "cpu_s_per_step_on": _median_by_role(cpu_on),
+            "bytes_per_element_per_step": bytes_per_element_per_step(layout),
+            "tokens_per_param_per_step": float(f"{tokens / numel:.4g}"),
+            "tokens_per_step": tokens, "params": numel,
+            "protected_elements": layout.world_size * layout.geometry.n_chunks * layout.geometry.chunk_elems,
+            "rounds": len(on), "steps_per_run": steps,
+            "step_s_off_runs": [round(x, 5) for x in off], "step_s_on_runs": [round(x, 5) for x in on],
+            "protection_stage_s_per_step": round(statistics.mean(r.get("stage_s", 0) for r in prot), 6) if prot else None,
+            "protection_wait_s_per_step": round(statistics.mean(r.get("wait_s", 0) for r in prot), 6) if prot else None}
+
+
+def check_tokens(records: list[dict], tokens: int, run_dir: Path) -> None:
+    """The job trained on the global batch asked for: each step record's tokens/s x step time
+    is its tokens per step (a rows knob that did not take would otherwise pass unseen)."""
+    seen = {round(r["tokens_per_s"] * r["step_s"]) for r in records if r.get("tokens_per_s") and r.get("step_s")}
+    if not seen or any(abs(t - tokens) > max(2, tokens // 100) for t in seen):
+        raise RuntimeError(f"benchmark job trained {sorted(seen)[:3]} tokens per step, expected {tokens}; see {run_dir}")
+
+
+def _measure(point: Point, default_rows: int, rounds: int, steps: int, workers: int, ec: tuple[int, int] | None,
+             tmp: Path) -> tuple[list[float], list[float], list[dict], list[dict], list[dict]]:
+    """`rounds` interleaved off/on runs of one point: step times, CPU by role, protected steps."""
+    off, on, cpu_off, cpu_on, prot = [], [], [], [], []
+    rows_flag = point.rows is not None and point.rows != default_rows
+    for i in range(rounds):  # interleaved so that machine load hits both alike
+        for protection in (False, True):
+            d = tmp / f"{point.model}-{point.global_rows}-{i}-{protection}"
+            res = run_job(workers, steps + WARMUP_STEPS, point.model, d, nodes=NODES, protection=protection,
+                          ec=ec if protection else None, module=JOB_MODULE if rows_flag else None,
+                          extra=["--rows", str(point.rows)] if rows_flag else None)
+            check_tokens(res["steps"], point.global_rows * PRESETS[point.model].block_size, d)
+            (on if protection else off).append(steady_step_s(res["steps"]))
+            (cpu_on if protection else cpu_off).append(res["cpu_s_per_step"])
+            if protection:
+                prot += res["steps"][WARMUP_STEPS:]
+    return off, on, cpu_off, cpu_on, prot
+
+
+# ----- targets
+def verdict(value: float | None, limit: float) -> str:
+    """PASS / MISS of a measured value against an upper limit; never assumed when not measured."""
+    if value is None:
+        return "NOT MEASURED"
+    return "PASS" if value <= limit else "MISS"
+
+
+def targets(out: dict) -> dict[str, dict]:
+    at_rows = next((e["overhead_ratio"] for e in out.get("curve", [])
+                    if e["model"] == out["model"] and e["rows"] == TARGET_ROWS), None)
+    checks = {"overhead_ratio_default_job": (out.get("overhead_ratio"), TARGET_RATIO_DEFAULT),
+              f"overhead_ratio_{TARGET_ROWS}_rows": (at_rows, TARGET_RATIO_ROWS),
+              "memory_overhead_default_job": (out.get("memory_overhead"), TARGET_MEMORY)}
+    return {name: {"value": v, "target": f"<= {limit}", "result": verdict(v, limit)} for name, (v, limit) in checks.items()}
+
+
+# ----- the benchmark
 def main(args: argparse.Namespace) -> int:
+    from leto.cli import UsageError
     steps = args.steps or 40
+    def flag(name: str, default: object) -> object:  # None: not given
+        value = getattr(args, name, None)
+        return default if value is None else value
+    rounds, curve_rounds, curve_steps = flag("rounds", ROUNDS), flag("curve_rounds", CURVE_ROUNDS), \
+        flag("curve_steps", CURVE_STEPS)
+    curve_spec, rss = flag("curve", "default"), flag("rss", "on") == "on"
+    if rounds < 1 or curve_rounds < 1 or curve_steps < 2:
+        raise UsageError("leto bench overhead: error: --rounds and --curve-rounds must be >= 1, --curve-steps >= 2")
+    try:
+        points = parse_curve(curve_spec, args.model, args.workers)
+    except ValueError as e:
+        raise UsageError(f"leto bench overhead: error: {e}") from e
     ec = default_code(NODES)
-    off, on, prot = [], [], []
-    cpu: dict[bool, list[dict[str, float]]] = {False: [], True: []}
+    log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.json else (lambda msg: print(msg, flush=True))
+    default = Point(args.model)
+    layout, numel = job_layout(args.model, args.workers, NODES, ec)
+    curve = []
+    rss_out: dict = {}
     with tempfile.TemporaryDirectory(prefix="leto-bench-") as tmp:
-        for i in range(ROUNDS):  # interleaved so that machine load hits both alike
-            for protection, sink in ((False, off), (True, on)):
-                d = Path(tmp) / f"{i}-{protection}"
-                res = run_job(args.workers, steps + WARMUP_STEPS, args.model, d, nodes=NODES, protection=protection,
-                              ec=ec if protection else None)
-                sink.append(steady_step_s(res["steps"]))
-                cpu[protection].append(res["cpu_s_per_step"])
-                if protection:
-                    prot += res["steps"][WARMUP_STEPS:]
+        log(f"default job: {rounds} interleaved off/on rounds of {steps} steps")
+        off, on, cpu_off, cpu_on, prot = _measure(default, default.global_rows, rounds, steps, args.workers, ec,
+                                                  Path(tmp))
+        curve.append(curve_entry(default, numel, layout, off, on, cpu_off, cpu_on, steps, prot))
+        for p in points:
+            log(f"curve: {p.label}: {curve_rounds} interleaved off/on rounds of {curve_steps} steps")
+            p_layout, p_numel = job_layout(p.model, args.workers, NODES, ec)
+            p_off, p_on, p_cpu_off, p_cpu_on, p_prot = _measure(p, PRESETS[p.model].batch_size, curve_rounds,
+                                                                curve_steps, args.workers, ec, Path(tmp))
+            curve.append(curve_entry(p, p_numel, p_layout, p_off, p_on, p_cpu_off, p_cpu_on, curve_steps, p_prot))
+        if rss:
+            log(f"memory: one protected run of {RSS_STEPS} steps with a shadow and zygotes (--spares 1)")
+            res = run_job(args.workers, RSS_STEPS, args.model, Path(tmp) / "rss", spares=1, nodes=NODES,
+                          protection=True, ec=ec, memory_every_s=RSS_EVERY_S)
+            rss_out = {"rss_run": {"steps": RSS_STEPS, "spares": 1, "every_s": RSS_EVERY_S},
+                       **rss_summary(res["memory"])}
     step_off, step_on = statistics.median(off), statistics.median(on)
     codec = measure_codec(nbytes=32 << 20, k=args.workers // NODES, m=1)
     mem = memory_cost(args.model, args.workers, NODES, ec)
+    protected_per_node = mem["protected_bytes"] / NODES
+    if rss_out.get("fixed_rss_bytes_per_node"):
+        rss_out["fixed_rss_per_protected_byte"] = round(sum(rss_out["fixed_rss_bytes_per_node"].values())
+                                                        / protected_per_node, 2)
     out = {"model": args.model, "workers": args.workers, "nodes": NODES, "ec": f"{ec[0]}+{ec[1]}",
-           "steps_per_run": steps, "rounds": ROUNDS,
+           "steps_per_run": steps, "rounds": rounds,
            "step_s_off": round(step_off, 5), "step_s_on": round(step_on, 5),
            "overhead_ratio": round(step_on / step_off, 4),
            "step_s_off_runs": [round(x, 5) for x in off], "step_s_on_runs": [round(x, 5) for x in on],
@@ -82,25 +373,77 @@ def main(args: argparse.Namespace) -> int:
            "protection_wait_s_per_step": round(statistics.mean(r.get("wait_s", 0) for r in prot), 6),
            "encode_gbps": round(codec["encode_gbps"], 2), "xor_gbps": round(codec["xor_gbps"], 2),
            "checksum_gbps": round(codec["checksum_gbps"], 2), "memcpy_gbps": round(codec["memcpy_gbps"], 2),
-           "cpu_s_per_step_off": _median_by_role(cpu[False]), "cpu_s_per_step_on": _median_by_role(cpu[True]),
-           **{k: v for k, v in mem.items()}}
+           "cpu_s_per_step_off": curve[0]["cpu_s_per_step_off"], "cpu_s_per_step_on": curve[0]["cpu_s_per_step_on"],
+           "bytes_per_element_per_step": bytes_per_element_per_step(layout),
+           **mem, **rss_out,
+           "curve_mode": curve_spec, "curve_rounds": curve_rounds if points else None,
+           "curve_steps_per_run": curve_steps if points else None, "curve": curve}
+    out["targets"] = targets(out)
     if args.json:
         print(json.dumps(out))
         return 0
-    print(f"default job ({args.model}, {args.workers} workers, {NODES} nodes, --ec {out['ec']}), "
-          f"{ROUNDS} interleaved rounds of {steps} steps")
-    print(f"  step time off {step_off * 1e3:.1f} ms, on {step_on * 1e3:.1f} ms: overhead ratio {out['overhead_ratio']:.3f}")
+    _print(out, mem)
+    return 0
+
+
+def _print(out: dict, mem: dict) -> None:
+    print(f"default job ({out['model']}, {out['workers']} workers, {out['nodes']} nodes, --ec {out['ec']}), "
+          f"{out['rounds']} interleaved rounds of {out['steps_per_run']} steps")
+    print(f"  step time off {out['step_s_off'] * 1e3:.1f} ms, on {out['step_s_on'] * 1e3:.1f} ms: "
+          f"overhead ratio {out['overhead_ratio']:.3f}")
     print(f"  protection on the training thread per step: staging {out['protection_stage_s_per_step'] * 1e3:.2f} ms, "
           f"waiting for keepers {out['protection_wait_s_per_step'] * 1e3:.2f} ms (rank 0)")
     c_off, c_on = out["cpu_s_per_step_off"], out["cpu_s_per_step_on"]
     print(f"  CPU per step: workers {c_off.get('worker', 0) * 1e3:.0f} ms off, {c_on.get('worker', 0) * 1e3:.0f} ms on; "
-          f"keepers {c_on.get('keeper', 0) * 1e3:.0f} ms (all processes of a role, median of {ROUNDS} rounds)")
+          f"keepers {c_on.get('keeper', 0) * 1e3:.0f} ms (all processes of a role, median of {out['rounds']} rounds)")
     parts = sorted(((k.split("/", 1)[1], v) for k, v in c_on.items() if k.startswith("keeper/")), key=lambda kv: -kv[1])
     if parts:
         print("  keepers by thread: " + ", ".join(f"{name} {v * 1e3:.1f} ms" for name, v in parts))
-    print(f"  encode {out['encode_gbps']:.1f} GB/s, XOR {out['xor_gbps']:.1f} GB/s, crc32 {out['checksum_gbps']:.1f} GB/s, "
+    b = out["bytes_per_element_per_step"]["total"]
+    print(f"  moved per protected element and step: staged {b['staged']:g} B, checksummed {b['checksummed']:g} B, "
+          f"tier-2 sent {b['tier2_sent']:g} B ({out['protected_elements']:,} protected elements)")
+    print(f"  encode {out['encode_gbps']:.1f} GB/s, XOR {out['xor_gbps']:.1f} GB/s, checksum {out['checksum_gbps']:.1f} GB/s, "
           f"memcpy {out['memcpy_gbps']:.1f} GB/s")
-    print(f"  memory: keepers hold {out['memory_overhead']:.2f} B per protected B "
-          f"({', '.join(f'{k} {v / 2**20:.1f} MiB' for k, v in mem['keeper_breakdown'].items())}); "
-          f"with the workers' second copies {out['memory_overhead_with_worker_copies']:.2f}")
-    return 0
+    if len(out["curve"]) > 1:
+        print(f"curve of compute per protected byte (other points: {out['curve_rounds']} rounds of "
+              f"{out['curve_steps_per_run']} steps)")
+        for e in out["curve"]:
+            print(f"  {e['label']:>18}: {e['tokens_per_param_per_step']:.4g} tokens/param/step, off "
+                  f"{e['step_s_off'] * 1e3:.1f} ms, on {e['step_s_on'] * 1e3:.1f} ms: ratio {e['overhead_ratio']:.3f}; "
+                  f"CPU keepers {e['cpu_s_per_step_on'].get('keeper', 0) * 1e3:.0f} ms, workers "
+                  f"{(e['cpu_s_per_step_on'].get('worker', 0) - e['cpu_s_per_step_off'].get('worker', 0)) * 1e3:+.0f} ms")
+    print(f"  memory, all in: {out['memory_overhead']:.2f} B per protected B ("
+          + ", ".join(f"{k} {v['per_protected_byte']:.2f}" for k, v in mem["memory_parts"].items() if v["bytes"])
+          + f"); for a larger model it tends to {out['memory_overhead_large_model_limit']:.2f}; the keepers' "
+            f"regions alone {out['memory_overhead_without_batches_and_copies']:.2f}")
+    fixed = out.get("fixed_rss_bytes_per_node")
+    if fixed is not None:
+        print("  processes that exist only for protection, per node: "
+              + (", ".join(f"{r} {v / 2**20:.0f} MiB" for r, v in fixed.items()) or "none seen")
+              + "; warm shadows (recovery) "
+              + (", ".join(f"{r} {v / 2**20:.0f} MiB" for r, v in out["recovery_rss_bytes_per_node"].items())
+                 or "none seen"))
+    for name, t in out["targets"].items():
+        v = "-" if t["value"] is None else f"{t['value']:.3f}"
+        print(f"  target {name} {t['target']}: {v} {t['result']}")
+
+
+# ----- the built-in job with another global batch
+JOB_MODULE = "leto.bench.overhead"
+
+
+def job_main(argv: list[str]) -> None:
+    """`python -m leto.bench.overhead --rows N [leto.training.job args]`: the built-in job with
+    a global batch of N rows (every process of the job runs it, so all agree on the batch).
+    Here until the job itself has a rows flag."""
+    p = argparse.ArgumentParser(prog=JOB_MODULE, add_help=False)
+    p.add_argument("--rows", type=int, required=True)
+    p.add_argument("--model", choices=sorted(PRESETS), default="tiny")
+    known, rest = p.parse_known_args(argv)
+    PRESETS[known.model] = dataclasses.replace(PRESETS[known.model], batch_size=known.rows)
+    from leto.training import job
+    job.main([*rest, "--model", known.model])
+
+
+if __name__ == "__main__":
+    job_main(sys.argv[1:])

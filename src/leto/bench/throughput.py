@@ -15,13 +15,15 @@ WARMUP_STEPS = 5
 
 
 def run_job(workers: int, steps: int, model: str, run_dir: Path, extra: list[str] | None = None,
-            spares: int = 0, nodes: int = 1, protection: bool = False, ec: tuple[int, int] | None = None) -> dict:
-    """Run the built-in job quietly; returns its summary, per-step records and the CPU seconds
-    per step each role used over the steps after the warm-up."""
+            spares: int = 0, nodes: int = 1, protection: bool = False, ec: tuple[int, int] | None = None,
+            module: str | None = None, memory_every_s: float | None = None) -> dict:
+    """Run the built-in job quietly (or `module`, a wrapper taking the same arguments); returns
+    its summary, per-step records, the CPU seconds per step each role used over the steps after
+    the warm-up and, with `memory_every_s`, each process's peak memory (`CpuSampler.peak_memory`)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    command = ["-m", "leto.training.job", "--steps", str(steps), "--model", model, *(extra or [])]
+    command = ["-m", module or "leto.training.job", "--steps", str(steps), "--model", model, *(extra or [])]
     spec = JobSpec(command, workers, spares, nodes, run_dir, quiet=True, protection=protection, ec=ec)
-    with CpuSampler(run_dir) as cpu:
+    with CpuSampler(run_dir, memory_every_s=memory_every_s) as cpu:
         code = Controller(spec).run()
     if code != 0:
         raise RuntimeError(f"benchmark job failed with exit code {code}; see {run_dir}")
@@ -31,7 +33,7 @@ def run_job(workers: int, steps: int, model: str, run_dir: Path, extra: list[str
     used = cpu.between(measured[0]["time"], measured[-1]["time"]) if len(measured) > 1 else {}
     per_step = {role: round(v / (len(measured) - 1), 5) for role, v in used.items()}
     return {"summary": json.loads((run_dir / "summary.json").read_text()), "steps": steps_,
-            "cpu_s_per_step": per_step}
+            "cpu_s_per_step": per_step, "memory": cpu.peak_memory()}
 
 
 def steady_step_s(steps: list[dict]) -> float:
