@@ -1,4 +1,5 @@
-"""`leto bench recovery|productivity`: the definitions, on synthetic records, and one short real run.
+"""`leto bench recovery`: the definitions, on synthetic records, and one short real run.
+(`leto bench productivity`: tests/test_bench_productivity.py.)
 
 No test checks a wall-clock value: those depend on the machine and its load.
 """
@@ -11,11 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from leto.bench import productivity, recovery, runs
-from leto.bench.faults import Kill
+from leto.bench import recovery, runs
 from leto.bench.plots import segments
-from leto.bench.runs import (SEGMENTS, Run, ScheduledKill, System, analyze_recovery, breakdown, failure_schedule,
-                             kill_steps, median_index, productive_fraction, work_time_s)
+from leto.bench.runs import SEGMENTS, System, analyze_recovery, breakdown, median_index
 
 
 def steps_every(start_step: int, n: int, t0: float, step_s: float) -> list[dict]:
@@ -132,90 +131,6 @@ def test_kill_step_leaves_steps_before_and_after() -> None:
     assert all(1 <= recovery.kill_step(n) < max(n, 2) for n in range(2, 200))
 
 
-# ----- productivity definitions
-def test_work_time_and_productive_fraction() -> None:
-    recs = steps_every(1, 5, 10.0, 1.0) + [{"event": "failure", "time": 15.0}] + steps_every(4, 3, 20.0, 1.0)
-    assert work_time_s(recs, 8.0, steps=6) == pytest.approx(14.0)   # step 6 first recorded at 22
-    assert work_time_s(recs, 8.0, steps=9) is None
-    assert productive_fraction(40.0, 50.0) == pytest.approx(0.8)
-    assert productive_fraction(None, 50.0) is None and productive_fraction(40.0, None) is None
-
-
-def _run(name: str, t0: float, last_step_at: float, steps: int, kills: int = 0, ok: bool = True) -> Run:
-    recs = [{"step": steps, "step_s": 0.1, "time": t0 + last_step_at}]
-    ks = [Kill({"kind": "kill", "rank": 1, "scheduled_s": 1.0}, t0 + 1.0 + i, 3) for i in range(kills)]
-    return Run(name, Path("/nonexistent"), t0, t0 + last_step_at + 1, 0 if ok else 1, None if ok else "exit code 1",
-               {}, recs, ks)
-
-
-def test_productivity_against_each_reference() -> None:
-    cfg = runs.JobConfig(steps=100)
-    free = {"leto": _run("leto", 0.0, 50.0, 100), "checkpoint-restart": _run("checkpoint-restart", 100.0, 40.0, 100)}
-    faulty = {"leto": _run("leto", 200.0, 62.5, 100, kills=3),
-              "checkpoint-restart": _run("checkpoint-restart", 300.0, 80.0, 100, kills=4)}
-    rep = productivity.summarize(cfg, {"failure-free": free, "failures": faulty})
-    assert rep["reference"]["fastest"] == {"failure_free_s": 40.0, "system": "checkpoint-restart"}
-    leto, cr = rep["systems"]["leto"], rep["systems"]["checkpoint-restart"]
-    assert leto["productivity_vs_fastest"] == pytest.approx(40.0 / 62.5)
-    assert cr["productivity_vs_fastest"] == pytest.approx(0.5)
-    assert leto["productivity_own"] == pytest.approx(50.0 / 62.5)
-    assert leto["productivity"] == pytest.approx(leto["in_run_failure_free_s"] / 62.5)
-    assert leto["failures"] == 3 and cr["failures"] == 4
-    assert rep["difference_pp_vs_fastest"]["checkpoint-restart"] == pytest.approx(100 * (40 / 62.5 - 0.5), abs=0.01)
-    assert rep["difference_pp_own"]["checkpoint-restart"] == pytest.approx(100 * (0.8 - 0.5), abs=0.01)
-    assert rep["difference_pp"]["checkpoint-restart"] == pytest.approx(
-        100 * (leto["productivity"] - cr["productivity"]), abs=0.02)
-
-
-def test_in_run_failure_free_time_takes_out_what_failures_cost() -> None:
-    """Steps 1-20 at 0.1 s (step 1 done 2 s after the start); killed after step 20, resumed from
-    step 16 after a 5 s restart: steps 17-20 redone, 21.. at full speed again."""
-    recs = steps_every(1, 20, 2.0, 0.1)                                   # step 20 at 3.9 s
-    recs += [{"event": "failure", "time": 4.0}, {"step": 17, "step_s": 5.0, "time": 9.0}]
-    recs += steps_every(18, 13, 9.1, 0.1)                                 # 18..30, step 30 at 10.3 s
-    kill = 3.95
-    # back at speed at the end of step 21 (9.4 s): in [3.95, 9.4] only step 21 is new work
-    assert runs.in_run_failure_free_s(recs, 0.0, 30, [kill]) == pytest.approx(10.3 - (9.4 - kill - 0.1))
-    assert runs.in_run_failure_free_s(recs, 0.0, 30, []) == pytest.approx(10.3)   # no failure: its wall time
-    assert runs.in_run_failure_free_s(recs, 0.0, 31, [kill]) is None                # the work was not finished
-    # the failure-free equivalent: start-up 1.9 s + 30 steps of 0.1 s (up to rounding of the recovery point)
-    assert runs.in_run_failure_free_s(recs, 0.0, 30, [kill]) == pytest.approx(1.9 + 30 * 0.1, abs=0.06)
-
-
-def test_a_run_that_did_not_finish_has_no_productivity() -> None:
-    cfg = runs.JobConfig(steps=100)
-    free = {"leto": _run("leto", 0.0, 50.0, 100)}
-    faulty = {"leto": _run("leto", 0.0, 50.0, 99)}       # step 100 never recorded
-    rep = productivity.summarize(cfg, {"failure-free": free, "failures": faulty})
-    assert rep["systems"]["leto"]["productivity"] is None and not rep["systems"]["leto"]["ok"]
-
-
-def test_failures_after_the_work_is_done_do_not_count() -> None:
-    cfg = runs.JobConfig(steps=100)
-    free = {"leto": _run("leto", 0.0, 50.0, 100)}
-    faulty = {"leto": _run("leto", 0.0, 1.5, 100, kills=3, ok=False)}  # kills at 1, 2, 3 s; work done at 1.5 s
-    rep = productivity.summarize(cfg, {"failure-free": free, "failures": faulty})
-    s = rep["systems"]["leto"]
-    assert s["failures"] == 1 and s["ok"] and s["error"] == "exit code 1"
-
-
-def test_failure_schedule_is_the_same_for_every_system() -> None:
-    a = failure_schedule(15.0, 300.0, 0, 4)
-    assert a == failure_schedule(15.0, 300.0, 0, 4)
-    assert a != failure_schedule(15.0, 300.0, 1, 4)
-    assert all(0 <= k.rank < 4 for k in a) and [k.at_s for k in a] == sorted(k.at_s for k in a)
-
-
-def test_kill_steps_follow_the_reference_runs_progress() -> None:
-    """Failure times map to the step the failure-free reference run had completed by then."""
-    ref = [{"event": "job_up", "time": 101.0}] + steps_every(1, 50, 105.0, 0.5)   # started at 100, step 1 at 105
-    sched = [ScheduledKill(2.0, 1), ScheduledKill(10.0, 3), ScheduledKill(10.1, 0), ScheduledKill(40.0, 2)]
-    specs = kill_steps(sched, ref, t_start=100.0, steps=20)
-    assert [(s["step"], s["rank"]) for s in specs] == [(1, 1), (11, 3), (12, 0)]  # 40 s is past step 20
-    assert all(s["kind"] == "kill" and s["node"] is None for s in specs)
-    assert kill_steps([], ref, 100.0, 20) == []
-
-
 def test_plot_segments_mark_recomputed_steps() -> None:
     recs = steps_every(1, 3, 1.0, 0.5) + [{"step": 2, "step_s": 2.0, "time": 6.0}, {"step": 3, "step_s": 0.5,
                                                                                    "time": 6.5}]
@@ -274,32 +189,3 @@ def test_watchdog_stops_a_run_that_hangs(tmp_path: Path, monkeypatch: pytest.Mon
                           runs.NoInjector(), limit_s=0.5)
     assert time.monotonic() - t0 < 10
     assert not run.ok and run.error == "stopped: still running after 0.5 s"
-
-
-def test_productivity_bench_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                       capsys: pytest.CaptureFixture[str]) -> None:
-    """Two systems, short work, frequent failures: the same kills at the same steps for both."""
-    monkeypatch.setattr(productivity, "SYSTEMS", (System("leto", "leto", 1), System("memory-restart", "memory-restart"),
-                                                  System("torchft", "torchft")))
-    monkeypatch.setattr(productivity, "DEFAULT_MTBF_S", 2.0)
-    monkeypatch.setattr(productivity, "torchft_status", lambda: "not installed")
-    args = argparse.Namespace(json=True, steps=24, trials=3, out=tmp_path / "out", workers=4, model="tiny")
-    code = productivity.main(args)
-    doc = json.loads(capsys.readouterr().out)
-    assert code == 0
-    kills = doc["config"]["kills"]
-    assert kills and [k["step"] for k in kills] == sorted({k["step"] for k in kills}) and kills[-1]["step"] < 24
-    assert doc["systems"]["torchft"]["status"] == "not installed" and doc["difference_pp"]["torchft"] is None
-    ref = doc["reference"]["fastest"]["failure_free_s"]
-    for name in ("leto", "memory-restart"):
-        s = doc["systems"][name]
-        assert s["ok"], s
-        assert [(k["step"], k["rank"]) for k in s["kills"]] == [(k["step"], k["rank"]) for k in kills]
-        assert 0 < s["in_run_failure_free_s"] < s["wall_s"]      # the failures cost something
-        assert s["productivity"] == pytest.approx(s["in_run_failure_free_s"] / s["wall_s"], abs=1e-3)
-        assert s["productivity_vs_fastest"] == pytest.approx(ref / s["wall_s"], abs=1e-3)
-        assert s["productivity_own"] == pytest.approx(s["failure_free_s"] / s["wall_s"], abs=1e-3)
-    leto, mr = doc["systems"]["leto"], doc["systems"]["memory-restart"]
-    assert doc["difference_pp"]["memory-restart"] == pytest.approx(100 * (leto["productivity"] - mr["productivity"]),
-                                                                   abs=0.02)
-    assert Path(doc["plots"][0]).read_bytes()[:4] == b"\x89PNG"

@@ -1,30 +1,45 @@
-"""`leto bench productivity`: the same training work under the same failures, per system.
+"""`leto bench productivity`: the same training work under the same failures, per system, in trials.
 
 Work: `steps` steps of the built-in GPT job. Failures: a Poisson process (MTBF in seconds of
 failure-free training, time compressed), seeded, each a SIGKILL of a seeded random worker,
-injected from outside by PID (`leto.bench.faults`). Each failure time is mapped onto training
-progress - the step the first failure-free run (Leto's) had completed that many seconds after its
-start - so every system loses the same workers at the same steps: on a shared machine a
-time-based schedule gives a system that happens to run in a quiet minute fewer failures.
+injected from outside by PID (`leto.bench.faults`). The failure times are mapped onto training
+progress once - the step the first failure-free run of the first trial (Leto's) had completed that
+many seconds after its start - and every system, in every trial, loses the same workers at the
+same steps: on a shared machine a time-based schedule gives a system that happens to run in a
+quiet minute fewer failures, and the same failures in every trial make the trials repeats of one
+measurement (their spread is the machine's noise, not the schedule's).
 
-Each system runs the work failure-free and then with the failures, back to back; the systems take
-turns (A, A', B, B', ...). productive fraction = failure-free time of the work / wall time of the
-work with failures, with three estimates of the failure-free time:
+A trial runs every system failure-free and then with the failures, back to back (A, A', B, B',
+...); the order of the systems rotates by one from trial to trial (trial 2 starts with B), so no
+system always runs first. `--trials N` (default 3) trials; medians over the trials with their
+spread ([min, max]) are reported, every trial's raw figures are in the JSON.
 
-* `productivity` (headline): the failed run's own, from its records (`runs.in_run_failure_free_s`:
-  its wall time less what each failure cost, measured around each kill against the pre-failure
-  step time) - under the same load as the run it is compared with; on this shared machine the
-  load changed a run's speed up to 2.5x between two runs minutes apart;
-* `productivity_vs_fastest`: the fastest system's failure-free run, the same for all (charges
-  per-step overheads such as checkpoint writes or protection as lost time, but also any
-  difference in load between the two runs);
-* `productivity_own`: the system's own failure-free run (the run just before it).
+productive fraction = failure-free time of the work / wall time of the work with failures (launch
+-> step `steps` first recorded). Three estimates of the failure-free time:
+
+* `productivity` (the headline): the **fastest failure-free run of any system in the same
+  trial** (launch -> last step of the work). It charges everything that makes a system slower
+  than the fastest way to do the work: start-up, per-step costs (Leto's protection,
+  checkpoint writes, memory snapshots) and the failures;
+* `productivity_in_run_estimate_excludes_per_step_costs`: the failed run's own failure-free time,
+  estimated from its records (`runs.in_run_failure_free_s`: its wall time less what each failure
+  cost, measured around each kill against the pre-failure step time). Under the same load as the
+  run, but it charges only the failures: per-step costs are in its own steps;
+* `productivity_vs_own_failure_free_run_excludes_per_step_costs`: the system's own failure-free
+  run in the same trial (the run just before it); per-step costs are in both runs.
+
+Also per system: its whole failure-free run (launch -> the run returned: start-up, the work,
+shutdown) and its ratio to the fastest other system's (`failure_free_ratio_to_fastest_peer`), and
+the targets (Leto's ratio <= 1.03; Leto ahead of every peer on the headline, by >= 10 pp over
+checkpoint-restart), judged on the medians measured in this run.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -32,16 +47,49 @@ from leto.bench import plots
 from leto.bench.faults import Injector
 from leto.bench.runs import (DEFAULT_MTBF_S, LETO, BenchInterrupted, JobConfig, NoInjector, Run, ScheduledKill,
                              System, default_out, failure_schedule, in_run_failure_free_s, kill_steps, log, machine,
-                             productive_fraction, run_system, stdout_to_stderr, torchft_status, work_time_s)
+                             median, median_index, productive_fraction, run_system, stdout_to_stderr, torchft_status,
+                             work_time_s)
 from leto.training.model import PRESETS
 
 DEFAULT_STEPS = 240
-SCHEDULE_SEED = 0
+DEFAULT_TRIALS = 3
+SCHEDULE_SEED = 0     # the same seed, and the same kill steps and ranks, in every trial
 HORIZON_S = 3600.0
 SYSTEMS = (System(LETO, LETO, 1), System("checkpoint-restart", "checkpoint-restart"),
            System("memory-restart", "memory-restart"), System("torchft", "torchft"))
-REFERENCES = ("productivity", "productivity_vs_fastest", "productivity_own")
-DIFFERENCES = ("difference_pp", "difference_pp_vs_fastest", "difference_pp_own")
+
+HEADLINE = "productivity"
+IN_RUN = "productivity_in_run_estimate_excludes_per_step_costs"
+OWN = "productivity_vs_own_failure_free_run_excludes_per_step_costs"
+FIGURES = (HEADLINE, IN_RUN, OWN)
+DIFFERENCES = {HEADLINE: "difference_pp",
+               IN_RUN: "difference_pp_in_run_estimate_excludes_per_step_costs",
+               OWN: "difference_pp_vs_own_failure_free_run_excludes_per_step_costs"}
+RATIO = "failure_free_ratio_to_fastest_peer"
+WORK_RATIO = "failure_free_work_ratio_to_fastest_peer"
+PER_TRIAL = (HEADLINE, IN_RUN, OWN, "wall_s", "failures", "in_run_failure_free_s", "failure_free_work_s",
+             "failure_free_run_s", RATIO, WORK_RATIO)   # reported per trial, as medians and with their spread
+
+TARGET_RATIO = 1.03                              # Leto's failure_free_ratio_to_fastest_peer, median, at most
+TARGET_LEAD_PP = {"checkpoint-restart": 10.0}    # Leto's headline lead in pp, median, at least; other peers: > 0
+
+DEFINITIONS = {
+    HEADLINE: "headline: the fastest failure-free run of any system in the same trial (launch -> last step of "
+              "the work) / this system's wall time for the work with failures (launch -> last step of the work "
+              "first recorded); charges start-up, per-step costs (protection, checkpoint writes) and the failures",
+    IN_RUN: "the failed run's own failure-free time (its wall time less what each failure cost, from its step "
+            "records) / its wall time; charges only the failures, not per-step costs",
+    OWN: "the system's own failure-free run in the same trial / its wall time with failures; per-step costs are "
+         "in both, so they are not charged",
+    "failure_free_work_s": "failure-free run: launch -> the last step of the work recorded",
+    "failure_free_run_s": "failure-free run: launch -> the run returned (start-up, the work, shutdown); None if "
+                          "the run did not end cleanly",
+    RATIO: "failure_free_run_s / the smallest failure_free_run_s of the other systems in the same trial",
+    WORK_RATIO: "failure_free_work_s / the smallest failure_free_work_s of the other systems in the same trial",
+    "difference_pp": "per trial (Leto's headline - the system's) x 100, then the median over the trials",
+    "medians": "system figures: the median over the trials that measured them (trials_ok: how many measured "
+               "the headline); spread: [min, max] over the same trials",
+}
 
 
 def pp(a: float | None, b: float | None) -> float | None:
@@ -49,97 +97,211 @@ def pp(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else round(100.0 * (a - b), 2)
 
 
-def run_all(cfg: JobConfig, out: Path, systems: list[System],
-            schedule: list[ScheduledKill]) -> tuple[dict[str, dict[str, Run]], list[dict]]:
-    """Per system in turn: the failure-free run, then the run with the kills. The kill steps come
-    from the first failure-free run. Returns the runs and the kills (faults.Injector specs)."""
-    runs: dict[str, dict[str, Run]] = {"failure-free": {}, "failures": {}}
+def spread(values: list[float | None]) -> list[float] | None:
+    """[min, max] of the values that are not None (None if there are none)."""
+    vals = [v for v in values if v is not None]
+    return [round(min(vals), 4), round(max(vals), 4)] if vals else None
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return round(num / den, 4) if num is not None and den else None
+
+
+def trial_order(systems: list[System], trial: int) -> list[System]:
+    """The systems of trial `trial` (0-based), rotated by one per trial."""
+    k = trial % len(systems) if systems else 0
+    return list(systems[k:]) + list(systems[:k])
+
+
+def run_all(cfg: JobConfig, out: Path, systems: list[System], schedule: list[ScheduledKill],
+            trials: int) -> tuple[list[dict[str, dict[str, Run]]], list[dict], list[list[str]], dict | None]:
+    """Every trial: per system in turn (rotated per trial), the failure-free run, then the run with
+    the kills. The kill steps come from the first failure-free run that finished the work (Leto's in
+    trial 1) and are the same in every trial. Returns per trial the runs, the kills (faults.Injector
+    specs), the order of every trial and which run the kill steps came from."""
+    all_runs: list[dict[str, dict[str, Run]]] = []
+    orders: list[list[str]] = []
     specs: list[dict] | None = None
+    reference: dict | None = None
     timeout_s = 120.0 + 20.0 * cfg.steps
-    for system in systems:
-        free = run_system(system, cfg, out / "runs" / f"failure-free-{system.name}", NoInjector(),
-                          limit_s=120.0 + 2.0 * cfg.steps)
-        runs["failure-free"][system.name] = free
-        _log_run(system.name, "failure-free", free, cfg.steps)
-        if specs is None:
-            if work_time_s(free.records, free.t_start, cfg.steps) is None:
-                log(f"[productivity] {system.name}'s failure-free run did not finish the work: no schedule")
-                return runs, []
-            specs = kill_steps(schedule, free.records, free.t_start, cfg.steps)
-        run_dir = out / "runs" / f"failures-{system.name}"
-        ff_s = work_time_s(free.records, free.t_start, cfg.steps) or 2.0 * cfg.steps
-        run = run_system(system, replace(cfg, max_restarts=len(specs) + 3), run_dir,
-                         Injector(run_dir, specs, timeout_s=timeout_s), limit_s=120.0 + 4.0 * ff_s + 30.0 * len(specs))
-        runs["failures"][system.name] = run
-        _log_run(system.name, "failures", run, cfg.steps)
-    return runs, specs or []
+    for trial in range(trials):
+        runs: dict[str, dict[str, Run]] = {"failure-free": {}, "failures": {}}
+        all_runs.append(runs)
+        order = trial_order(systems, trial)
+        orders.append([s.name for s in order])
+        for system in order:
+            tag = f"trial {trial + 1}/{trials}"
+            free = run_system(system, cfg, out / "runs" / f"trial{trial + 1}-failure-free-{system.name}",
+                              NoInjector(), limit_s=120.0 + 2.0 * cfg.steps)
+            runs["failure-free"][system.name] = free
+            _log_run(tag, system.name, "failure-free", free, cfg.steps)
+            ff_s = work_time_s(free.records, free.t_start, cfg.steps)
+            if specs is None:
+                if ff_s is None:
+                    log(f"[productivity] {system.name}'s failure-free run did not finish the work: it cannot give "
+                        f"the kill steps; its run with failures is skipped")
+                    continue
+                specs = kill_steps(schedule, free.records, free.t_start, cfg.steps)
+                reference = {"trial": trial + 1, "system": system.name, "work_s": ff_s}
+            run_dir = out / "runs" / f"trial{trial + 1}-failures-{system.name}"
+            run = run_system(system, replace(cfg, max_restarts=len(specs) + 3), run_dir,
+                             Injector(run_dir, [dict(s) for s in specs], timeout_s=timeout_s),
+                             limit_s=120.0 + 4.0 * (ff_s or 2.0 * cfg.steps) + 30.0 * len(specs))
+            runs["failures"][system.name] = run
+            _log_run(tag, system.name, "failures", run, cfg.steps)
+    return all_runs, specs or [], orders, reference
 
 
-def _log_run(name: str, phase: str, run: Run, steps: int) -> None:
+def _log_run(tag: str, name: str, phase: str, run: Run, steps: int) -> None:
     wall = work_time_s(run.records, run.t_start, steps)
-    log(f"[productivity] {name:18} {phase:12} "
+    log(f"[productivity] {tag} {name:18} {phase:12} "
         + (f"{steps} steps in {wall:.1f} s, {len(run.kills)} failures" if wall is not None
            else f"did not finish the work: {run.error}"))
 
 
-def summarize(cfg: JobConfig, runs: dict[str, dict[str, Run]]) -> dict:
-    """Per system: failure-free and faulty times of the work, failures seen, productive fractions.
+def summarize_trial(cfg: JobConfig, runs: dict[str, dict[str, Run]], names: list[str]) -> dict:
+    """One trial: per system (in the order of `names`) its figures, and Leto's differences.
 
-    The time of the work is start -> step `steps` first recorded, whatever happens after it (a
+    The time of the work is launch -> step `steps` first recorded, whatever happens after it (a
     run's exit code is reported, but a failure after the work was done does not void it)."""
-    free = {n: work_time_s(r.records, r.t_start, cfg.steps) for n, r in runs["failure-free"].items()}
-    known = {n: t for n, t in free.items() if t is not None}
+    free_runs = runs["failure-free"]
+    work = {n: work_time_s(r.records, r.t_start, cfg.steps) for n, r in free_runs.items()}
+    whole = {n: round(r.t_end - r.t_start, 4) if r.ok and work[n] is not None else None
+             for n, r in free_runs.items()}
+    known = {n: t for n, t in work.items() if t is not None}
     fastest = min(known, key=lambda n: known[n]) if known else None
     ref = known.get(fastest) if fastest else None
+
+    def fastest_peer(times: dict[str, float | None], name: str) -> float | None:
+        return min((t for n, t in times.items() if n != name and t is not None), default=None)
+
     systems: dict[str, dict] = {}
-    for name, run in runs["failures"].items():
-        wall = work_time_s(run.records, run.t_start, cfg.steps)
-        kills = [k for k in run.kills if wall is None or k.time <= run.t_start + wall]
-        ff = runs["failure-free"].get(name)
-        in_run = in_run_failure_free_s(run.records, run.t_start, cfg.steps, [k.time for k in kills])
+    for name in names:
+        run, ff = runs["failures"].get(name), free_runs.get(name)
+        if run is None and ff is None:
+            continue
+        wall = work_time_s(run.records, run.t_start, cfg.steps) if run else None
+        kills = [k for k in run.kills if wall is None or k.time <= run.t_start + wall] if run else []
+        in_run = in_run_failure_free_s(run.records, run.t_start, cfg.steps, [k.time for k in kills]) if run else None
         systems[name] = {
-            "failure_free_s": free.get(name), "wall_s": wall, "failures": len(kills), "in_run_failure_free_s": in_run,
-            "productivity": productive_fraction(in_run, wall),
-            "productivity_vs_fastest": productive_fraction(ref, wall),
-            "productivity_own": productive_fraction(free.get(name), wall),
-            "ok": wall is not None, "error": run.error, "failure_free_error": ff.error if ff else None,
+            HEADLINE: productive_fraction(ref, wall),
+            IN_RUN: productive_fraction(in_run, wall),
+            OWN: productive_fraction(work.get(name), wall),
+            "wall_s": wall, "failures": len(kills) if run else None, "in_run_failure_free_s": in_run,
+            "failure_free_work_s": work.get(name), "failure_free_run_s": whole.get(name),
+            RATIO: _ratio(whole.get(name), fastest_peer(whole, name)),
+            WORK_RATIO: _ratio(work.get(name), fastest_peer(work, name)),
+            "ok": wall is not None, "error": run.error if run else "not run (no kill steps yet)",
+            "failure_free_error": ff.error if ff else "not run",
             "kills": [{"at_s": round(k.time - run.t_start, 3), "rank": k.spec.get("rank"), "step": k.spec.get("step"),
                        "after_step": k.step} for k in kills],
-            "run_dir": str(run.run_dir), "failure_free_run_dir": str(ff.run_dir) if ff else None}
+            "run_dir": str(run.run_dir) if run else None, "failure_free_run_dir": str(ff.run_dir) if ff else None}
     leto = systems.get(LETO, {})
-    diffs = {key: {n: pp(leto.get(key), s[key]) for n, s in systems.items() if n != LETO} for key in REFERENCES}
-    return {"reference": {"headline": "productivity: the failure-free time of the failed run itself, estimated "
-                                      "from its step records (its wall time less what each failure cost)",
-                          "fastest": {"failure_free_s": ref, "system": fastest},
-                          "own": "productivity_own: each system's own failure-free run (the run just before it)"},
-            "systems": systems, **{d: diffs[k] for d, k in zip(DIFFERENCES, REFERENCES)}}
+    diffs = {DIFFERENCES[f]: {n: pp(leto.get(f), s[f]) for n, s in systems.items() if n != LETO} for f in FIGURES}
+    return {"fastest_failure_free": {"system": fastest, "work_s": ref}, "systems": systems, **diffs}
 
 
-def make_plot(out: Path, report: dict, runs: dict[str, dict[str, Run]], tokens: int) -> list[str]:
-    col = []
+def aggregate(trials: list[dict], names: list[str]) -> dict:
+    """Medians and spreads over trials (each `summarize_trial`'s output, with its `trial` number
+    and `order`): per system, and of Leto's per-trial differences."""
+    systems: dict[str, dict] = {}
+    for name in names:
+        recs = [{"trial": t["trial"], **t["systems"][name]} for t in trials if name in t["systems"]]
+        if not recs:
+            continue
+        s: dict = {k: median([r[k] for r in recs]) for k in PER_TRIAL}
+        s["spread"] = {k: spread([r[k] for r in recs]) for k in PER_TRIAL}
+        s["trials_ok"] = sum(1 for r in recs if r[HEADLINE] is not None)
+        s["representative_trial"] = _representative(recs)
+        s["trials"] = recs
+        systems[name] = s
+    report: dict = {"systems": systems}
+    peers = [n for n in systems if n != LETO]
+    for key in DIFFERENCES.values():
+        report[key] = {n: median([t[key].get(n) for t in trials]) for n in peers}
+    report["spread"] = {key: {n: spread([t[key].get(n) for t in trials]) for n in peers}
+                        for key in DIFFERENCES.values()}
+    report["trials"] = [{"trial": t["trial"], "order": t["order"], "fastest_failure_free": t["fastest_failure_free"],
+                         **{key: t[key] for key in DIFFERENCES.values()}} for t in trials]
+    return report
+
+
+def _representative(recs: list[dict]) -> int | None:
+    """The trial number whose headline is the (lower) median: the one plotted."""
+    idx = median_index([r[HEADLINE] for r in recs])
+    return recs[idx]["trial"] if idx is not None else None
+
+
+def _verdict(measured: float | None, ok: bool, trials_measured: int, trials: int) -> str:
+    """PASS only if the figure was measured in every trial and its median meets the target; a
+    figure missing from some trials (a run that failed) is INCOMPLETE, from all NOT MEASURED."""
+    if measured is None or trials_measured == 0:
+        return "NOT MEASURED"
+    if trials_measured < trials:
+        return "INCOMPLETE"
+    return "PASS" if ok else "MISS"
+
+
+def targets(report: dict, peers: list[str]) -> list[dict]:
+    """The issue's targets, judged on the measured medians of this run (never assumed): Leto's whole
+    failure-free run within TARGET_RATIO of the fastest peer's; Leto ahead of every peer on the
+    headline (by TARGET_LEAD_PP where set). Each says in how many of the trials it was measured."""
+    n = len(report.get("trials", []))
+    leto = report["systems"].get(LETO, {})
+    r = leto.get(RATIO)
+    k = sum(1 for t in leto.get("trials", []) if t.get(RATIO) is not None)
+    out = [{"name": RATIO, "what": "Leto's whole failure-free run (launch to end) / the fastest other system's in "
+                                   "the same trial, median of trials",
+            "target": f"<= {TARGET_RATIO:g}", "measured": r, "trials_measured": k, "trials": n,
+            "result": _verdict(r, r is not None and r <= TARGET_RATIO, k, n)}]
+    for peer in peers:
+        d = report["difference_pp"].get(peer)
+        need = TARGET_LEAD_PP.get(peer)
+        ok = d is not None and (d >= need if need is not None else d > 0)
+        k = sum(1 for t in report.get("trials", []) if t["difference_pp"].get(peer) is not None)
+        out.append({"name": f"difference_pp[{peer}]",
+                    "what": f"Leto's headline productivity minus {peer}'s, percentage points, median of trials",
+                    "target": f">= +{need:g} pp" if need is not None else "> 0 pp", "measured": d,
+                    "trials_measured": k, "trials": n, "result": _verdict(d, ok, k, n)})
+    return out
+
+
+def make_plot(out: Path, report: dict, runs: list[dict[str, dict[str, Run]]], tokens: int) -> list[str]:
+    """Throughput over wall time of each system's representative (median-headline) trial: its
+    failure-free run and its run with failures, side by side on one time axis."""
+    free_col, fail_col = [], []
     right = 0.0
     for name, s in report["systems"].items():
-        run = runs["failures"].get(name)
-        if run is None:
+        trial = s.get("representative_trial")
+        if trial is None:
             continue
-        prod = "-" if s["productivity"] is None else f"{100 * s['productivity']:.1f} %"
-        n = s["failures"]
-        title = (f"{name}: {prod} productive, {n} failure{'' if n == 1 else 's'}, work done in "
-                 + ("-" if s["wall_s"] is None else f"{s['wall_s']:.0f} s")
-                 + ("" if s["in_run_failure_free_s"] is None
-                    else f" ({s['in_run_failure_free_s']:.0f} s without them)"))
-        end = run.t_end if s["wall_s"] is None else run.t_start + s["wall_s"]
-        marks = [] if s["wall_s"] is None else [(end, "done")]
-        steps = [r for r in run.steps() if r["time"] <= end]  # not what a restart did after the work
-        col.append(plots.Panel(title, steps, run.t_start, [k.time for k in run.kills if k.time <= end], marks))
-        right = max(right, end - run.t_start)
-    if not col:
+        rec = s["trials"][[r["trial"] for r in s["trials"]].index(trial)]
+        ff, run = runs[trial - 1]["failure-free"].get(name), runs[trial - 1]["failures"].get(name)
+        if ff is not None:
+            end = ff.t_start + (rec["failure_free_work_s"] or ff.t_end - ff.t_start)
+            title = (f"{name} (trial {trial}): work done in {_sec(rec['failure_free_work_s'])}, exit after "
+                     f"{_sec(rec['failure_free_run_s'])} ({_ratio_txt(rec[RATIO])} the fastest peer)")
+            free_col.append(plots.Panel(title, [r for r in ff.steps() if r["time"] <= end], ff.t_start, [],
+                                        [(end, "done"), (ff.t_end, "exit")]))
+            right = max(right, ff.t_end - ff.t_start)
+        if run is not None:
+            end = run.t_end if rec["wall_s"] is None else run.t_start + rec["wall_s"]
+            n = rec["failures"] or 0
+            title = (f"{name} (trial {trial}): {_pct(rec[HEADLINE])} productive, {n} failure{'' if n == 1 else 's'}, "
+                     f"work done in {_sec(rec['wall_s'])}")
+            steps = [r for r in run.steps() if r["time"] <= end]  # not what a restart did after the work
+            fail_col.append(plots.Panel(title, steps, run.t_start, [k.time for k in run.kills if k.time <= end],
+                                        [] if rec["wall_s"] is None else [(end, "done")]))
+            right = max(right, end - run.t_start)
+    if not free_col and not fail_col:
         return []
     cfg = report["config"]
-    path = plots.timeline([col], [f"{cfg['steps']} steps, {len(cfg['kills'])} worker kills at the same steps "
-                                  f"(Poisson, MTBF {cfg['mtbf_s']:g} s)"], tokens,
-                          out / "productivity-timeline.png", "Tokens/s over wall time, same work, same failures",
-                          "seconds since the start of the run", xlim=(0.0, right * 1.03))
+    path = plots.timeline([free_col, fail_col],
+                          ["failure-free", f"{len(cfg['kills'])} worker kills at the same steps "
+                                           f"(Poisson, MTBF {cfg['mtbf_s']:g} s)"], tokens,
+                          out / "productivity-timeline.png",
+                          f"Tokens/s over wall time, {cfg['steps']} steps (each system's median trial of "
+                          f"{cfg['trials']})", "seconds since launch", xlim=(0.0, right * 1.03))
     return [str(path)]
 
 
@@ -152,68 +314,143 @@ def _sec(x: float | None) -> str:
 
 
 def _pp(x: float | None) -> str:
-    return "" if x is None else f"{x:+.1f}"
+    return "-" if x is None else f"{x:+.1f}"
+
+
+def _ratio_txt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:g}"
+
+
+def _with_spread(fmt: Callable[[float | None], str], value: float | None, rng: list[float] | None,
+                 trials: int) -> str:
+    """'median [min-max]' (just the value when one trial measured it)."""
+    if value is None or rng is None or trials <= 1 or rng[0] == rng[1]:
+        return fmt(value)
+    return f"{fmt(value)} [{fmt(rng[0])}..{fmt(rng[1])}]"
 
 
 def print_table(report: dict) -> None:
-    cfg, ref = report["config"], report["reference"]["fastest"]
+    cfg = report["config"]
+    n = cfg["trials"]
     print(f"leto bench productivity: {cfg['steps']} steps of the {cfg['model']} job, {cfg['workers']} workers on "
-          f"{cfg['nodes']} nodes; {len(cfg['kills'])} worker SIGKILLs (Poisson, MTBF {cfg['mtbf_s']:g} s, seed "
-          f"{cfg['seed']}) after steps {', '.join(str(k['step']) for k in cfg['kills']) or '-'}")
-    print(f"  {'system':20} {'failures':>8} {'wall':>8} {'free':>8} {'productive':>10} {'leto +pp':>9} "
-          f"{'vs fastest':>10} {'leto +pp':>9} {'own ref':>8} {'leto +pp':>9}")
+          f"{cfg['nodes']} nodes, {n} trial{'' if n == 1 else 's'}; {len(cfg['kills'])} worker SIGKILLs (Poisson, "
+          f"MTBF {cfg['mtbf_s']:g} s, seed {cfg['seed']}) after steps "
+          f"{', '.join(str(k['step']) for k in cfg['kills']) or '-'}, the same in every trial")
+    print(f"medians of {n} trials, [min..max] beside them" if n > 1 else "one trial: no medians, no spread")
+    head = (f"  {'system':20} {'productivity':>22} {'leto +pp':>20} {'failure-free run':>20} {'/ fastest peer':>20} "
+            f"{'with failures':>20} {'failures':>8} {'trials':>6}")
+    print(head)
+    secondary = []
     for name, s in report["systems"].items():
         if s.get("status"):
             print(f"  {name}: {s['status']}")
             continue
-        d = [report[k].get(name) for k in DIFFERENCES]
-        print(f"  {name:20} {s['failures']:>8} {_sec(s['wall_s']):>8} {_sec(s['in_run_failure_free_s']):>8} "
-              f"{_pct(s['productivity']):>10} {_pp(d[0]):>9} {_pct(s['productivity_vs_fastest']):>10} {_pp(d[1]):>9} "
-              f"{_pct(s['productivity_own']):>8} {_pp(d[2]):>9}" + ("" if s["ok"] else f"  FAILED: {s['error']}"))
-    fastest = "-" if ref["failure_free_s"] is None else f"{ref['system']}, {ref['failure_free_s']:.1f} s"
-    print(f"productive = failure-free time of the work / wall time with failures; failure-free time ('free'): "
-          f"the run's own, less what its failures cost; vs fastest: the fastest failure-free run ({fastest}); "
-          f"own ref: the system's own failure-free run. leto +pp: Leto's fraction minus the system's")
-    print(f"plot: {', '.join(report['plots'])}\nraw results: {report['json']}")
+        sp, k = s["spread"], len(s["trials"])
+        d = report["difference_pp"].get(name)
+        lead = "" if name == LETO else _with_spread(_pp, d, report["spread"]["difference_pp"].get(name), n)
+        print(f"  {name:20} {_with_spread(_pct, s[HEADLINE], sp[HEADLINE], k):>22} {lead:>20} "
+              f"{_with_spread(_sec, s['failure_free_run_s'], sp['failure_free_run_s'], k):>20} "
+              f"{_with_spread(_ratio_txt, s[RATIO], sp[RATIO], k):>20} "
+              f"{_with_spread(_sec, s['wall_s'], sp['wall_s'], k):>20} {_num(s['failures']):>8} "
+              f"{s['trials_ok']:>3}/{k:<2}")
+        d_in = "" if name == LETO else _pp(report[DIFFERENCES[IN_RUN]].get(name))
+        d_own = "" if name == LETO else _pp(report[DIFFERENCES[OWN]].get(name))
+        secondary.append(f"  {name:20} {_with_spread(_pct, s[IN_RUN], sp[IN_RUN], k):>22} {d_in:>9} "
+                         f"{_with_spread(_pct, s[OWN], sp[OWN], k):>22} {d_own:>9}")
+    print("productivity = the fastest failure-free run of any system in the same trial (launch -> last step) / the\n"
+          "  system's wall time with failures: it charges start-up, protection, checkpoint writes and the failures\n"
+          "leto +pp: per trial Leto's productivity minus the system's, then the median\n"
+          "failure-free run: launch -> the run returned; / fastest peer: that over the fastest other system's in the\n"
+          "  same trial; with failures: launch -> last step of the work; trials: trials that measured the\n"
+          "  productivity / trials run")
+    print("\nsecondary estimates, both EXCLUDE per-step costs (protection, checkpoint writes): they charge only "
+          "the failures")
+    print(f"  {'system':20} {'in-run estimate':>22} {'leto +pp':>9} {'vs own failure-free':>22} {'leto +pp':>9}")
+    for line in secondary:
+        print(line)
+    print("\ntargets (measured in this run):")
+    for t in report["targets"]:
+        m = t["measured"]
+        shown = "-" if m is None else (f"{m:.3f}x" if t["name"] == RATIO else f"{m:+.1f} pp")
+        print(f"  {t['result']:12} {t['name']:34} target {t['target']:>9}, measured {shown} "
+              f"(in {t['trials_measured']}/{t['trials']} trials)")
+    print(f"\nplot: {', '.join(report['plots']) or '-'}\nraw results: {report['json']}")
+
+
+def build_report(cfg: JobConfig, all_runs: list[dict[str, dict[str, Run]]], names: list[str], *,
+                 specs: list[dict], orders: list[list[str]] | None = None, reference: dict | None = None,
+                 torchft: str | None = None, info: dict | None = None) -> dict:
+    """The JSON document (less `json` and `plots`) from every trial's runs: `config`, `definitions`,
+    `systems` (medians, spreads, raw trials; in the order of `names`), Leto's differences (medians
+    and spreads), `trials` (order, fastest failure-free run, differences of each trial), `targets`.
+    `torchft`: why torchft did not run (None: installed)."""
+    orders = orders or [list(runs["failure-free"]) for runs in all_runs]
+    per_trial = [{"trial": i + 1, "order": orders[i], **summarize_trial(cfg, r, names)} for i, r in enumerate(all_runs)]
+    report: dict = {"bench": "productivity", "machine": info or {},
+                    "config": {"workers": cfg.workers, "nodes": cfg.nodes, "model": cfg.model, "steps": cfg.steps,
+                               "mtbf_s": DEFAULT_MTBF_S, "seed": SCHEDULE_SEED, "trials": len(all_runs),
+                               "kills": specs, "kill_steps_from": reference, "ckpt_mtbf_s": cfg.mtbf_s,
+                               "schedule": "Poisson failure times in seconds of failure-free training (seed "
+                                           f"{SCHEDULE_SEED} in every trial), mapped once onto the steps of the "
+                                           "first failure-free run that finished the work (kill_steps_from): the "
+                                           "same kill steps and ranks for every system in every trial",
+                               "order": "each trial: per system in turn, its failure-free run then its run with "
+                                        "failures; the order of the systems rotates by one per trial"},
+                    "torchft": torchft or "installed", "definitions": DEFINITIONS, **aggregate(per_trial, names)}
+    measured = report["systems"]
+    report["systems"] = {n: measured.get(n) or {"status": torchft if n == "torchft" and torchft else "not run",
+                                                **{k: None for k in PER_TRIAL}, "trials": []} for n in names}
+    for n in (n for n in names if n != LETO):   # a peer that never ran: no difference, no spread
+        for key in DIFFERENCES.values():
+            report[key].setdefault(n, None)
+            report["spread"][key].setdefault(n, None)
+    verdicts = targets(report, [n for n in names if n != LETO])
+    head = ("bench", "machine", "config", "torchft", "definitions")   # the targets right after the definitions
+    return {**{k: report[k] for k in head}, "targets": verdicts, **{k: v for k, v in report.items() if k not in head}}
+
+
+_ITEM = r'(?:-?[\d.e+-]+|null|"[^"\n\[\]{},]*")'
+_SHORT_LIST = re.compile(rf"\[\s*({_ITEM}(?:,\s*{_ITEM})*)\s*\]")
+
+
+def dumps(report: dict) -> str:
+    """The JSON document, indented, with lists of numbers or names ([min, max], a trial's order)
+    on one line."""
+    return _SHORT_LIST.sub(lambda m: "[" + re.sub(r",\s+", ", ", m.group(1)) + "]", json.dumps(report, indent=1))
 
 
 def main(args: argparse.Namespace) -> int:
     steps = args.steps or DEFAULT_STEPS
+    trials = getattr(args, "trials", None) or DEFAULT_TRIALS
     nodes = min(2, args.workers)
     cfg = JobConfig(workers=args.workers, nodes=nodes, steps=steps, model=args.model, mtbf_s=DEFAULT_MTBF_S)
     out = Path(args.out) if args.out else default_out("productivity")
     out.mkdir(parents=True, exist_ok=True)
     tf = torchft_status()
     systems = [s for s in SYSTEMS if not (s.kind == "torchft" and tf is not None)]
+    names = [s.name for s in SYSTEMS]
     if tf is not None:
         log(f"torchft: {tf}")
     schedule = failure_schedule(DEFAULT_MTBF_S, HORIZON_S, SCHEDULE_SEED, args.workers)
     info = machine()
     try:
         with stdout_to_stderr():
-            runs, specs = run_all(cfg, out, systems, schedule)
+            all_runs, specs, orders, reference = run_all(cfg, out, systems, schedule, trials)
     except BenchInterrupted as e:
         log(f"leto bench productivity: {e}; stopped")
         return 130
     info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    report: dict = {"bench": "productivity", "machine": info,
-                    "config": {"workers": cfg.workers, "nodes": cfg.nodes, "model": cfg.model, "steps": steps,
-                               "mtbf_s": DEFAULT_MTBF_S, "seed": SCHEDULE_SEED, "trials": 1, "kills": specs,
-                               "ckpt_mtbf_s": cfg.mtbf_s,
-                               "schedule": "Poisson failure times in seconds of failure-free training, mapped onto "
-                                           "the first failure-free run's steps: the same kill steps and ranks for "
-                                           "every system",
-                               "order": "per system in turn: failure-free run, then the run with failures"},
-                    "torchft": tf or "installed", **summarize(cfg, runs)}
-    if tf is not None:
-        report["systems"]["torchft"] = {"status": tf, **{k: None for k in REFERENCES}}
-        for key in DIFFERENCES:
-            report[key]["torchft"] = None
+    report = build_report(cfg, all_runs, names, specs=specs, orders=orders, reference=reference, torchft=tf,
+                          info=info)
     report["json"] = str(out / "productivity.json")
-    report["plots"] = make_plot(out, report, runs, PRESETS[cfg.model].batch_size * PRESETS[cfg.model].block_size)
-    Path(report["json"]).write_text(json.dumps(report, indent=1))
+    report["plots"] = make_plot(out, report, all_runs, PRESETS[cfg.model].batch_size * PRESETS[cfg.model].block_size)
+    Path(report["json"]).write_text(dumps(report))
     if args.json:
         print(json.dumps(report))
     else:
         print_table(report)
-    return 0 if report["systems"].get(LETO, {}).get("productivity") is not None else 1
+    return 0 if report["systems"].get(LETO, {}).get(HEADLINE) is not None else 1
