@@ -13,10 +13,10 @@ import pytest
 from leto import cli
 from leto.bench import overhead
 from leto.bench.cpu import CpuSampler, memory_bytes
-from leto.bench.overhead import (PARTS, Point, check_tokens, curve_entry, keeper_batch_buffer_bytes, memory_parts,
+from leto.bench.overhead import (PARTS, Point, check_tokens, curve_entry, memory_parts,
                                  memory_summary, parse_curve, protected_bytes, rss_summary, targets, verdict,
                                  worker_copy_bytes)
-from leto.protection.keeper import HDR, SEND_BUFFERS
+from leto.protection.keeper import HDR, SEND_BUFFERS, batch_buffer_bytes
 from leto.protection.layout import Geometry, Layout
 from leto.protection.shm import Region
 
@@ -85,7 +85,7 @@ def test_batches_are_capped_by_the_largest_message() -> None:
     """A chunk bigger than a batch: one record per message, whatever the number of chunks."""
     lay = Layout(0, 0, Geometry(5, 1 << 20), NODES, (1, 1), replicated_grads=True)
     record = HDR * 8 + 12 * (1 << 20)
-    assert keeper_batch_buffer_bytes(lay, 0) == (SEND_BUFFERS + 1) * (8 + record)
+    assert batch_buffer_bytes(lay, 0) == (SEND_BUFFERS + 1) * (8 + record)
     assert worker_copy_bytes(lay) == {"worker_second_state": 0, "worker_second_grads": 0, "worker_snapshot": 0,
                                       "worker_chunk_scratch": 12 * (1 << 20)}
 

@@ -26,10 +26,10 @@ from leto.bench.throughput import WARMUP_STEPS, run_job, steady_step_s
 from leto.control.controller import node_of_rank
 from leto.protection.accounting import bytes_per_element_per_step
 from leto.protection.codec_bench import measure_codec
-from leto.protection.keeper import BATCH_BYTES, HDR, SEND_BUFFERS
+from leto.protection.keeper import batch_buffer_bytes
 from leto.protection.layout import Geometry, Layout
 from leto.protection.placement import default_code
-from leto.protection.shm import KIND_DELTA, KIND_GRAD, specs
+from leto.protection.shm import specs
 from leto.training.model import GPT, PRESETS
 from leto.training.trainer import DEFAULT_CHUNK_BYTES
 
@@ -89,23 +89,6 @@ def _region_part(name: str) -> str:
     return "tables"  # header, versions, checksums, gradient steps and counts
 
 
-def keeper_batch_buffer_bytes(layout: Layout, node: int) -> int:
-    """Bytes of `node`'s keeper's tier-2 batch buffers (keeper._Link): per link to a node it
-    ships to, SEND_BUFFERS per kind; per link from a node it receives from, one per kind; each
-    of 8 + per_msg x record bytes, per_msg and the kinds as the Keeper computes them."""
-    g = layout.geometry
-    nbytes = {KIND_GRAD: g.grad_bytes, KIND_DELTA: g.state_bytes} if layout.protects_grads else \
-        {KIND_DELTA: g.state_bytes}
-    senders, receivers = set(layout.senders_to(node)), set(layout.receivers_from(node))
-    total = 0
-    for nb in nbytes.values():
-        record = HDR * 8 + nb
-        size = 8 + max(1, min(layout.positions_per_node, BATCH_BYTES // record)) * record
-        for peer in (senders | receivers) - {node}:
-            total += (SEND_BUFFERS if peer in receivers else 0) * size + (1 if peer in senders else 0) * size
-    return total
-
-
 def worker_copy_bytes(layout: Layout) -> dict[str, int]:
     """What one worker holds only because its state is protected (trainer._allocate, with
     protection on). Where gradients are replicated and every step is protected (gloo), the shard
@@ -130,7 +113,7 @@ def memory_parts(layout: Layout) -> dict[str, int]:
     for n in layout.nodes:
         for name, shape, dtype in specs(layout, n):
             parts[_region_part(name)] += int(np.prod(shape)) * np.dtype(dtype).itemsize
-        parts["tier2_batch_buffers"] += keeper_batch_buffer_bytes(layout, n)
+        parts["tier2_batch_buffers"] += batch_buffer_bytes(layout, n)
     for part, b in worker_copy_bytes(layout).items():
         parts[part] += layout.world_size * b
     return parts

@@ -36,6 +36,7 @@ class Protector:
         self.data = self.region["slot_data"][self.w]
         self.bell = Doorbell(int(self.region.header[H_PID]))  # the keeper sleeps until rung
         self.seq = 0
+        self.ring_every = max(1, layout.ring_slots // 2)
         self.base = layout.base_step
 
     def _wait_until(self, pred: Callable[[], bool], what: str, poll: float = 1e-4) -> None:
@@ -63,15 +64,19 @@ class Protector:
     def _slot(self) -> int:
         idx = self.seq % self.layout.ring_slots
         if self.hdr[idx, S_READY] != 0:
+            self.bell.ring()  # whatever it last heard, the keeper has a full ring to fold
             self._wait_until(lambda: self.hdr[idx, S_READY] == 0, "a free staging slot")
         return idx
 
-    def _publish(self, idx: int, kind: int, step: int, chunk: int, crc: int) -> None:
+    def _publish(self, idx: int, kind: int, step: int, chunk: int, crc: int, last: bool) -> None:
         h = self.hdr[idx]
         h[S_KIND], h[S_STEP], h[S_CHUNK], h[S_CRC] = kind, step, chunk, crc
         h[S_READY] = 1  # last: the keeper applies only complete slots
         self.seq += 1
-        self.bell.ring()  # per chunk: the keeper folds while the worker stages the next one
+        # every half ring and at a step's last chunk: the keeper folds while the worker stages the
+        # next ones, and wakes up half as often as there are chunks (a lost ring costs latency only)
+        if last or self.seq % self.ring_every == 0:
+            self.bell.ring()
 
     def stage_grads(self, step: int, grads: torch.Tensor, before_chunk: Callable[[int], None] = lambda c: None) -> None:
         """Hand over this rank's gradient shard of `step` ([n_chunks, chunk_elems])."""
@@ -81,7 +86,7 @@ class Protector:
             src = as_bytes(grads[c])
             idx = self._slot()
             self.data[idx, :src.size] = src
-            self._publish(idx, KIND_GRAD, step, c, checksum(src))
+            self._publish(idx, KIND_GRAD, step, c, checksum(src), c == grads.shape[0] - 1)
         self.spent["stage_s"] += time.perf_counter() - t0 - (self.spent["wait_s"] - w0)
 
     def stage_deltas(self, step: int, old: torch.Tensor | None, new: torch.Tensor,
@@ -89,11 +94,11 @@ class Protector:
         """Hand over `old XOR new` per chunk (the full chunk when `old` is None) at version `step`."""
         for c in range(new.shape[0]):
             before_chunk(c)
-            self.stage_delta(step, c, None if old is None else old[c], new[c])
+            self.stage_delta(step, c, None if old is None else old[c], new[c], c == new.shape[0] - 1)
 
-    def stage_delta(self, step: int, c: int, old: torch.Tensor | None, new: torch.Tensor) -> None:
+    def stage_delta(self, step: int, c: int, old: torch.Tensor | None, new: torch.Tensor, last: bool) -> None:
         """Hand over chunk `c`'s `old XOR new` (`new` when `old` is None) at version `step`, with
-        the checksum of `new`. Returns once the slot is published; only a wait for a free slot
+        the checksum of `new`; `last`: the step's last chunk. Returns once the slot is published; only a wait for a free slot
         can raise (PeerFailure), and then nothing of this chunk was handed over."""
         t0, w0 = time.perf_counter(), self.spent["wait_s"]
         nb = as_bytes(new)
@@ -103,7 +108,7 @@ class Protector:
             dst[...] = nb
         else:
             np.bitwise_xor(as_bytes(old), nb, out=dst)
-        self._publish(idx, KIND_DELTA, step, c, checksum(nb))
+        self._publish(idx, KIND_DELTA, step, c, checksum(nb), last)
         self.spent["stage_s"] += time.perf_counter() - t0 - (self.spent["wait_s"] - w0)
 
     def wait_grad_commit(self, step: int) -> None:

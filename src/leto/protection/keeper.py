@@ -31,10 +31,34 @@ from leto.protection.shm import (H_BASE, H_DCOMMIT, H_GCOMMIT, H_GEN, H_MAGIC, H
 
 HDR = 8           # int64 fields in a tier-2 message header
 TAG = {KIND_GRAD: 1, KIND_DELTA: 2}
-SEND_BUFFERS = 3  # tier-2 batches per link and kind (one filling, the others in flight)
-BATCH_BYTES = 4 << 20  # largest tier-2 message
+SEND_BUFFERS = 2  # tier-2 batches per link and kind (one filling, one in flight)
+BATCH_BYTES = 1 << 20  # largest tier-2 message: memory per protected byte against gloo's cost per message
 IDLE_WAIT_S = 0.01  # longest sleep between doorbells (a lost doorbell costs at most this)
 CONTROL_EVERY_S = 0.05  # how often the keeper checks the store unasked (the controller rings on a drain)
+
+
+def kinds(layout: Layout) -> dict[int, int]:
+    """Bytes of one chunk of each kind of data the keepers of this layout take."""
+    g = layout.geometry
+    return {KIND_GRAD: g.grad_bytes, KIND_DELTA: g.state_bytes} if layout.protects_grads else \
+        {KIND_DELTA: g.state_bytes}
+
+
+def records_per_batch(layout: Layout, nbytes: int) -> int:
+    """Records of `nbytes` in one tier-2 batch: up to a step's chunks of the largest node, within
+    BATCH_BYTES (the same for every keeper: receivers size their buffers by it)."""
+    return max(1, min(layout.positions_per_node, BATCH_BYTES // (HDR * 8 + nbytes)))
+
+
+def batch_buffer_bytes(layout: Layout, node: int) -> int:
+    """Bytes of `node`'s keeper's tier-2 batch buffers: SEND_BUFFERS per kind on every link it
+    ships over, one per kind on every link it receives from."""
+    senders, receivers = set(layout.senders_to(node)), set(layout.receivers_from(node))
+    total = 0
+    for nb in kinds(layout).values():
+        size = 8 + records_per_batch(layout, nb) * (HDR * 8 + nb)
+        total += size * (SEND_BUFFERS * len(receivers - {node}) + len(senders - {node}))
+    return total
 
 
 class _Link:
@@ -157,12 +181,9 @@ class Keeper:
         g = layout.geometry
         self.interval = layout.protect_every > 1  # docs/protection.md, "Protection interval"
         self.grads = layout.protects_grads  # else gradients are not staged (an interval, or gloo's replicas)
-        self.nbytes = {KIND_GRAD: g.grad_bytes, KIND_DELTA: g.state_bytes} if self.grads else \
-            {KIND_DELTA: g.state_bytes}
+        self.nbytes = kinds(layout)
         self.idx = layout.nodes.index(node)
-        # a batch holds up to a step's chunks of the largest node, within BATCH_BYTES (the same
-        # for every keeper: receivers size their buffers by it)
-        self.per_msg = {k: max(1, min(layout.positions_per_node, BATCH_BYTES // self.record_bytes(k))) for k in self.nbytes}
+        self.per_msg = {k: records_per_batch(layout, nb) for k, nb in self.nbytes.items()}
         self.shipped: dict[tuple[int, int], int] = {}  # (kind, step) -> local chunks shipped
         self.routes = [layout.routes(node, pos) for pos in range(self.W * g.n_chunks)]  # by data position
         # blocked point-to-point waits of an abandoned generation stay behind in their threads

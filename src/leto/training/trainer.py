@@ -399,7 +399,7 @@ class Trainer:
                 continue
             self.update_chunk(src[c], grads[c], self._next, t + 1)  # in place: the chunk's delta is handed
             fault("parity", t + 1, c)                               # over before the chunk is replaced
-            prot.stage_delta(t + 1, c, src[c], self._next)
+            prot.stage_delta(t + 1, c, src[c], self._next, c == self.n_chunks - 1)
             dst[c].copy_(self._next)
             self.chunk_step[c] = t + 1
         self.buf_step[(t + 1) % n] = t + 1
