@@ -256,7 +256,7 @@ def test_the_bench_interleaves_runs_and_reports_every_key(monkeypatch: pytest.Mo
     assert cli.main(["bench", "overhead", "--json", "--steps", "4", "--curve", "128", "--curve-rounds", "2"]) == 0
     out = json.loads(capsys.readouterr().out)
     default = [("tiny", 32, p, 0, None) for _ in range(3) for p in (False, True)]
-    curve = [("tiny", 128, p, 0, overhead.JOB_MODULE) for _ in range(2) for p in (False, True)]
+    curve = [("tiny", 128, p, 0, None) for _ in range(2) for p in (False, True)]
     assert calls[:6] == default and calls[6:10] == curve
     assert calls[10][2:4] == (True, 1)  # the memory run: protected, with a shadow (and zygotes)
     old_keys = {"model", "workers", "nodes", "ec", "steps_per_run", "rounds", "step_s_off", "step_s_on",

@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--seed", type=int, default=0, help="seed of model init and data order [0]")
     train.add_argument("--model", default="tiny", help=f"size preset: {', '.join(PRESETS)} [tiny]")
     train.add_argument("--lr", type=float, default=3e-3, help="peak learning rate [3e-3]")
+    train.add_argument("--rows", type=int, default=None,
+                       help="rows (sequences) of the global batch, split over the workers [the model preset's]")
     train.add_argument("--inject", action="append", default=[], metavar="KIND:rank=R|node=N:step=S[:phase=P]",
                        help="inject a failure (kill, stop, node-kill); repeatable")
     train.add_argument("--heartbeat-timeout", type=float, default=3.0,
@@ -179,9 +181,12 @@ def _train(args: argparse.Namespace) -> int:
         raise UsageError(f"leto train: error: --steps must be at least 1, got {args.steps}")
     if args.model not in PRESETS:
         raise UsageError(f"leto train: error: unknown --model {args.model!r}; choose from {', '.join(PRESETS)}")
-    if args.workers > PRESETS[args.model].batch_size:
+    rows = PRESETS[args.model].batch_size if args.rows is None else args.rows
+    if rows < 1:
+        raise UsageError(f"leto train: error: --rows must be at least 1, got {rows}")
+    if args.workers > rows:
         raise UsageError(f"leto train: error: --workers ({args.workers}) exceeds the global batch of "
-                         f"{PRESETS[args.model].batch_size} rows of model {args.model!r}")
+                         f"{rows} rows of model {args.model!r}")
     if args.chunk_bytes < 12 or args.chunk_bytes % 12:
         raise UsageError(f"leto train: error: --chunk-bytes must be a positive multiple of 12, got {args.chunk_bytes}")
     if args.lr <= 0:
@@ -204,7 +209,8 @@ def _train(args: argparse.Namespace) -> int:
         raise UsageError(f"leto train: error: {e}") from e
     run_dir = make_run_dir(args.run_dir, "leto train")
     command = ["-m", "leto.training.job", "--steps", str(args.steps), "--seed", str(args.seed),
-               "--model", args.model, "--lr", str(args.lr), "--chunk-bytes", str(args.chunk_bytes)]
+               "--model", args.model, "--lr", str(args.lr), "--chunk-bytes", str(args.chunk_bytes),
+               *(["--rows", str(args.rows)] if args.rows is not None else [])]
     spec = JobSpec(command, args.workers, args.spares, args.nodes, run_dir, args.timeout, total_steps=args.steps,
                    protection=args.protection == "on", ec=args.ec, protect_every=args.protect_every,
                    protect_grads=args.protect_grads == "on",

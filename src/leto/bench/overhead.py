@@ -11,7 +11,6 @@ measured resident memory of the processes that exist only for protection. docs/b
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import re
 import statistics
@@ -274,8 +273,7 @@ def _measure(point: Point, default_rows: int, rounds: int, steps: int, workers: 
         for protection in (False, True):
             d = tmp / f"{point.model}-{point.global_rows}-{i}-{protection}"
             res = run_job(workers, steps + WARMUP_STEPS, point.model, d, nodes=NODES, protection=protection,
-                          ec=ec if protection else None, module=JOB_MODULE if rows_flag else None,
-                          extra=["--rows", str(point.rows)] if rows_flag else None)
+                          ec=ec if protection else None, extra=["--rows", str(point.rows)] if rows_flag else None)
             check_tokens(res["steps"], point.global_rows * PRESETS[point.model].block_size, d)
             (on if protection else off).append(steady_step_s(res["steps"]))
             (cpu_on if protection else cpu_off).append(res["cpu_s_per_step"])
@@ -409,24 +407,3 @@ def _print(out: dict, mem: dict) -> None:
     for name, t in out["targets"].items():
         v = "-" if t["value"] is None else f"{t['value']:.3f}"
         print(f"  target {name} {t['target']}: {v} {t['result']}")
-
-
-# ----- the built-in job with another global batch
-JOB_MODULE = "leto.bench.overhead"
-
-
-def job_main(argv: list[str]) -> None:
-    """`python -m leto.bench.overhead --rows N [leto.training.job args]`: the built-in job with
-    a global batch of N rows (every process of the job runs it, so all agree on the batch).
-    Here until the job itself has a rows flag."""
-    p = argparse.ArgumentParser(prog=JOB_MODULE, add_help=False)
-    p.add_argument("--rows", type=int, required=True)
-    p.add_argument("--model", choices=sorted(PRESETS), default="tiny")
-    known, rest = p.parse_known_args(argv)
-    PRESETS[known.model] = dataclasses.replace(PRESETS[known.model], batch_size=known.rows)
-    from leto.training import job
-    job.main([*rest, "--model", known.model])
-
-
-if __name__ == "__main__":
-    job_main(sys.argv[1:])

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 
@@ -20,12 +21,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", choices=sorted(PRESETS), default="tiny")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES)
+    p.add_argument("--rows", type=int, default=None, help="rows of the global batch [the preset's]")
     return p.parse_args(argv)
 
 
 def build(args: argparse.Namespace, job: leto.Job) -> tuple[Trainer, GPT, Sampler, int]:
     """Model, trainer, data pipeline and tokens per step of the built-in job (shadows too)."""
     cfg = PRESETS[args.model]
+    if args.rows is not None:
+        cfg = dataclasses.replace(cfg, batch_size=args.rows)
     torch.manual_seed(args.seed)
     model = GPT(cfg)
     optimizer = AdamW(lr=warmup_cosine(args.lr, warmup=min(20, args.steps // 10), total=args.steps))
