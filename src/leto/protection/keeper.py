@@ -34,7 +34,7 @@ TAG = {KIND_GRAD: 1, KIND_DELTA: 2}
 SEND_BUFFERS = 2  # tier-2 batches per link and kind (one filling, one in flight)
 BATCH_BYTES = 1 << 20  # largest tier-2 message: memory per protected byte against gloo's cost per message
 IDLE_WAIT_S = 0.01  # longest sleep between doorbells (a lost doorbell costs at most this)
-CONTROL_EVERY_S = 0.05  # how often the keeper checks the store unasked (the controller rings on a drain)
+CONTROL_EVERY_S = 0.25  # how often the keeper checks the store unasked: a fallback, the controller rings on a drain
 
 
 def kinds(layout: Layout) -> dict[int, int]:
