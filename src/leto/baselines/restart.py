@@ -27,7 +27,7 @@ from leto.control.controller import Controller, JobSpec
 
 __all__ = ["SYSTEMS", "BaselineSpec", "RestartSupervisor", "main", "run_baseline", "young_daly_interval"]
 
-SYSTEMS = ("checkpoint-restart", "memory-restart", "torchft")
+SYSTEMS = ("checkpoint-restart", "memory-restart", "torchft", "nvrx")
 DEFAULT_MTBF_S = 600.0   # disk K from Young/Daly when neither K nor an MTBF is given
 ATTEMPTS = "attempts"
 
@@ -245,18 +245,21 @@ def run_baseline(system: str, *, workers: int, nodes: int, steps: int, seed: int
 
     `inject`: `[{"kind": "kill"|"node-kill", "rank": R|None, "node": N|None, "step": S}]`, executed
     by `leto.bench.faults` from background threads. `options`: more `BaselineSpec` fields
-    (async_save, ckpt_dir, max_restarts, timeout_s, job_args).
+    (async_save, ckpt_dir, max_restarts, timeout_s, job_args; nvrx: spares).
     """
     if system not in SYSTEMS:
         raise ValueError(f"unknown baseline {system!r}; choose from {', '.join(SYSTEMS)}")
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     injector = Injector(run_dir, inject or []).start() if inject else None
-    if system == "torchft":
-        from leto.baselines import torchft_job
+    if system in ("torchft", "nvrx"):
+        if system == "torchft":
+            from leto.baselines.torchft_job import run
+        else:
+            from leto.baselines.nvrx_job import run
         try:
-            return torchft_job.run(workers=workers, nodes=nodes, steps=steps, seed=seed, model=model,
-                                   run_dir=run_dir, injector=injector, quiet=quiet, **options)
+            return run(workers=workers, nodes=nodes, steps=steps, seed=seed, model=model,
+                       run_dir=run_dir, injector=injector, quiet=quiet, **options)
         finally:
             if injector is not None:
                 injector.stop()
@@ -290,6 +293,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mtbf-s", type=float, default=None, help=f"disk: MTBF for Young/Daly [{DEFAULT_MTBF_S:g}]")
     p.add_argument("--async-save", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--max-restarts", type=int, default=3)
+    p.add_argument("--spares", type=int, default=1, help="nvrx: spare ranks beside the workers [1]")
     p.add_argument("--timeout", type=float, default=60.0, help="collective and store timeout [60]")
     p.add_argument("--kill", type=_at, action="append", default=[], metavar="RANK@STEP",
                    help="SIGKILL worker RANK once STEP is recorded (repeatable)")
@@ -311,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = run_baseline(a.system, workers=a.workers, nodes=a.nodes, steps=a.steps, seed=a.seed, model=a.model,
                            run_dir=run_dir, inject=inject or None, ckpt_every=a.ckpt_every, mtbf_s=a.mtbf_s,
                            quiet=a.quiet, async_save=a.async_save, ckpt_dir=a.ckpt_dir,
-                           max_restarts=a.max_restarts, timeout_s=a.timeout)
+                           max_restarts=a.max_restarts, timeout_s=a.timeout,
+                           **({"spares": a.spares} if a.system == "nvrx" else {}))
     if a.json:
         print(json.dumps(summary))
     else:

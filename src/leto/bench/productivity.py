@@ -56,7 +56,7 @@ DEFAULT_TRIALS = 3
 SCHEDULE_SEED = 0     # the same seed, and the same kill steps and ranks, in every trial
 HORIZON_S = 3600.0
 SYSTEMS = (System(LETO, LETO, 1), System("checkpoint-restart", "checkpoint-restart"),
-           System("memory-restart", "memory-restart"), System("torchft", "torchft"))
+           System("memory-restart", "memory-restart"), System("torchft", "torchft"), System("nvrx", "nvrx"))
 
 HEADLINE = "productivity"
 IN_RUN = "productivity_in_run_estimate_excludes_per_step_costs"

@@ -13,6 +13,7 @@ import json
 import os
 from pathlib import Path
 
+from leto.baselines.nvrx_job import NVRX_VERSION, nvrx_status
 from leto.bench import plots
 from leto.bench.runs import (LETO, SEGMENTS, TOLERANCE, WINDOW, BenchInterrupted, JobConfig, Run, System,
                              analyze_recovery, default_out, log, machine, median, median_index, ratio, run_system,
@@ -36,7 +37,8 @@ def systems_for(failure: str) -> list[System]:
     out = [System(LETO, LETO, 1)]
     if failure == "node":
         out.append(System(f"leto --spares {SPARES_VARIANT}", LETO, SPARES_VARIANT))
-    return out + [System(s, s) for s in ("checkpoint-restart", "memory-restart", "torchft")]
+    # nvrx: NVRx in-process restart with 1 warm spare rank (a node loss: the spare, then one rank fewer)
+    return out + [System(s, s) for s in ("checkpoint-restart", "memory-restart", "torchft", "nvrx")]
 
 
 def evaluate(run: Run, system: System) -> dict:
@@ -193,6 +195,10 @@ def main(args: argparse.Namespace) -> int:
     if tf is not None:
         skipped["torchft"] = tf
         log(f"torchft: {tf}")
+    nv = nvrx_status() if any(s.kind == "nvrx" for f in FAILURE_ORDER for s in systems_for(f)) else None
+    if nv is not None:
+        skipped["nvrx"] = f"nvidia-resiliency-ext=={NVRX_VERSION} {nv}"
+        log(f"nvrx: {skipped['nvrx']}")
     failures = [f for f in FAILURE_ORDER if f == "worker" or nodes >= 2]  # a node loss needs a second node
     info = machine()
     try:
@@ -209,6 +215,7 @@ def main(args: argparse.Namespace) -> int:
                                "order": "for each trial, for each failure, each system in turn"},
                     "state_bytes_per_rank": state_bytes_per_rank(cfg.model, cfg.workers),
                     "torchft": skipped.get("torchft", "installed"),
+                    "nvrx": skipped.get("nvrx", "installed"),
                     **section_for("worker", step, results["worker"], skipped)}
     if "node" in failures:
         report["node_loss"] = section_for("node", step, results["node"], skipped)
