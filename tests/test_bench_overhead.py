@@ -170,7 +170,9 @@ def test_a_curve_entry_has_the_documented_keys() -> None:
                     prot=[{"stage_s": 0.001, "wait_s": 0.002}])
     assert ENTRY_KEYS <= set(e)
     assert e["label"] == "tiny x512 rows" and e["model"] == "tiny" and e["rows"] == 512
-    assert e["step_s_off"] == 1.1 and e["step_s_on"] == 1.1 and e["overhead_ratio"] == 1.0  # medians
+    assert e["step_s_off"] == 1.1 and e["step_s_on"] == 1.1 and e["overhead_ratio_of_medians"] == 1.0  # medians
+    # the headline pairs each round's runs: median of 1.05, 1.3/1.2 and 1.0, not 1.1/1.1
+    assert e["overhead_ratio"] == pytest.approx(1.05)
     assert e["cpu_s_per_step_off"] == {"worker": 0.11}
     assert e["cpu_s_per_step_on"] == {"keeper": 0.02, "keeper/main": 0.01, "worker": 0.11}
     assert e["tokens_per_param_per_step"] == pytest.approx(512 * 64 / 800_000, rel=1e-3)
@@ -255,10 +257,11 @@ def test_the_bench_interleaves_runs_and_reports_every_key(monkeypatch: pytest.Mo
         ("encode_gbps", "xor_gbps", "checksum_gbps", "memcpy_gbps"), 10.0))
     assert cli.main(["bench", "overhead", "--json", "--steps", "4", "--curve", "128", "--curve-rounds", "2"]) == 0
     out = json.loads(capsys.readouterr().out)
-    default = [("tiny", 32, p, 0, None) for _ in range(3) for p in (False, True)]
+    default = [("tiny", 32, p, 0, None) for _ in range(overhead.ROUNDS) for p in (False, True)]
     curve = [("tiny", 128, p, 0, None) for _ in range(2) for p in (False, True)]
-    assert calls[:6] == default and calls[6:10] == curve
-    assert calls[10][2:4] == (True, 1)  # the memory run: protected, with a shadow (and zygotes)
+    n = len(default)
+    assert calls[:n] == default and calls[n:n + 4] == curve
+    assert calls[n + 4][2:4] == (True, 1)  # the memory run: protected, with a shadow (and zygotes)
     old_keys = {"model", "workers", "nodes", "ec", "steps_per_run", "rounds", "step_s_off", "step_s_on",
                 "overhead_ratio", "step_s_off_runs", "step_s_on_runs", "protection_stage_s_per_step",
                 "protection_wait_s_per_step", "encode_gbps", "xor_gbps", "checksum_gbps", "memcpy_gbps",
@@ -269,8 +272,8 @@ def test_the_bench_interleaves_runs_and_reports_every_key(monkeypatch: pytest.Mo
                 "memory_overhead_large_model_limit", "fixed_rss_bytes_per_node", "recovery_rss_bytes_per_node",
                 "rss_by_role", "targets"}
     assert old_keys | new_keys <= set(out)
-    assert out["overhead_ratio"] == pytest.approx(1.1) and out["rounds"] == 3 and out["curve_rounds"] == 2
-    assert [(e["rows"], e["rounds"]) for e in out["curve"]] == [(32, 3), (128, 2)]
+    assert out["overhead_ratio"] == pytest.approx(1.1) and out["rounds"] == overhead.ROUNDS and out["curve_rounds"] == 2
+    assert [(e["rows"], e["rounds"]) for e in out["curve"]] == [(32, overhead.ROUNDS), (128, 2)]
     assert all(ENTRY_KEYS <= set(e) for e in out["curve"])
     assert out["fixed_rss_bytes_per_node"] == {"keeper": 7 << 20, "zygote": 6 << 20}
     assert out["recovery_rss_bytes_per_node"] == {"shadow": 5 << 20}

@@ -32,7 +32,7 @@ from leto.protection.shm import specs
 from leto.training.model import GPT, PRESETS
 from leto.training.trainer import DEFAULT_CHUNK_BYTES
 
-ROUNDS = 3          # interleaved off/on rounds of the default job (median)
+ROUNDS = 5          # interleaved off/on rounds of the default job (median of the paired ratios)
 NODES = 2
 CURVES = {"none": (), "default": ("512",), "full": ("128", "512", "small")}  # besides the default job
 CURVE_ROUNDS = 3    # interleaved rounds of every other curve point (--curve-rounds)
@@ -234,6 +234,13 @@ def _median_by_role(runs: list[dict[str, float]]) -> dict[str, float]:
     return {r: round(statistics.median(run.get(r, 0.0) for run in runs), 5) for r in roles}
 
 
+def paired_ratio(off: list[float], on: list[float]) -> float:
+    """The median over rounds of on/off, each round's two runs back to back: on a shared machine
+    whose speed drifts from minute to minute (seen here: the same run 0.16 s and 0.27 s a step a
+    minute apart), pairing cancels the drift that a ratio of the two medians keeps."""
+    return statistics.median(b / a for a, b in zip(off, on))
+
+
 def curve_entry(point: Point, numel: int, layout: Layout, off: list[float], on: list[float],
                 cpu_off: list[dict[str, float]], cpu_on: list[dict[str, float]], steps: int,
                 prot: list[dict] | None = None) -> dict:
@@ -244,7 +251,8 @@ def curve_entry(point: Point, numel: int, layout: Layout, off: list[float], on: 
     prot = prot or []
     return {"label": point.label, "model": point.model, "rows": point.global_rows,
             "step_s_off": round(step_off, 5), "step_s_on": round(step_on, 5),
-            "overhead_ratio": round(step_on / step_off, 4),
+            "overhead_ratio": round(paired_ratio(off, on), 4),
+            "overhead_ratio_of_medians": round(step_on / step_off, 4),
             "cpu_s_per_step_off": _median_by_role(cpu_off), "cpu_s_per_step_on": _median_by_role(cpu_on),
             "bytes_per_element_per_step": bytes_per_element_per_step(layout),
             "tokens_per_param_per_step": float(f"{tokens / numel:.4g}"),
@@ -348,7 +356,8 @@ def main(args: argparse.Namespace) -> int:
     out = {"model": args.model, "workers": args.workers, "nodes": NODES, "ec": f"{ec[0]}+{ec[1]}",
            "steps_per_run": steps, "rounds": rounds,
            "step_s_off": round(step_off, 5), "step_s_on": round(step_on, 5),
-           "overhead_ratio": round(step_on / step_off, 4),
+           "overhead_ratio": round(paired_ratio(off, on), 4),
+           "overhead_ratio_of_medians": round(step_on / step_off, 4),
            "step_s_off_runs": [round(x, 5) for x in off], "step_s_on_runs": [round(x, 5) for x in on],
            "protection_stage_s_per_step": round(statistics.mean(r.get("stage_s", 0) for r in prot), 6),
            "protection_wait_s_per_step": round(statistics.mean(r.get("wait_s", 0) for r in prot), 6),

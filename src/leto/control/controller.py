@@ -108,41 +108,24 @@ def node_of_rank(rank: int, workers: int, nodes: int) -> int:
 
 def _start_keeper() -> None:
     """A keeper starts with its doorbells blocked, so every thread it starts (torch starts one at
-    import) inherits the mask and leaves the rings to the thread that sleeps on them."""
+    import) inherits the mask and leaves the rings to the thread that sleeps on them. It imports
+    torch at idle priority, so that it never slows the workers' own start, and takes normal
+    priority back once it is about to serve (`keeper.main`)."""
     linux.die_with_parent()
     doorbell.block()
+    linux.idle_priority()
 
 
 def _start_shadow() -> None:
     """A shadow warms up (imports, builds its model) only on CPU time the job leaves idle:
-    SCHED_IDLE, undone by `_boost` when it is needed (allowed unprivileged, unlike renice)."""
+    SCHED_IDLE, undone by `_boost` when it is needed."""
     linux.die_with_parent()
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        pass
+    linux.idle_priority()
 
 
 def _boost(pid: int) -> None:
     """Give every thread of a shadow normal CPU priority again (it adopts a rank)."""
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return
-    for tid in tids:
-        try:
-            os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
-        except (AttributeError, OSError):
-            pass
-
-
-def describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
+    linux.normal_priority(pid)
 
 
 class Controller:

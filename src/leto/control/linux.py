@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 
 _PR_SET_PDEATHSIG = 1
@@ -34,3 +35,26 @@ def proc_stat(pid: int, tid: int | None = None) -> list[str] | None:
 def name_thread(name: str) -> None:
     """Name the calling OS thread (15 bytes at most; /proc/<pid>/task/<tid>/comm shows it)."""
     _libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]))
+
+
+def idle_priority() -> None:
+    """Run the calling thread (and the threads and programs it starts) only on CPU time nothing
+    else wants: SCHED_IDLE."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        pass
+
+
+def normal_priority(pid: int | str = "self") -> None:
+    """Give every thread of a process normal CPU priority again (SCHED_OTHER; raising a thread
+    out of SCHED_IDLE is allowed unprivileged, unlike lowering a nice value)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return
+    for tid in tids:
+        try:
+            os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
+        except (AttributeError, OSError):
+            pass

@@ -490,6 +490,7 @@ def main() -> None:
     doorbell.install()
     linux.name_thread("leto-keeper")
     torch.set_num_threads(1)
+    linux.normal_priority()  # torch is imported (at idle priority, see the controller): serve at normal priority
     job = rt.init(device="cpu")
     node = job.node
     committed: Keeper | None = None   # the last generation whose protection is complete
