@@ -253,6 +253,8 @@ def test_the_bench_interleaves_runs_and_reports_every_key(monkeypatch: pytest.Mo
                 "memory": mem if memory_every_s else {}}
 
     monkeypatch.setattr(overhead, "run_job", fake_run)
+    monkeypatch.setattr("leto.bench.floor.operation_costs", lambda: dict.fromkeys(
+        ("copy", "xor_two_into_slot", "checksum", "fold", "tcp_loopback"), 0.1))
     monkeypatch.setattr(overhead, "measure_codec", lambda **kw: dict.fromkeys(
         ("encode_gbps", "xor_gbps", "checksum_gbps", "memcpy_gbps"), 10.0))
     assert cli.main(["bench", "overhead", "--json", "--steps", "4", "--curve", "128", "--curve-rounds", "2"]) == 0
@@ -284,3 +286,24 @@ def test_the_bench_interleaves_runs_and_reports_every_key(monkeypatch: pytest.Mo
     assert len(calls) == 6
     assert "overhead ratio 1.100" in text and "memory, all in" in text
     assert "target overhead_ratio_default_job <= 1.03: 1.100 MISS" in text
+
+
+def test_the_physical_floor_is_bytes_times_measured_cost_per_operation() -> None:
+    from leto.bench.floor import floor
+    lay = layout(replicated_grads=True)  # 4 ranks x 3 chunks x 1000 elements, --ec 1+1
+    costs = {"copy": 0.1, "xor_two_into_slot": 0.2, "checksum": 0.05, "fold": 0.1, "tcp_loopback": 0.5}
+    f = floor(lay, step_s_off=0.1, cores=2, costs=costs)
+    staged = 12 * 4 * 3 * 1000  # master, exp_avg, exp_avg_sq; no gradient on gloo
+    t = f["terms"]
+    assert t["tier 2: TCP send and receive"] == {"bytes_per_step": staged, "operation": "tcp_loopback",
+                                                 "ns_per_byte": 0.5, "cpu_ms_per_step": round(staged * 0.5e-6, 3)}
+    expected_ns = staged * (0.1 + 0.2 + 0.05 + 0.1 + 0.1 + 0.5 + 0.1)  # every term moves every staged byte once (m=1)
+    assert f["total_cpu_ms_per_step"] == pytest.approx(expected_ns * 1e-6, abs=2e-3)
+    assert f["floor_overhead_ratio"] == pytest.approx(1 + expected_ns * 1e-9 / (2 * 0.1), abs=1e-4)
+
+
+def test_the_floor_measures_every_operation_it_uses() -> None:
+    from leto.bench.floor import operation_costs
+    costs = operation_costs()
+    assert set(costs) == {"copy", "xor_two_into_slot", "checksum", "fold", "tcp_loopback"}
+    assert all(v > 0 for v in costs.values())

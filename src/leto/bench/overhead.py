@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import sys
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from leto.bench.floor import floor
 from leto.bench.throughput import WARMUP_STEPS, run_job, steady_step_s
 from leto.control.controller import node_of_rank
 from leto.protection.accounting import bytes_per_element_per_step
@@ -365,6 +367,8 @@ def main(args: argparse.Namespace) -> int:
            "checksum_gbps": round(codec["checksum_gbps"], 2), "memcpy_gbps": round(codec["memcpy_gbps"], 2),
            "cpu_s_per_step_off": curve[0]["cpu_s_per_step_off"], "cpu_s_per_step_on": curve[0]["cpu_s_per_step_on"],
            "bytes_per_element_per_step": bytes_per_element_per_step(layout),
+           "protection_cpu_s_per_step": _protection_cpu(curve[0]),
+           "physical_floor": floor(layout, step_off, os.cpu_count() or 1),
            **mem, **rss_out,
            "curve_mode": curve_spec, "curve_rounds": curve_rounds if points else None,
            "curve_steps_per_run": curve_steps if points else None, "curve": curve}
@@ -374,6 +378,15 @@ def main(args: argparse.Namespace) -> int:
         return 0
     _print(out, mem)
     return 0
+
+
+def _protection_cpu(entry: dict) -> dict[str, float]:
+    """CPU seconds per step protection adds: the keepers' (from /proc, steady) and the workers'
+    difference between protected and unprotected rounds (noisy on a shared machine)."""
+    on, off = entry["cpu_s_per_step_on"], entry["cpu_s_per_step_off"]
+    keeper, worker = on.get("keeper", 0.0), on.get("worker", 0.0) - off.get("worker", 0.0)
+    return {"keeper": round(keeper, 5), "worker_difference": round(worker, 5), "total": round(keeper + worker, 5),
+            "share_of_training_cpu": round((keeper + worker) / off["worker"], 4) if off.get("worker") else None}
 
 
 def _print(out: dict, mem: dict) -> None:
@@ -394,6 +407,11 @@ def _print(out: dict, mem: dict) -> None:
           f"tier-2 sent {b['tier2_sent']:g} B ({out['protected_elements']:,} protected elements)")
     print(f"  encode {out['encode_gbps']:.1f} GB/s, XOR {out['xor_gbps']:.1f} GB/s, checksum {out['checksum_gbps']:.1f} GB/s, "
           f"memcpy {out['memcpy_gbps']:.1f} GB/s")
+    fl = out["physical_floor"]
+    print(f"  physical floor (data movement alone, measured now): {fl['total_cpu_ms_per_step']:.1f} ms CPU a step, "
+          f"ratio >= {fl['floor_overhead_ratio']:.3f}; by term:")
+    for name, t in sorted(fl["terms"].items(), key=lambda kv: -kv[1]["cpu_ms_per_step"]):
+        print(f"    {name}: {t['bytes_per_step'] / 1e6:.1f} MB x {t['ns_per_byte']:.3f} ns/B = {t['cpu_ms_per_step']:.2f} ms")
     if len(out["curve"]) > 1:
         print(f"curve of compute per protected byte (other points: {out['curve_rounds']} rounds of "
               f"{out['curve_steps_per_run']} steps)")

@@ -1,0 +1,109 @@
+"""The physical floor of protection on this machine: bytes per step x measured speed, per operation.
+
+What every-step protection must do to a byte of unique state, whatever the implementation
+(docs/protection.md, "What each step moves"; in place, replicated gradients): the worker writes
+the chunk's next value aside and back (a copy), XORs it with the old one into a staging slot and
+checksums it; the keeper folds the slot into tier-1 parity and copies it into a tier-2 batch;
+each tier-2 byte crosses one TCP connection (the kernel copies it in on one end and out on the
+other) and is folded into the parity node's tier-2 parity. Each operation is timed here on
+chunk-sized buffers (192 KiB, as the hot path sees them), CPU seconds per byte, so that the
+floor is a measurement of this machine at the moment of the benchmark, not an estimate.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from leto.protection.accounting import bytes_per_element_per_step
+from leto.protection.codec import xor_into
+from leto.protection.integrity import checksum
+from leto.protection.layout import Layout
+
+CHUNK = 12 * 16384  # bytes: the default chunk (192 KiB)
+TCP_MESSAGE = 1 << 20  # bytes per send: the tier-2 batch size
+
+
+def _cpu_s_per_byte(op: Callable[[], None], nbytes: int, min_s: float = 0.2) -> float:
+    """Median over 5 batches of the CPU seconds (this process, all threads) per byte of `op`."""
+    samples = []
+    for _ in range(5):
+        n, t0, c0 = 0, time.perf_counter(), time.process_time()
+        while time.perf_counter() - t0 < min_s / 5:
+            op()
+            n += 1
+        samples.append((time.process_time() - c0) / (n * nbytes))
+    return sorted(samples)[2]
+
+
+def tcp_cpu_s_per_byte(total: int = 64 << 20) -> float:
+    """CPU seconds per byte for one byte to cross a loopback TCP connection (send and receive,
+    both ends in this process, so both kernel copies are counted)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    msg = np.zeros(TCP_MESSAGE, dtype=np.uint8)
+    sink = bytearray(TCP_MESSAGE)
+
+    def receive(conn: socket.socket) -> None:
+        view, left = memoryview(sink), total
+        while left > 0:
+            got = conn.recv_into(view, min(len(view), left))
+            if not got:
+                return
+            left -= got
+
+    with server:
+        client = socket.create_connection(("127.0.0.1", port), timeout=30)
+        conn, _ = server.accept()
+        with client, conn:
+            t = threading.Thread(target=receive, args=(conn,), daemon=True)
+            c0 = time.process_time()
+            t.start()
+            for _ in range(total // TCP_MESSAGE):
+                client.sendall(msg)
+            t.join(timeout=30)
+            return (time.process_time() - c0) / total
+
+
+def operation_costs() -> dict[str, float]:
+    """CPU nanoseconds per byte of each operation of the hot path, measured now."""
+    rng = np.random.default_rng(0)
+    a, b = rng.integers(0, 256, CHUNK, dtype=np.uint8), rng.integers(0, 256, CHUNK, dtype=np.uint8)
+    out = np.empty_like(a)
+    ns = {
+        "copy": _cpu_s_per_byte(lambda: np.copyto(out, a), CHUNK),
+        "xor_two_into_slot": _cpu_s_per_byte(lambda: np.bitwise_xor(a, b, out=out), CHUNK),
+        "checksum": _cpu_s_per_byte(lambda: checksum(a), CHUNK),
+        "fold": _cpu_s_per_byte(lambda: xor_into(out, a), CHUNK),
+        "tcp_loopback": tcp_cpu_s_per_byte(),
+    }
+    return {k: round(v * 1e9, 4) for k, v in ns.items()}
+
+
+def floor(layout: Layout, step_s_off: float, cores: int, costs: dict[str, float] | None = None) -> dict:
+    """CPU milliseconds per step of each term of the floor, their sum, and the overhead ratio
+    they alone would cost if the job's `cores` were busy with training for `step_s_off`."""
+    costs = costs or operation_costs()
+    per_elem = bytes_per_element_per_step(layout)["total"]
+    g = layout.geometry
+    elements = layout.world_size * g.n_chunks * g.chunk_elems
+    staged, tier2 = per_elem["staged"] * elements, per_elem["tier2_sent"] * elements
+    terms = {  # (bytes per step, operation)
+        "worker: next value aside and back": (staged, "copy"),
+        "worker: XOR old and new into the slot": (staged, "xor_two_into_slot"),
+        "worker: checksum of the new value": (per_elem["checksummed"] * elements, "checksum"),
+        "keeper: fold into tier-1 parity": (staged, "fold"),
+        "keeper: copy into the tier-2 batch": (tier2, "copy"),
+        "tier 2: TCP send and receive": (tier2, "tcp_loopback"),
+        "tier 2: fold into tier-2 parity": (tier2, "fold"),
+    }
+    out = {name: {"bytes_per_step": int(nb), "operation": op, "ns_per_byte": costs[op],
+                  "cpu_ms_per_step": round(nb * costs[op] * 1e-6, 3)} for name, (nb, op) in terms.items()}
+    total_ms = sum(t["cpu_ms_per_step"] for t in out.values())
+    return {"terms": out, "operation_ns_per_byte": costs, "total_cpu_ms_per_step": round(total_ms, 3),
+            "floor_overhead_ratio": round(1 + total_ms * 1e-3 / (cores * step_s_off), 4),
+            "note": "CPU the data movement alone needs per step, no per-chunk or per-message costs; the "
+                    "ratio assumes every core is busy with training, as on this machine"}
