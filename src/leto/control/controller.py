@@ -128,6 +128,15 @@ def _boost(pid: int) -> None:
     linux.normal_priority(pid)
 
 
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
 class Controller:
     """Starts the processes of one job and supervises them until it ends."""
 
