@@ -253,7 +253,7 @@ def test_the_bench_interleaves_runs_and_reports_every_key(monkeypatch: pytest.Mo
                 "memory": mem if memory_every_s else {}}
 
     monkeypatch.setattr(overhead, "run_job", fake_run)
-    monkeypatch.setattr("leto.bench.floor.operation_costs", lambda: dict.fromkeys(
+    monkeypatch.setattr("leto.bench.floor.operation_costs", lambda size=0: dict.fromkeys(
         ("copy", "xor_two_into_slot", "checksum", "fold", "tcp_loopback"), 0.1))
     monkeypatch.setattr(overhead, "measure_codec", lambda **kw: dict.fromkeys(
         ("encode_gbps", "xor_gbps", "checksum_gbps", "memcpy_gbps"), 10.0))
@@ -292,14 +292,15 @@ def test_the_physical_floor_is_bytes_times_measured_cost_per_operation() -> None
     from leto.bench.floor import floor
     lay = layout(replicated_grads=True)  # 4 ranks x 3 chunks x 1000 elements, --ec 1+1
     costs = {"copy": 0.1, "xor_two_into_slot": 0.2, "checksum": 0.05, "fold": 0.1, "tcp_loopback": 0.5}
-    f = floor(lay, step_s_off=0.1, cores=2, costs=costs)
+    f = floor(lay, step_s_off=0.1, cores=2, costs=costs, cold={k: 2 * v for k, v in costs.items()})
     staged = 12 * 4 * 3 * 1000  # master, exp_avg, exp_avg_sq; no gradient on gloo
-    t = f["terms"]
-    assert t["tier 2: TCP send and receive"] == {"bytes_per_step": staged, "operation": "tcp_loopback",
-                                                 "ns_per_byte": 0.5, "cpu_ms_per_step": round(staged * 0.5e-6, 3)}
+    t = f["terms"]["tier 2: TCP send and receive"]
+    assert (t["bytes_per_step"], t["operation"], t["ns_per_byte"]) == (staged, "tcp_loopback", 0.5)
+    assert t["cpu_ms_per_step"] == round(staged * 0.5e-6, 3) and t["cold_cpu_ms_per_step"] == round(staged * 1e-6, 3)
     expected_ns = staged * (0.1 + 0.2 + 0.05 + 0.1 + 0.1 + 0.5 + 0.1)  # every term moves every staged byte once (m=1)
     assert f["total_cpu_ms_per_step"] == pytest.approx(expected_ns * 1e-6, abs=2e-3)
     assert f["floor_overhead_ratio"] == pytest.approx(1 + expected_ns * 1e-9 / (2 * 0.1), abs=1e-4)
+    assert f["cold_total_cpu_ms_per_step"] == pytest.approx(2 * expected_ns * 1e-6, abs=4e-3)
 
 
 def test_the_floor_measures_every_operation_it_uses() -> None:

@@ -5,9 +5,11 @@ What every-step protection must do to a byte of unique state, whatever the imple
 the chunk's next value aside and back (a copy), XORs it with the old one into a staging slot and
 checksums it; the keeper folds the slot into tier-1 parity and copies it into a tier-2 batch;
 each tier-2 byte crosses one TCP connection (the kernel copies it in on one end and out on the
-other) and is folded into the parity node's tier-2 parity. Each operation is timed here on
-chunk-sized buffers (192 KiB, as the hot path sees them), CPU seconds per byte, so that the
-floor is a measurement of this machine at the moment of the benchmark, not an estimate.
+other) and is folded into the parity node's tier-2 parity. Each operation is timed here, CPU
+seconds per byte, on chunk-sized buffers (192 KiB: the worker's side sees its chunk in cache) and
+on buffers far larger than the caches (`cold`: what the keepers see, reading slots another core
+wrote and parity rows last touched a step ago), so that the floor is a measurement of this machine
+at the moment of the benchmark, not an estimate: the true floor lies between the two.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from leto.protection.integrity import checksum
 from leto.protection.layout import Layout
 
 CHUNK = 12 * 16384  # bytes: the default chunk (192 KiB)
+COLD = 64 << 20  # bytes: larger than any cache here
 TCP_MESSAGE = 1 << 20  # bytes per send: the tier-2 batch size
 
 
@@ -68,25 +71,29 @@ def tcp_cpu_s_per_byte(total: int = 64 << 20) -> float:
             return (time.process_time() - c0) / total
 
 
-def operation_costs() -> dict[str, float]:
-    """CPU nanoseconds per byte of each operation of the hot path, measured now."""
+def operation_costs(size: int = CHUNK) -> dict[str, float]:
+    """CPU nanoseconds per byte of each operation of the hot path on buffers of `size` bytes,
+    measured now (loopback TCP always with 1 MiB messages)."""
     rng = np.random.default_rng(0)
-    a, b = rng.integers(0, 256, CHUNK, dtype=np.uint8), rng.integers(0, 256, CHUNK, dtype=np.uint8)
+    a, b = rng.integers(0, 256, size, dtype=np.uint8), rng.integers(0, 256, size, dtype=np.uint8)
     out = np.empty_like(a)
     ns = {
-        "copy": _cpu_s_per_byte(lambda: np.copyto(out, a), CHUNK),
-        "xor_two_into_slot": _cpu_s_per_byte(lambda: np.bitwise_xor(a, b, out=out), CHUNK),
-        "checksum": _cpu_s_per_byte(lambda: checksum(a), CHUNK),
-        "fold": _cpu_s_per_byte(lambda: xor_into(out, a), CHUNK),
+        "copy": _cpu_s_per_byte(lambda: np.copyto(out, a), size),
+        "xor_two_into_slot": _cpu_s_per_byte(lambda: np.bitwise_xor(a, b, out=out), size),
+        "checksum": _cpu_s_per_byte(lambda: checksum(a), size),
+        "fold": _cpu_s_per_byte(lambda: xor_into(out, a), size),
         "tcp_loopback": tcp_cpu_s_per_byte(),
     }
     return {k: round(v * 1e9, 4) for k, v in ns.items()}
 
 
-def floor(layout: Layout, step_s_off: float, cores: int, costs: dict[str, float] | None = None) -> dict:
+def floor(layout: Layout, step_s_off: float, cores: int, costs: dict[str, float] | None = None,
+          cold: dict[str, float] | None = None) -> dict:
     """CPU milliseconds per step of each term of the floor, their sum, and the overhead ratio
-    they alone would cost if the job's `cores` were busy with training for `step_s_off`."""
+    they alone would cost if the job's `cores` were busy with training for `step_s_off`; the
+    same with the costs on cold buffers (`cold_*`)."""
     costs = costs or operation_costs()
+    cold = cold or operation_costs(COLD)
     per_elem = bytes_per_element_per_step(layout)["total"]
     g = layout.geometry
     elements = layout.world_size * g.n_chunks * g.chunk_elems
@@ -101,9 +108,13 @@ def floor(layout: Layout, step_s_off: float, cores: int, costs: dict[str, float]
         "tier 2: fold into tier-2 parity": (tier2, "fold"),
     }
     out = {name: {"bytes_per_step": int(nb), "operation": op, "ns_per_byte": costs[op],
-                  "cpu_ms_per_step": round(nb * costs[op] * 1e-6, 3)} for name, (nb, op) in terms.items()}
+                  "cpu_ms_per_step": round(nb * costs[op] * 1e-6, 3), "cold_ns_per_byte": cold[op],
+                  "cold_cpu_ms_per_step": round(nb * cold[op] * 1e-6, 3)} for name, (nb, op) in terms.items()}
     total_ms = sum(t["cpu_ms_per_step"] for t in out.values())
-    return {"terms": out, "operation_ns_per_byte": costs, "total_cpu_ms_per_step": round(total_ms, 3),
+    cold_ms = sum(t["cold_cpu_ms_per_step"] for t in out.values())
+    return {"terms": out, "operation_ns_per_byte": costs, "cold_operation_ns_per_byte": cold,
+            "total_cpu_ms_per_step": round(total_ms, 3), "cold_total_cpu_ms_per_step": round(cold_ms, 3),
             "floor_overhead_ratio": round(1 + total_ms * 1e-3 / (cores * step_s_off), 4),
+            "cold_floor_overhead_ratio": round(1 + cold_ms * 1e-3 / (cores * step_s_off), 4),
             "note": "CPU the data movement alone needs per step, no per-chunk or per-message costs; the "
                     "ratio assumes every core is busy with training, as on this machine"}
