@@ -10,4 +10,13 @@ command -v "$PY" >/dev/null || PY=python3
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
 .venv/bin/python -m pip install -q -e '.[dev]'
+# NVIDIA's in-process restart (a benchmark peer, docs/baselines.md): 0.7.0 ships only CPython
+# 3.12/3.14 wheels for glibc >= 2.39 and no sdist; its `inprocess` package is pure Python, so the
+# wheel's files go into this venv as they are, with the few pure-Python packages it imports.
+SITE=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+if ! .venv/bin/python -c 'import nvidia_resiliency_ext.inprocess' 2>/dev/null; then
+  .venv/bin/python -m pip install -q --no-deps --upgrade --target "$SITE" --platform manylinux_2_39_x86_64 \
+    --python-version 3.12 --only-binary=:all: nvidia-resiliency-ext==0.7.0
+  .venv/bin/python -m pip install -q defusedxml httpx pyyaml psutil
+fi
 .venv/bin/leto data prepare

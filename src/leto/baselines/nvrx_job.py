@@ -40,7 +40,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from leto.control.controller import node_of_rank
+from leto.control.controller import describe_exit, node_of_rank
 from leto.control.linux import die_with_parent, proc_stat
 from leto.control.runtime import Job
 from leto.training import job as base_job
@@ -78,15 +78,6 @@ def nvrx_status() -> Optional[str]:
     except Exception as e:  # installed but broken: say so rather than crash
         return f"not importable ({type(e).__name__}: {e})"
     return None
-
-
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
 
 
 def _emit(run_dir: Path, rec: dict) -> None:
@@ -516,7 +507,7 @@ class _Harness:
                     changed = True
                     if rc != 0:
                         _emit(self.run_dir, {"event": "exit", "initial_rank": r, "rank": cur, "node": self.node[r],
-                                             "pid": popen.pid, "code": rc, "cause": _describe_exit(rc)})
+                                             "pid": popen.pid, "code": rc, "cause": describe_exit(rc)})
                 if r not in monitors_listed and self.monitor_pid(r) is not None:
                     monitors_listed.add(r)
                     changed = True

@@ -43,6 +43,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+from leto.baselines.nvrx_job import nvrx_status
 from leto.bench import plots
 from leto.bench.faults import Injector
 from leto.bench.runs import (DEFAULT_MTBF_S, LETO, BenchInterrupted, JobConfig, NoInjector, Run, ScheduledKill,
@@ -430,11 +431,12 @@ def main(args: argparse.Namespace) -> int:
     cfg = JobConfig(workers=args.workers, nodes=nodes, steps=steps, model=args.model, mtbf_s=DEFAULT_MTBF_S)
     out = Path(args.out) if args.out else default_out("productivity")
     out.mkdir(parents=True, exist_ok=True)
-    tf = torchft_status()
-    systems = [s for s in SYSTEMS if not (s.kind == "torchft" and tf is not None)]
+    tf, nv = torchft_status(), nvrx_status()
+    systems = [s for s in SYSTEMS if not (s.kind == "torchft" and tf is not None) and not (s.kind == "nvrx" and nv)]
     names = [s.name for s in SYSTEMS]
-    if tf is not None:
-        log(f"torchft: {tf}")
+    for name, why in (("torchft", tf), ("nvrx", nv)):
+        if why is not None:
+            log(f"{name}: {why}")
     schedule = failure_schedule(DEFAULT_MTBF_S, HORIZON_S, SCHEDULE_SEED, args.workers)
     info = machine()
     try:
