@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("what", choices=list(BENCHES), help="which benchmark")
     bench.add_argument("--json", action="store_true", help="print JSON")
     bench.add_argument("--steps", type=int, default=None, help="measured steps per run [per benchmark]")
-    bench.add_argument("--trials", type=int, default=3, help="trials per system (recovery) [3]")
+    bench.add_argument("--trials", type=int, default=3, help="trials per system (recovery, productivity) [3]")
     bench.add_argument("--out", type=Path, default=None, help="folder for plots and raw results [a temp folder]")
     bench.add_argument("--workers", type=int, default=4)
     bench.add_argument("--model", default="tiny")
