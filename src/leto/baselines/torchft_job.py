@@ -121,9 +121,7 @@ def worker_main(argv: list[str]) -> None:
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # this replica group's own
     timeout = timedelta(seconds=ours.timeout)
     manager = Manager(pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load_state_dict,
-                      # a copy: torchft sends it to a healing peer in the background while this
-                      # replica's next update changes `state` in place (a torn send diverged replicas)
-                      state_dict=lambda: {"state": state.clone()}, min_replica_size=1, use_async_quorum=False,
+                      state_dict=lambda: {"state": state}, min_replica_size=1, use_async_quorum=False,
                       replica_id=f"replica{ours.replica}", store_addr="127.0.0.1", store_port=store.port,
                       rank=0, world_size=1, lighthouse_addr=ours.lighthouse, timeout=timeout,
                       quorum_timeout=timeout, init_sync=False)
