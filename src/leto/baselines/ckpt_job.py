@@ -44,6 +44,14 @@ CALIBRATE_AFTER = 3              # steps timed before the calibration checkpoint
 DEFAULT_SHM = Path("/dev/shm")
 
 
+
+def write_whole(fd: int, data: memoryview) -> None:
+    """Make the file `fd` exactly `data` (sized, then written from offset 0 to the end)."""
+    os.ftruncate(fd, len(data))
+    written = 0
+    while written < len(data):
+        written += os.pwrite(fd, data[written:], written)
+
 class CheckpointMismatch(RuntimeError):
     """A checkpoint exists but was written by a job with another configuration."""
 
@@ -295,10 +303,7 @@ class MemoryCheckpointer:
         if fd is None:
             fd = self._fds[slot] = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         data = memoryview(trainer.state.numpy()).cast("B")
-        os.ftruncate(fd, len(data))
-        written = 0
-        while written < len(data):
-            written += os.pwrite(fd, data[written:], written)
+        write_whole(fd, data)
         _write_json_atomic(marker, {"step": step, "slot": slot, "nbytes": len(data),
                                     "fingerprint": self.fingerprint})
         return time.perf_counter() - t0

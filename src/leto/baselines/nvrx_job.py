@@ -40,6 +40,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from leto.baselines.ckpt_job import write_whole
+from leto.baselines.torchft_job import stop_processes
 from leto.control.controller import describe_exit, node_of_rank
 from leto.control.linux import die_with_parent, proc_stat
 from leto.control.runtime import Job
@@ -194,10 +196,7 @@ class ShardCheckpoint:
         if fd is None:
             fd = self._fds[key] = os.open(p, os.O_RDWR | os.O_CREAT, 0o600)
         data = memoryview(trainer.state.numpy()).cast("B")
-        os.ftruncate(fd, len(data))
-        written = 0
-        while written < len(data):
-            written += os.pwrite(fd, data[written:], written)
+        write_whole(fd, data)
         tmp = marker.with_name(f".{marker.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"step": step, "slot": slot, "world": world, "nbytes": len(data),
                                    "fingerprint": self.fingerprint}))
@@ -521,17 +520,7 @@ class _Harness:
 
     def shutdown(self) -> None:
         self.stop.set()
-        popens = list(self.procs.values())
-        for p in popens:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        end = time.monotonic() + STOP_GRACE_S
-        for p in popens:
-            try:
-                p.wait(timeout=max(0.0, end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(list(self.procs.values()))
         # NVRx's monitor processes are daemons (double fork, own session): by PID from their pidfiles;
         # a monitor exits by itself once its rank has exited
         end = time.monotonic() + STOP_GRACE_S

@@ -185,7 +185,8 @@ def _write_procs(run_dir: Path, procs: dict[int, subprocess.Popen], lighthouse: 
     os.replace(tmp, run_dir / "procs.json")
 
 
-def _stop(popens: list[subprocess.Popen]) -> None:
+def stop_processes(popens: list[subprocess.Popen]) -> None:
+    """SIGTERM each live process, SIGKILL what is left after STOP_GRACE_S, reap all."""
     for p in popens:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
@@ -277,7 +278,7 @@ def run(*, workers: int, steps: int, seed: int, model: str, run_dir: Path, injec
                 break
             time.sleep(0.05)
     finally:
-        _stop([*procs.values(), lighthouse])
+        stop_processes([*procs.values(), lighthouse])
         _write_procs(run_dir, {}, lighthouse, workers, nodes)
     results = [json.loads(f.read_text()) for f in sorted(run_dir.glob("result-*.json"))]
     kills = sorted(getattr(injector, "kills", []), key=lambda k: k.time)
