@@ -8,7 +8,9 @@ batch stays the same whatever the number of participants), a SUM `manager.allred
 weighted gradient, and the AdamW update only if `manager.should_commit()`. When a worker dies the
 survivors' all-reduce fails, the step is not committed, the lighthouse forms a smaller quorum and
 training goes on; the harness restarts the dead worker (as torchx would), which heals from a
-survivor over torchft's HTTP checkpoint transport and rejoins.
+survivor over torchft's HTTP checkpoint transport and rejoins. A replacement that comes up after the
+survivors have finished stops without training (alone, it would form a quorum of one and train a
+second model from its own step 0).
 
 The harness (`run`) starts the lighthouse in its own process (the Rust server from the wheel),
 the workers, keeps run_dir/procs.json current, restarts dead workers and writes summary.json.
@@ -39,6 +41,7 @@ HEARTBEAT_TIMEOUT_MS = 1000   # the lighthouse's default is 5000; a tuned deploy
 JOIN_TIMEOUT_MS = 2000
 QUORUM_TICK_MS = 50
 STOP_GRACE_S = 5.0
+DONE = "done"   # run_dir/DONE: a replica reached the last step; later quorums must not start
 
 
 def _quiet_rust_logs() -> None:
@@ -130,8 +133,14 @@ def worker_main(argv: list[str]) -> None:
     _barrier(run_dir, ours.replica, ours.expect, ours.timeout)
     tokens = cfg.batch_size * cfg.block_size
     t_last = time.perf_counter()
+    done = run_dir / DONE
     try:
         while manager.current_step() < args.steps:
+            if done.exists():
+                # the survivors finished without us: a quorum now would be ours alone, from whatever
+                # step we are at, and would train a second, different model; the job's state is theirs
+                _emit(run_dir, {"event": "abandoned", "replica": ours.replica, "step": manager.current_step()})
+                return
             t_q = time.perf_counter()
             manager.start_quorum()
             if heal_s:
@@ -163,6 +172,7 @@ def worker_main(argv: list[str]) -> None:
         result = {"steps": manager.current_step(), "final_loss": float(loss_t.item()),
                   "digest": digest(manager.current_step(), flat, state)}
         (run_dir / f"result-{ours.replica}.json").write_text(json.dumps(result))
+        done.touch()
     finally:
         manager.shutdown(wait=False)
 
@@ -236,7 +246,7 @@ def run(*, workers: int, steps: int, seed: int, model: str, run_dir: Path, injec
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     stale_files = [f.name for pattern in ("result-*.json", "ready-*") for f in run_dir.glob(pattern)]
-    for stale in ("metrics.jsonl", "summary.json", *stale_files):
+    for stale in ("metrics.jsonl", "summary.json", DONE, *stale_files):
         (run_dir / stale).unlink(missing_ok=True)
     t0 = time.time()
     lh_log = run_dir / "lighthouse.log"
@@ -268,6 +278,9 @@ def run(*, workers: int, steps: int, seed: int, model: str, run_dir: Path, injec
                                  "node": node_of_rank(r, workers, nodes), "pid": p.pid, "code": rc})
                 with open(run_dir / "metrics.jsonl", "a") as f:
                     f.write(json.dumps(failures[-1]) + "\n")
+                if (run_dir / DONE).exists():   # nothing to rejoin: the survivors have finished
+                    del procs[r]
+                    continue
                 if restarts >= max_restarts:
                     code = 1
                     break
@@ -284,6 +297,7 @@ def run(*, workers: int, steps: int, seed: int, model: str, run_dir: Path, injec
     kills = sorted(getattr(injector, "kills", []), key=lambda k: k.time)
     summary = {**(results[0] if results else {"steps": None, "final_loss": None, "digest": None}),
                "replicas_agree": len({r["digest"] for r in results}) == 1 if results else False,
+               "replicas_finished": len(results),
                "wall_s": round(time.time() - t0, 3), "workers": workers, "spares": 0, "nodes": nodes,
                "exit_code": code, "system": "torchft", "restarts": restarts,
                "recoveries": _recoveries(run_dir, failures, kills)}
