@@ -92,6 +92,7 @@ def join(tr: Trainer, gen: int) -> dict:
     g = layout.geometry
     grads = _share_gradients(tr, layout, T, source) if T == held >= 0 else None
     tr.grad_step = T if grads is tr.flat_grad else None
+    tr.restore_rank_state(T, _lineage(store, gen, rank, job.proc_id, roles))
 
     def lost_grad(r: int, c: int) -> torch.Tensor:  # lost rank r's gradient chunk c of step T
         lo = (r * g.n_chunks + c) * g.chunk_elems
@@ -142,6 +143,19 @@ def join(tr: Trainer, gen: int) -> dict:
     if rank == 0:
         store.set(recovery_key(gen), json.dumps(record))
     return record
+
+
+def _lineage(store, gen: int, rank: int, proc_id: str, roles: Roles) -> list[str]:
+    """The processes whose per-rank state this one continues: itself, then (adopting a rank at
+    the same world size) whoever held its rank in earlier generations, newest first."""
+    if roles.reshard:
+        return [proc_id]
+    procs = [proc_id]
+    for g in range(gen - 1, -1, -1):
+        p = read_plan(store, g).proc_of_rank
+        if rank < len(p) and p[rank] not in procs:
+            procs.append(p[rank])
+    return procs
 
 
 def _reshard(tr: Trainer, layout: Layout, roles: Roles, rb: Rebuilder, T: int, me: int | None,

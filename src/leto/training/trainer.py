@@ -27,6 +27,7 @@ from leto.protection.layout import Geometry, Layout
 from leto.recovery.inject import Injector
 from leto.recovery.rebuild import RecoveryError
 from leto.training.optim import MASTER, AdamW
+from leto.training.rank_state import RankState, Stateful, reseed
 
 DEFAULT_CHUNK_BYTES = 12 * 16384  # 192 KiB: 16384 elements of (master, exp_avg, exp_avg_sq)
 _STATE_ROWS = 3  # master, exp_avg, exp_avg_sq
@@ -39,15 +40,22 @@ class Trainer:
     >>> for step in trainer.steps(100):          # shadows wait here to be adopted
     ...     x, y = batch(step, trainer.rank, trainer.world_size)
     ...     trainer.step(lambda: model(x, y))
+
+    Every step starts with torch's, Python's and NumPy's global generators reseeded from
+    (`seed`, step, rank), so dropout and random sampling replay exactly after a recovery
+    (`seed=None` leaves them alone). Persistent module buffers follow DDP (rank 0's values are
+    everyone's) and, like state registered with `register_state`, survive any recovery.
     """
 
     def __init__(self, model: nn.Module, job: Job, optimizer: AdamW | None = None,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, seed: int | None = 0) -> None:
         if chunk_bytes < _STATE_ROWS * 4 or chunk_bytes % (_STATE_ROWS * 4):
             raise ValueError(f"chunk size must be a positive multiple of {_STATE_ROWS * 4} bytes, got {chunk_bytes}")
         self.job, self.model = job, model.to(job.device)
         self.optimizer = optimizer or AdamW()
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.seed = seed
+        self.rank_state = RankState(model)
         self.numel = sum(p.numel() for p in self.params)
         self.chunk_elems = chunk_bytes // (_STATE_ROWS * 4)
         # on gloo every rank holds the whole reduced gradient: the keepers need no copy of it
@@ -182,6 +190,7 @@ class Trainer:
         abort = self.watch.reason if self.watch else (lambda: None)
         self.comm = Comm(job.store, 0, self.rank, self.world_size, job.timeout_s, abort, job.device)
         self.comm.broadcast(self.flat_param, 0)  # all ranks start from rank 0's initialization
+        self._gather_rank_state(self.step_count)  # and rank 0's buffers
         shard = self.flat_param[self.rank * self.shard_elems:(self.rank + 1) * self.shard_elems]
         self.state[:, MASTER, :].copy_(shard.view(self.n_chunks, self.chunk_elems))
         if job.protection and self.plan is not None:
@@ -227,6 +236,8 @@ class Trainer:
         elif self.comm is None:
             self._connect()
         while self.step_count < total:
+            if self.seed is not None:
+                reseed(self.seed, self.step_count, self.rank)
             yield self.step_count
         self.finish()
         self.close()
@@ -375,13 +386,12 @@ class Trainer:
         fault("reduce-scatter", t + 1)
         if self.replicated_grads:
             self.comm.all_reduce(self.flat_grad)
-            self.grad_step = t + 1
-            grads = self.grads_of(t + 1)
         else:
-            grads = self.gbufs[(t + 1) % len(self.gbufs)]
-            self.comm.reduce_scatter(grads.view(-1), self.flat_grad)
+            self.comm.reduce_scatter(self.gbufs[(t + 1) % len(self.gbufs)].view(-1), self.flat_grad)
             self.gbuf_step[(t + 1) % len(self.gbufs)] = t + 1
-            self.grad_step = t + 1
+        self._gather_rank_state(t + 1)  # held with the gradients: a replay of t+1 finds both
+        self.grad_step = t + 1
+        grads = self.grads_of(t + 1)
         self._loss.fill_(loss.item() * w)
         self.comm.all_reduce(self._loss)  # after the gradients: done anywhere, every rank holds them
         if grads_protected:
@@ -413,6 +423,35 @@ class Trainer:
         self._record(tokens)
         return self.last_loss
 
+    def _gather_rank_state(self, step: int) -> None:
+        if self.rank_state.active:
+            procs = list(self.plan.proc_of_rank) if self.plan is not None else [str(r) for r in range(self.world_size)]
+            self.rank_state.gather(self.comm, step, self.rank, procs)
+
+    def restore_rank_state(self, step: int, lineage: list[str]) -> None:
+        """At a recovery to `step` (a collective): buffers and registered state as they were at
+        the end of `step` (`lineage`: this process, then those whose rank it continues)."""
+        # always a collective: an adopter may not have registered its state yet
+        held = self.rank_state.restore(self.comm, step, self.rank, self.world_size, lineage)
+        if not held and self.rank_state.buffers:
+            raise RecoveryError(f"no member holds the module buffers of step {step}")
+
+    def register_state(self, name: str, obj: Stateful) -> None:
+        """Carry `obj` (with `state_dict()`/`load_state_dict()`, e.g. a stateful data loader)
+        through recoveries: after one, every rank's object holds what it held at the end of the
+        recovery step. Its state is captured after each step's backward pass (so a loader has
+        fetched that step's batch) and sent to every rank: keep it small. Register on every
+        rank, before its first `step()`; an adopting shadow may register once it has a rank, and
+        then receives the state of the rank it adopted."""
+        self.rank_state.register(name, obj)
+
+    def extra_state(self) -> dict:
+        """This rank's module buffers and registered user state now (for a persistent checkpoint)."""
+        return self.rank_state.state()
+
+    def load_extra_state(self, state: dict) -> None:
+        self.rank_state.load(state)
+
     def _record(self, tokens: int) -> None:
         now = time.perf_counter()
         dt, self._t_last = now - self._t_last, now
@@ -439,12 +478,14 @@ class Trainer:
         return full
 
     def digest(self) -> str:
-        """sha256 of the step, all parameters and all optimizer state; independent of sharding."""
+        """sha256 of the step, all parameters, all optimizer state and the module buffers;
+        independent of sharding."""
         h = hashlib.sha256(b"leto-state-v1")
         h.update(self.step_count.to_bytes(8, "little"))
         for name, t in self.full_state().items():
             h.update(name.encode())
             h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+        self.rank_state.update_digest(h)  # buffers are the same on every rank
         return h.hexdigest()
 
     def finish(self) -> str:
