@@ -189,7 +189,6 @@ def test_with_no_shadow_left_the_survivors_take_over_the_lost_shard(launcher, tm
     assert rec["world_size"] == 3 and rec["failed_ranks"] == [1] and rec["tier"] == "tier1"
     assert rec["lost_steps"] == 0 and not s["resizes"]
     assert "shrinking to 3 ranks" in res.stdout
-    assert sorted(p["rank"] for p in read_procs(tmp_path / "run") if p["role"] == "worker") in ([], [0, 1, 2])
     check_trajectory(launcher, tmp_path, tmp_path / "run", *job)
     assert not no_process_left(tmp_path / "run")
 

@@ -33,7 +33,7 @@ def build(args: argparse.Namespace, job: leto.Job) -> tuple[Trainer, GPT, Sample
     torch.manual_seed(args.seed)
     model = GPT(cfg)
     optimizer = AdamW(lr=warmup_cosine(args.lr, warmup=min(20, args.steps // 10), total=args.steps))
-    trainer = Trainer(model, job, optimizer, chunk_bytes=args.chunk_bytes)
+    trainer = Trainer(model, job, optimizer, chunk_bytes=args.chunk_bytes, seed=args.seed)
     sampler = Sampler(load_tokens(), cfg.block_size, cfg.batch_size, args.seed)
     return trainer, model, sampler, cfg.batch_size * cfg.block_size
 
