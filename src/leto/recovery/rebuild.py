@@ -376,13 +376,14 @@ class Rebuilder:
             raise RecoveryError(f"rank {r}: chunks {missing} were not rebuilt")
         out = torch.empty(n_chunks, 3, chunk_elems)
         for c in range(n_chunks):
+            offset = (r * n_chunks + c) * chunk_elems  # the chunk's first flat element
             data = torch.from_numpy(self.result_state[r, c].view(np.float32).reshape(3, chunk_elems))
             if self.result_version[r, c] == T:
                 out[c].copy_(data)
             elif (r, c) in self.result_grad:
-                update(data.clone(), torch.from_numpy(self.result_grad[r, c].view(np.float32)), out[c], T)
+                update(data.clone(), torch.from_numpy(self.result_grad[r, c].view(np.float32)), out[c], T, offset)
             elif grad_of is not None:
-                update(data.clone(), grad_of(r, c), out[c], T)
+                update(data.clone(), grad_of(r, c), out[c], T, offset)
             else:
                 raise RecoveryError(f"rank {r} chunk {c} needs a replay of step {T} and no gradient of it is held")
         return out

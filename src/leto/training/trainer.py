@@ -26,7 +26,8 @@ from leto.protection.client import Protector
 from leto.protection.layout import Geometry, Layout
 from leto.recovery.inject import Injector
 from leto.recovery.rebuild import RecoveryError
-from leto.training.optim import MASTER, AdamW
+from leto.training.optim import MASTER, AdamW, Optimizer
+from leto.training.param_groups import ParamGroups
 from leto.training.rank_state import RankState, Stateful, reseed
 
 DEFAULT_CHUNK_BYTES = 12 * 16384  # 192 KiB: 16384 elements of (master, exp_avg, exp_avg_sq)
@@ -47,13 +48,15 @@ class Trainer:
     everyone's) and, like state registered with `register_state`, survive any recovery.
     """
 
-    def __init__(self, model: nn.Module, job: Job, optimizer: AdamW | None = None,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, seed: int | None = 0) -> None:
+    def __init__(self, model: nn.Module, job: Job, optimizer: Optimizer | None = None,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, seed: int | None = 0,
+                 param_groups: list[dict] | None = None) -> None:
         if chunk_bytes < _STATE_ROWS * 4 or chunk_bytes % (_STATE_ROWS * 4):
             raise ValueError(f"chunk size must be a positive multiple of {_STATE_ROWS * 4} bytes, got {chunk_bytes}")
         self.job, self.model = job, model.to(job.device)
         self.optimizer = optimizer or AdamW()
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.groups = ParamGroups(self.params, self.optimizer, param_groups or [])
         self.seed = seed
         self.rank_state = RankState(model)
         self.numel = sum(p.numel() for p in self.params)
@@ -323,9 +326,19 @@ class Trainer:
     def grad_at(self, step: int, c: int) -> torch.Tensor:
         return self.grads_of(step)[c]
 
-    def update_chunk(self, old: torch.Tensor, grad: torch.Tensor, dst: torch.Tensor, step: int) -> None:
-        """The optimizer update of one chunk to `step` (also used to replay a decoded chunk)."""
-        self.optimizer.update(old, grad, dst, step, self._scratch)
+    def update_chunk(self, old: torch.Tensor, grad: torch.Tensor, dst: torch.Tensor, step: int, offset: int) -> None:
+        """The optimizer update to `step` of the chunk whose first element is flat element
+        `offset` (also used to replay a decoded chunk): each parameter group's range with its own
+        hyper-parameters."""
+        for lo, hi, opt in self.groups.segments(offset, self.chunk_elems):
+            if hi - lo == self.chunk_elems:
+                opt.update(old, grad, dst, step, self._scratch)
+            else:
+                opt.update(old[:, lo:hi], grad[lo:hi], dst[:, lo:hi], step, self._scratch[:hi - lo])
+
+    def offset_of(self, c: int, rank: int | None = None) -> int:
+        """The flat element index of chunk `c` of `rank`'s shard (default: this rank's)."""
+        return ((self.rank if rank is None else rank) * self.n_chunks + c) * self.chunk_elems
 
     def bring_to(self, step: int) -> None:
         """A survivor's own state at `step`: it holds it, rolls back to its snapshot of the last
@@ -343,7 +356,7 @@ class Trainer:
         self.chunk_at(step - 1, 0)  # raises unless step-1 is held
         old, grads, dst = self.bufs[(step - 1) % n], self.grads_of(step), self.bufs[step % n]
         for c in range(self.n_chunks):
-            self.update_chunk(old[c], grads[c], dst[c], step)
+            self.update_chunk(old[c], grads[c], dst[c], step, self.offset_of(c))
         self.buf_step[step % n] = step
 
     def _bring_in_place(self, step: int) -> None:
@@ -358,7 +371,7 @@ class Trainer:
             if self.chunk_step[c] != step - 1:
                 raise RecoveryError(f"rank {self.rank} chunk {c} is at step {self.chunk_step[c]}, cannot reach {step}")
             self._kept[c] = (step - 1, s[c].clone())
-            self.update_chunk(s[c], grads[c], s[c], step)
+            self.update_chunk(s[c], grads[c], s[c], step, self.offset_of(c))
             self.chunk_step[c] = step
         self.buf_step[0] = step
 
@@ -405,9 +418,9 @@ class Trainer:
         for c in range(self.n_chunks):
             fault("update", t + 1, c)
             if prot is None or not self.inplace:
-                self.update_chunk(src[c], grads[c], dst[c], t + 1)
+                self.update_chunk(src[c], grads[c], dst[c], t + 1, self.offset_of(c))
                 continue
-            self.update_chunk(src[c], grads[c], self._next, t + 1)  # in place: the chunk's delta is handed
+            self.update_chunk(src[c], grads[c], self._next, t + 1, self.offset_of(c))  # in place: the chunk's delta is handed
             fault("parity", t + 1, c)                               # over before the chunk is replaced
             prot.stage_delta(t + 1, c, src[c], self._next, c == self.n_chunks - 1)
             dst[c].copy_(self._next)
