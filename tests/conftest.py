@@ -118,3 +118,20 @@ def reference_digest(launcher: Launcher, tmp: Path, *args: str) -> str:
 
 def no_process_left(run_dir: Path) -> list[int]:
     return [p["pid"] for p in read_procs(run_dir) if p["role"] != "controller" and alive(p["pid"])]
+
+
+def run_user_script(launcher: Launcher, run_dir: Path, script: str, *args: str,
+                    kill_step: int | None = None) -> tuple[str, dict]:
+    """`leto run` a test script (2 workers on 2 nodes, 1 shadow); with `kill_step`, SIGKILL a
+    random worker by PID once that step is recorded. Returns stdout and the summary."""
+    import random
+    popen = launcher.start("run", "--workers", "2", "--nodes", "2", "--spares", "1", "--run-dir", str(run_dir),
+                           script, *args, run_dir=run_dir)
+    if kill_step is not None:
+        wait_for(lambda: (run_dir / "metrics.jsonl").exists() and any(
+            r["step"] >= kill_step for r in step_records(run_dir)), 120, f"step {kill_step}")
+        victim = random.choice([p for p in read_procs(run_dir) if p["role"] == "worker"])
+        os.kill(victim["pid"], signal.SIGKILL)
+    out, err = popen.communicate(timeout=240)
+    assert popen.returncode == 0, out[-2000:] + err[-3000:]
+    return out, summary(run_dir)

@@ -6,37 +6,24 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 
 import pytest
 import torch
 import torch.nn as nn
 
-from conftest import REPO, no_process_left, read_procs, summary, wait_for, step_records
+from conftest import REPO, no_process_left, run_user_script
 from leto.training.rank_state import RankState, persistent_buffers, step_seed
 
 SCRIPT = str(REPO / "tests" / "scripts" / "stateful_model.py")
 STEPS = 16
 
 
-def run_script(launcher, run_dir, model: str, kill_step: int | None):
-    popen = launcher.start("run", "--workers", "2", "--nodes", "2", "--spares", "1", "--run-dir", str(run_dir),
-                           SCRIPT, "--model", model, "--steps", str(STEPS), run_dir=run_dir)
-    if kill_step is not None:
-        wait_for(lambda: (run_dir / "metrics.jsonl").exists() and any(
-            r["step"] >= kill_step for r in step_records(run_dir)), 120, f"step {kill_step}")
-        victim = random.choice([p for p in read_procs(run_dir) if p["role"] == "worker"])
-        os.kill(victim["pid"], signal.SIGKILL)
-    out, err = popen.communicate(timeout=240)
-    assert popen.returncode == 0, out[-2000:] + err[-3000:]
-    return out, summary(run_dir)
-
-
 @pytest.mark.parametrize("model", ["dropout", "batchnorm"])
 def test_a_model_with_randomness_or_buffers_recovers_to_the_failure_free_digest(launcher, tmp_path, model) -> None:
-    ref_out, ref = run_script(launcher, tmp_path / "ref", model, None)
+    args = ("--model", model, "--steps", str(STEPS))
+    ref_out, ref = run_user_script(launcher, tmp_path / "ref", SCRIPT, *args)
     kill_step = random.Random(os.urandom(8)).randrange(2, STEPS - 3)
-    out, s = run_script(launcher, tmp_path / "run", model, kill_step)
+    out, s = run_user_script(launcher, tmp_path / "run", SCRIPT, *args, kill_step=kill_step)
     assert len(s["recoveries"]) == 1, f"killed at step {kill_step}: {s['recoveries']}"
     assert s["digest"] == ref["digest"], f"killed at step {kill_step}"
     if model == "batchnorm":  # every rank's loader ends where the failure-free run's did

@@ -12,7 +12,7 @@ import json
 import os
 import time
 from datetime import timedelta
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -50,7 +50,8 @@ class Trainer:
 
     def __init__(self, model: nn.Module, job: Job, optimizer: Optimizer | None = None,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, seed: int | None = 0,
-                 param_groups: list[dict] | None = None) -> None:
+                 param_groups: list[dict] | None = None, max_grad_norm: float | None = None,
+                 autocast: torch.dtype | None = None) -> None:
         if chunk_bytes < _STATE_ROWS * 4 or chunk_bytes % (_STATE_ROWS * 4):
             raise ValueError(f"chunk size must be a positive multiple of {_STATE_ROWS * 4} bytes, got {chunk_bytes}")
         self.job, self.model = job, model.to(job.device)
@@ -58,6 +59,11 @@ class Trainer:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.groups = ParamGroups(self.params, self.optimizer, param_groups or [])
         self.seed = seed
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be positive, got {max_grad_norm}")
+        self.max_grad_norm = max_grad_norm
+        self.grad_norm = float("nan")  # the last step's global gradient norm (before clipping)
+        self.autocast = autocast
         self.rank_state = RankState(model)
         self.numel = sum(p.numel() for p in self.params)
         self.chunk_elems = chunk_bytes // (_STATE_ROWS * 4)
@@ -254,8 +260,11 @@ class Trainer:
             self.protector.close()
             self.protector = None
 
-    def step(self, loss_fn: Callable[[], torch.Tensor], weight: float | None = None, tokens: int = 0) -> float | None:
-        """One training step. `weight` is this rank's share of the global batch (default 1/world);
+    def step(self, loss_fn: Callable[[], torch.Tensor] | Sequence[Callable[[], torch.Tensor]],
+             weight: float | None = None, tokens: int = 0) -> float | None:
+        """One training step. `loss_fn` computes this rank's loss (under `autocast` if set); a
+        list of them accumulates gradients over micro-batches (each weighted 1/len), reduced
+        once. `weight` is this rank's share of the global batch (default 1/world);
         `tokens` is the number of tokens in the global batch (for metrics). Returns the global loss,
         or None when a failure interrupted the step: the job recovered in place and `steps()`
         yields the step to redo next."""
@@ -375,8 +384,37 @@ class Trainer:
             self.chunk_step[c] = step
         self.buf_step[0] = step
 
-    def _step(self, loss_fn: Callable[[], torch.Tensor], weight: float | None, tokens: int) -> float:
+    def _forward(self, loss_fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        if self.autocast is None:
+            return loss_fn()
+        with torch.autocast(self.job.device.type, dtype=self.autocast):
+            return loss_fn()
+
+    def _clip(self, step: int) -> None:
+        """Scale the reduced gradients of `step` to a global norm of at most `max_grad_norm`
+        (`clip_grad_norm_` semantics). The norm is the same bits on every rank and in both
+        reduction paths: per-shard sums of squares, added in rank order."""
+        W, e = self.world_size, self.shard_elems
+        if self.replicated_grads:
+            parts = self.flat_grad.view(W, e).double().pow(2).sum(dim=1)
+        else:
+            parts = torch.zeros(W, dtype=torch.float64, device=self.flat_grad.device)
+            mine = self.grads_of(step).double().pow(2).sum().reshape(1)
+            self.comm.all_gather(parts, mine)
+        total = 0.0
+        for x in parts.tolist():
+            total += x
+        self.grad_norm = total ** 0.5
+        coef = min(1.0, self.max_grad_norm / (self.grad_norm + 1e-6))
+        if coef < 1.0:
+            (self.flat_grad if self.replicated_grads else self.grads_of(step)).mul_(coef)
+
+    def _step(self, loss_fn: Callable[[], torch.Tensor] | Sequence[Callable[[], torch.Tensor]],
+              weight: float | None, tokens: int) -> float:
         w = 1.0 / self.world_size if weight is None else weight
+        micro = [loss_fn] if callable(loss_fn) else list(loss_fn)
+        if not micro:
+            raise ValueError("step() needs a loss function or a non-empty list of them")
         t, n = self.step_count, len(self.bufs)
         prot, fault = self.protector, self._fault
         every = prot.layout.protect_every if prot is not None else 1
@@ -388,14 +426,20 @@ class Trainer:
             prot.stage_deltas(t, self.bufs[(t - 1) % n], self.bufs[t % n], lambda c: fault("parity", t + 1, c))
         elif prot is not None and t > prot.base and every > 1 and prot.layout.protects(t):  # "Protection interval"
             prot.stage_deltas(t, self.snap, self.bufs[t % n], lambda c: fault("parity", t + 1, c))
-        loss = loss_fn()
+        loss = self._forward(micro[0])
         fault("backward", t + 1)
         if prot is not None and every == 1 and not grads_protected:
             prot.wait_delta_commit(t)  # until then a replay of step t takes its gradients from flat_grad
             self._kept.clear()  # the tables name nothing older than t any more
         self.grad_step = None
         self.flat_grad.zero_()
-        (loss * w).backward()
+        wm = w / len(micro)
+        (loss * wm).backward()
+        total = loss.item()
+        for fn in micro[1:]:  # gradient accumulation: one reduction per optimizer step
+            more = self._forward(fn)
+            (more * wm).backward()
+            total += more.item()
         fault("reduce-scatter", t + 1)
         if self.replicated_grads:
             self.comm.all_reduce(self.flat_grad)
@@ -403,9 +447,11 @@ class Trainer:
             self.comm.reduce_scatter(self.gbufs[(t + 1) % len(self.gbufs)].view(-1), self.flat_grad)
             self.gbuf_step[(t + 1) % len(self.gbufs)] = t + 1
         self._gather_rank_state(t + 1)  # held with the gradients: a replay of t+1 finds both
+        if self.max_grad_norm is not None:
+            self._clip(t + 1)  # in place, before they count as held: a replay reads them clipped
         self.grad_step = t + 1
         grads = self.grads_of(t + 1)
-        self._loss.fill_(loss.item() * w)
+        self._loss.fill_(total / len(micro) * w)
         self.comm.all_reduce(self._loss)  # after the gradients: done anywhere, every rank holds them
         if grads_protected:
             prot.stage_grads(t + 1, grads, lambda c: fault("grads", t + 1, c))
@@ -471,6 +517,8 @@ class Trainer:
         if self.rank == 0 and self.job.run_dir is not None:
             rec = {"step": self.step_count, "loss": self.last_loss, "step_s": round(dt, 6),
                    "tokens_per_s": round(tokens / dt, 1) if tokens else None, "time": time.time()}
+            if self.max_grad_norm is not None:
+                rec["grad_norm"] = round(self.grad_norm, 6)
             if self.protector is not None:  # time the training thread spent on protection
                 rec.update({k: round(v, 6) for k, v in self.protector.spent.items()})
                 self.protector.spent = dict.fromkeys(self.protector.spent, 0.0)
