@@ -3,7 +3,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from conftest import step_records, summary
+from leto.training.job import PROMPT, sample
+from leto.training.model import GPT, PRESETS
 
 SMALL = ("--workers", "2", "--spares", "0", "--nodes", "1")
 
@@ -46,8 +50,15 @@ def test_run_dir_has_metrics_and_summary(launcher, tmp_path: Path) -> None:
     assert recs[-1]["loss"] == s["final_loss"]
 
 
-def test_loss_falls_over_a_short_run(launcher, tmp_path: Path) -> None:
-    train(launcher, tmp_path / "r", "--steps", "60", "--workers", "4", "--nodes", "2")
+def test_loss_falls_over_a_short_run_and_the_model_comes_out(launcher, tmp_path: Path) -> None:
+    res = launcher.run("train", "--workers", "4", "--nodes", "2", "--spares", "0", "--steps", "60",
+                       "--run-dir", str(tmp_path / "r"), run_dir=tmp_path / "r")
+    assert res.returncode == 0, res.stderr[-2000:]
     losses = [r["loss"] for r in step_records(tmp_path / "r")]
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < first - 1.5, (first, last)  # from ~5.5 nats (uniform over bytes) to well below 4
+    # the final model loads into a plain GPT, without Leto, and writes the sample printed
+    model = GPT(PRESETS["tiny"])
+    model.load_state_dict(torch.load(tmp_path / "r" / "model.pt"), strict=True)
+    (line,) = [ln for ln in res.stdout.splitlines() if ln.startswith("sample: ")]
+    assert line == f"sample: {sample(model)!r}" and sample(model).startswith(PROMPT)

@@ -81,3 +81,14 @@ class GPT(nn.Module):
         if targets is None:
             return logits
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float = 0.8, top_k: int = 20,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """Append `new_tokens` sampled tokens to `idx` ([batch, t]), top-k, from `generator`."""
+        for _ in range(new_tokens):
+            logits = self(idx[:, -self.cfg.block_size:])[:, -1, :] / temperature
+            kth = torch.topk(logits, top_k).values[:, -1:]
+            probs = F.softmax(logits.masked_fill(logits < kth, float("-inf")), dim=-1)
+            idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator)], dim=1)
+        return idx

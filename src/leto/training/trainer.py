@@ -538,6 +538,12 @@ class Trainer:
             full[name] = rows[:, i, :].reshape(-1)[:self.numel]
         return full
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's plain PyTorch state dict (CPU copies): parameters are replicated on every
+        rank and buffers synchronized, so any rank can call it, no collective; load it into the
+        model without Leto (`model.load_state_dict(...)`)."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+
     def digest(self) -> str:
         """sha256 of the step, all parameters, all optimizer state and the module buffers;
         independent of sharding."""
