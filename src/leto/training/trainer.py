@@ -352,6 +352,8 @@ class Trainer:
         self.buf_step[0] = step
 
     def _step(self, loss_fn: Callable[[], torch.Tensor], weight: float | None, tokens: int) -> float:
+        if self.watch is not None:
+            self.watch.tick()  # progress for the controller's hang check (docs/design.md)
         w = 1.0 / self.world_size if weight is None else weight
         t, n = self.step_count, len(self.bufs)
         prot, fault = self.protector, self._fault
