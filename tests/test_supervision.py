@@ -1,0 +1,184 @@
+"""Supervision: keepers are fenced and replaced like workers, losing a keeper is never fatal while
+every rank's state is intact, tier 2 is re-placed after a node loss, and a training thread that
+stops advancing is found though its process heartbeats. Real signals, sent by PID from outside."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+from conftest import no_process_left, read_procs, reference_digest, step_records, train, wait_for
+
+JOB = ("--workers", "4", "--nodes", "2", "--spares", "1", "--seed", "0")
+
+
+def _events(run_dir: Path, kind: str) -> list[dict]:
+    if not (run_dir / "metrics.jsonl").exists():
+        return []
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+            if r.get("event") == kind]
+
+
+def _at_step(run_dir: Path, k: int, ctl) -> None:
+    wait_for(lambda: ctl.poll() is not None or ((run_dir / "metrics.jsonl").exists()
+                                                 and any(r["step"] >= k for r in step_records(run_dir))),
+             120, f"step {k}")
+    if ctl.poll() is not None:
+        raise AssertionError(f"the job ended before step {k}: {ctl.communicate()[1][-3000:]}")
+
+
+def _proc(run_dir: Path, role: str, node: int | None = None, rank: int | None = None) -> dict:
+    return next(p for p in read_procs(run_dir) if p["role"] == role
+                and (node is None or p["node"] == node) and (rank is None or p["rank"] == rank))
+
+
+def _recovered(run_dir: Path, n: int, ctl) -> list[dict]:
+    return wait_for(lambda: _events(run_dir, "recovery") if len(_events(run_dir, "recovery")) >= n
+                    or ctl.poll() is not None else None, 120, f"recovery {n}")
+
+
+def _start(launcher, run_dir: Path, job: tuple[str, ...], step: int, *extra: str):
+    """Start `leto train` and return its process once step `step` is recorded."""
+    ctl = launcher.start("train", "--run-dir", str(run_dir), *job, *extra, run_dir=run_dir)
+    _at_step(run_dir, step, ctl)
+    return ctl
+
+
+def _signal_and_recover(run_dir: Path, ctl, proc: dict, sig: int, n: int = 1) -> list[dict]:
+    """Send `sig` to `proc` by PID; returns the recoveries once there are `n`."""
+    os.kill(proc["pid"], sig)
+    return _recovered(run_dir, n, ctl)
+
+
+def _finish(ctl, run_dir: Path, digest: str) -> tuple[str, dict]:
+    out, err = ctl.communicate(timeout=240)
+    assert ctl.returncode == 0, out[-2000:] + err[-3000:]
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["digest"] == digest
+    assert not no_process_left(run_dir)
+    return out, s
+
+
+def test_a_killed_keeper_is_replaced_and_its_node_protected_again(launcher, tmp_path: Path) -> None:
+    """SIGKILL of node 1's keeper alone: a new keeper is started, the workers re-encode the
+    node's protection from their own state, and a later SIGKILL of a node-1 worker is rebuilt
+    from the new keeper's tier 1."""
+    job = (*JOB, "--steps", "16")
+    digest = reference_digest(launcher, tmp_path, *job)
+    run_dir = tmp_path / "run"
+    ctl = _start(launcher, run_dir, job, 3)
+    keeper = _proc(run_dir, "keeper", node=1)
+    (rec,) = _signal_and_recover(run_dir, ctl, keeper, signal.SIGKILL)
+    assert rec["failed_ranks"] == [] and rec["tier"] == "none"
+    _at_step(run_dir, rec["step"] + 3, ctl)
+    assert _proc(run_dir, "keeper", node=1)["pid"] != keeper["pid"]
+    recs = _signal_and_recover(run_dir, ctl, _proc(run_dir, "worker", rank=3), signal.SIGKILL, 2)
+    assert recs[1]["failed_ranks"] == [3] and recs[1]["tier"] == "tier1"
+    _finish(ctl, run_dir, digest)
+
+
+def test_a_stopped_keeper_is_fenced_within_the_heartbeat_timeout(launcher, tmp_path: Path) -> None:
+    """SIGSTOP of node 0's keeper: its heartbeat stops, the controller SIGKILLs it and the job
+    goes on with a new keeper for node 0."""
+    job = (*JOB, "--steps", "14", "--heartbeat-timeout", "1.5")
+    digest = reference_digest(launcher, tmp_path, *JOB, "--steps", "14")
+    run_dir = tmp_path / "run"
+    ctl = _start(launcher, run_dir, job, 3)
+    keeper = _proc(run_dir, "keeper", node=0)
+    (rec,) = _signal_and_recover(run_dir, ctl, keeper, signal.SIGSTOP)
+    (fail,) = [f for f in _events(run_dir, "failure") if f["pid"] == keeper["pid"]]
+    assert fail["role"] == "keeper" and "stopped heartbeating" in fail["cause"] and "fenced" in fail["cause"]
+    assert rec["failed_ranks"] == [] and rec["detect_s"] >= 1.5 - 0.1
+    _finish(ctl, run_dir, digest)
+
+
+def test_a_keeper_and_a_worker_of_another_node_killed_together(launcher, tmp_path: Path) -> None:
+    job = (*JOB, "--steps", "14")
+    digest = reference_digest(launcher, tmp_path, *job)
+    run_dir = tmp_path / "run"
+    ctl = _start(launcher, run_dir, job, 4)
+    keeper, worker = _proc(run_dir, "keeper", node=0), _proc(run_dir, "worker", rank=2)
+    os.kill(keeper["pid"], signal.SIGKILL)
+    os.kill(worker["pid"], signal.SIGKILL)
+    out, s = _finish(ctl, run_dir, digest)
+    assert sorted(r for rec in s["recoveries"] for r in rec["failed_ranks"]) == [2]
+    assert {p["pid"] for p in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+            if p.get("event") == "failure"} >= {keeper["pid"], worker["pid"]}
+
+
+def test_a_one_node_job_goes_on_when_its_keeper_dies(launcher, tmp_path: Path) -> None:
+    """No other keeper holds anything: the protection is rebuilt from the workers' own state."""
+    job = ("--workers", "2", "--nodes", "1", "--spares", "0", "--steps", "14", "--seed", "0")
+    digest = reference_digest(launcher, tmp_path, *job)
+    run_dir = tmp_path / "run"
+    ctl = _start(launcher, run_dir, job, 3)
+    (rec,) = _signal_and_recover(run_dir, ctl, _proc(run_dir, "keeper"), signal.SIGKILL)
+    assert rec["failed_ranks"] == [] and rec["tier"] == "none"
+    _finish(ctl, run_dir, digest)
+
+
+def test_after_a_node_loss_the_last_nodes_keeper_may_die(launcher, tmp_path: Path) -> None:
+    """The default 2-node job loses node 1 (tier 2 rebuilds it; nothing covers a second node
+    loss any more: a `degraded` event says so), then node 0's keeper dies: the job goes on."""
+    job = (*JOB, "--steps", "16", "--no-spare", "wait")
+    digest = reference_digest(launcher, tmp_path, *job)
+    run_dir = tmp_path / "run"
+    ctl = _start(launcher, run_dir, job, 1, "--inject", "node-kill:node=1:step=4")
+    (rec,) = _recovered(run_dir, 1, ctl)
+    assert rec["failed_nodes"] == [1] and rec["tier"] == "tier2"
+    _at_step(run_dir, rec["step"] + 3, ctl)
+    _signal_and_recover(run_dir, ctl, _proc(run_dir, "keeper", node=0), signal.SIGKILL, 2)
+    out, s = _finish(ctl, run_dir, digest)
+    assert [r["tier"] for r in s["recoveries"]] == ["tier2", "none"]
+    (deg,) = s["degraded"]
+    assert deg["nodes"] == [0] and "tier 2 is off" in deg["what"] and "degraded" in out
+
+
+def test_two_data_nodes_of_one_2_plus_2_stripe_killed_from_outside(launcher, tmp_path: Path) -> None:
+    """4 nodes, --ec 2+2: stripe 0 has data nodes 0 and 1 (placement.py); both are SIGKILLed."""
+    job = ("--workers", "4", "--nodes", "4", "--spares", "2", "--ec", "2+2", "--no-spare", "wait",
+           "--steps", "12", "--seed", "0")
+    digest = reference_digest(launcher, tmp_path, *job)
+    run_dir = tmp_path / "run"
+    ctl = _start(launcher, run_dir, job, 3)
+    for p in read_procs(run_dir):
+        if p["node"] in (0, 1):
+            os.kill(p["pid"], signal.SIGKILL)
+    out, s = _finish(ctl, run_dir, digest)
+    rec = s["recoveries"][0]
+    assert rec["failed_nodes"] == [0, 1] and rec["failed_ranks"] == [0, 1] and rec["tier"] == "tier2"
+    assert [d["nodes"] for d in s["degraded"]] == [[2, 3]]  # 1+1 over the two left: one loss, not two
+
+
+def test_tier2_is_re_placed_so_a_second_node_loss_is_survived(launcher, tmp_path: Path) -> None:
+    """4 nodes, 3+1: node 3 dies (3 nodes left: re-placed as 2+1), then node 2 (rebuilt from the
+    re-placed 2+1 stripes; 1+1 over the last two)."""
+    job = ("--workers", "4", "--nodes", "4", "--spares", "2", "--no-spare", "wait", "--steps", "16", "--seed", "0")
+    digest = reference_digest(launcher, tmp_path, *job)
+    run_dir = tmp_path / "run"
+    ctl = _start(launcher, run_dir, job, 1)
+    for n, node in enumerate((3, 2), start=1):
+        _at_step(run_dir, 4 * n, ctl)
+        for p in read_procs(run_dir):
+            if p["node"] == node:
+                os.kill(p["pid"], signal.SIGKILL)
+        _recovered(run_dir, n, ctl)
+    out, s = _finish(ctl, run_dir, digest)
+    assert [(r["failed_nodes"], r["tier"]) for r in s["recoveries"]] == [([3], "tier2"), ([2], "tier2")]
+    assert not s["degraded"]
+
+
+def test_a_stuck_training_thread_is_found_by_progress_and_replaced(launcher, tmp_path: Path) -> None:
+    """`hang` stops rank 1's training thread for ever while its heartbeat thread goes on: only
+    the progress counter reveals it."""
+    job = (*JOB, "--steps", "12")
+    digest = reference_digest(launcher, tmp_path, *job)
+    res, s = train(launcher, tmp_path / "run", *job, "--progress-floor", "2", "--progress-factor", "4",
+                   "--inject", "hang:rank=1:step=6:phase=backward")
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    assert s["digest"] == digest
+    (rec,) = s["recoveries"]
+    assert rec["failed_ranks"] == [1] and "made no progress" in rec["cause"] and "heartbeats" in rec["cause"]
+    assert rec["detect_s"] >= 2 - 0.1
+    assert not no_process_left(tmp_path / "run")
