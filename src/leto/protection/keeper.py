@@ -28,7 +28,7 @@ from leto.protection.codec import scale_into, xor_into
 from leto.protection.layout import Layout
 from leto.protection.shm import (H_BASE, H_DCOMMIT, H_GCOMMIT, H_GEN, H_MAGIC, H_PID, H_STATE, KIND_DELTA,
                                  KIND_GRAD, MAGIC, S_CHUNK, S_CRC, S_KIND, S_READY, S_STEP, STATE_DRAINED,
-                                 STATE_RUNNING, Region)
+                                 STATE_RUNNING, Region, check_store_order)
 
 HDR = 8           # int64 fields in a tier-2 message header
 TAG = {KIND_GRAD: 1, KIND_DELTA: 2}
@@ -235,7 +235,7 @@ class Keeper:
             for _ in range(self.layout.ring_slots):
                 idx = self.next_slot[w] % self.layout.ring_slots
                 h = hdrs[w, idx]
-                if h[S_READY] != 1:
+                if h[S_READY] != 1:  # then read the slot: total store order is assumed (shm.py)
                     break
                 kind, step, chunk, crc = int(h[S_KIND]), int(h[S_STEP]), int(h[S_CHUNK]), int(h[S_CRC])
                 payload = data[w, idx, :self.nbytes[kind]]
@@ -524,6 +524,7 @@ def main() -> None:
     torch.set_num_threads(1)
     linux.normal_priority()  # torch is imported (at idle priority, see the controller): serve at normal priority
     job = rt.init(device="cpu")
+    check_store_order()
     Heartbeat(os.environ[rt.ENV_STORE], job.proc_id, job.timeout_s)  # the controller fences a keeper that stops
     node = job.node
     committed: Keeper | None = None   # the last generation whose protection is complete
