@@ -182,3 +182,36 @@ def test_a_stuck_training_thread_is_found_by_progress_and_replaced(launcher, tmp
     assert rec["failed_ranks"] == [1] and "made no progress" in rec["cause"] and "heartbeats" in rec["cause"]
     assert rec["detect_s"] >= 2 - 0.1
     assert not no_process_left(tmp_path / "run")
+
+
+# ----- the pure parts
+def test_the_tier2_code_is_re_placed_over_the_nodes_left() -> None:
+    from leto.protection.layout import Geometry, Layout
+    from leto.protection.placement import degradation, fitted_code
+    assert fitted_code(4, (3, 1)) == (3, 1) and fitted_code(6, (2, 1)) == (2, 1)
+    assert fitted_code(3, (3, 1)) == (2, 1) and fitted_code(2, (3, 1)) == (1, 1) and fitted_code(1, (3, 1)) is None
+    assert fitted_code(3, (2, 2)) == (1, 2) and fitted_code(2, (2, 2)) == (1, 1)
+    assert fitted_code(5, None) is None
+    assert degradation(3, (3, 1)) is None and degradation(3, (2, 2)) is None
+    assert "1+1" in degradation(2, (2, 2)) and "tier 2 is off" in degradation(1, (1, 1))
+    layout = Layout(1, 0, Geometry(2, 4), (0, 0, 1, 2), (3, 1))  # node 3 lost, its rank adopted on node 0
+    code, stripes = layout.tier2
+    assert (code.k, code.m) == (2, 1) and len(stripes) == 3
+    assert {r.parity_node for pos in range(layout.positions_per_node) for r in layout.routes(0, pos)} == {1, 2}
+
+
+def test_progress_times_out_only_after_a_measured_step_and_a_stall() -> None:
+    from leto.control.membership import DONE, parse_beat
+    from leto.control.progress import ProgressCheck
+    check = ProgressCheck(floor_s=2.0, factor=10.0)
+    assert check.stalled_for("w", 5, 0.0) is None and check.stalled_for("w", 5, 100.0) is None  # no step yet
+    for s in (0.1, 0.5, 0.3):
+        check.record_step(s)
+    assert check.timeout_s() == 3.0  # max(2, 10 x median 0.3)
+    assert check.stalled_for("w", 5, 102.0) is None  # stalls count from the first measured step
+    assert check.stalled_for("w", 5, 105.5) == 3.5
+    check.reset()  # a recovery: the counters start afresh
+    assert check.stalled_for("w", 5, 200.0) is None and check.stalled_for("w", 5, 202.9) is None
+    assert check.stalled_for("w", 5, 203.5) == 3.5
+    assert check.stalled_for("w", 6, 204.0) is None  # it moved
+    assert parse_beat("12.5 7") == (12.5, 7) and parse_beat("12.5") == (12.5, 0) and parse_beat(DONE) is None

@@ -23,6 +23,8 @@ class ProgressCheck:
         self.seen: dict[str, tuple[int, float]] = {}  # proc id -> (progress, when it last moved)
 
     def record_step(self, step_s: float) -> None:
+        if not self.step_s:  # the timeout starts to apply: stalls count from now, not from start-up
+            self.reset()
         self.step_s.append(step_s)
 
     def timeout_s(self) -> float | None:
