@@ -395,21 +395,24 @@ class Keeper:
         thread; a keeper that saw the drain first would otherwise report the step as
         uncommitted while a peer that processed the completion reports it committed. Each
         keeper publishes where it stopped; one in flight waits until its barrier resolves,
-        or a live peer says it never entered it (then it cannot complete), or the timeout."""
+        or a live peer says it never entered it or saw it fail (then it cannot complete here
+        either: a peer that keeps waiting on a dead keeper is not told by gloo), or the timeout."""
         kind, step = self.next_barrier
         in_flight = self.barrier_work is not None
-        self.store.set(keys.barrier_state(self.gen, self.node), json.dumps([kind, step, in_flight]))
+        mine = keys.barrier_state(self.gen, self.node)
+        self.store.set(mine, json.dumps([kind, step, in_flight]))
         if not in_flight:
             return
         deadline = time.monotonic() + timeout_s
         peers = [keys.barrier_state(self.gen, n) for n in sorted(live_nodes) if n != self.node and n in self.layout.nodes]
+        hopeless = ([kind, step, False], [kind, step, "failed"])
         while not self.barrier_done.wait(1e-3):
             if time.monotonic() > deadline or abandoned():
                 return
-            for key in peers:
-                if self.store.check([key]) and json.loads(self.store.get(key)) == [kind, step, False]:
-                    return  # that peer will never enter it: the barrier cannot complete
+            if any(self.store.check([key]) and json.loads(self.store.get(key)) in hopeless for key in peers):
+                return
         self._advance_barrier()  # record the completion (or the failure) like the main loop does
+        self.store.set(mine, json.dumps([kind, step, "failed" if self.broken else "done"]))
 
     def _await_barrier(self, work: dist.Work) -> None:
         """Wait for the barrier in a thread (gloo work cannot be polled cheaply) and ring."""
