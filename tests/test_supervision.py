@@ -8,6 +8,8 @@ import os
 import signal
 from pathlib import Path
 
+import pytest
+
 from conftest import no_process_left, read_procs, reference_digest, step_records, train, wait_for
 
 JOB = ("--workers", "4", "--nodes", "2", "--spares", "1", "--seed", "0")
@@ -107,12 +109,14 @@ def test_a_keeper_and_a_worker_of_another_node_killed_together(launcher, tmp_pat
             if p.get("event") == "failure"} >= {keeper["pid"], worker["pid"]}
 
 
-def test_a_one_node_job_goes_on_when_its_keeper_dies(launcher, tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", [(), ("--protect-grads", "on"), ("--protect-every", "3")],
+                         ids=["in-place", "protected-grads", "interval"])
+def test_a_one_node_job_goes_on_when_its_keeper_dies(launcher, tmp_path: Path, mode: tuple[str, ...]) -> None:
     """No other keeper holds anything: the protection is rebuilt from the workers' own state."""
     job = ("--workers", "2", "--nodes", "1", "--spares", "0", "--steps", "14", "--seed", "0")
-    digest = reference_digest(launcher, tmp_path, *job)
+    digest = reference_digest(launcher, tmp_path, *job)  # protection does not change the arithmetic
     run_dir = tmp_path / "run"
-    ctl = _start(launcher, run_dir, job, 3)
+    ctl = _start(launcher, run_dir, (*job, *mode), 4)
     (rec,) = _signal_and_recover(run_dir, ctl, _proc(run_dir, "keeper"), signal.SIGKILL)
     assert rec["failed_ranks"] == [] and rec["tier"] == "none"
     _finish(ctl, run_dir, digest)

@@ -155,25 +155,28 @@ def _rejoin_intact(tr: Trainer, gen: int, plan, t0: float) -> dict:
     """Join generation `gen` with no keeper data at all (every keeper died or is new: a one-node
     job, or the last node's keeper): possible only when every member holds its own state, i.e.
     all settled in one generation with the same processes in the same ranks, nothing resharding.
-    The members agree on the step (the replicated-gradient rule of `recovery_step`, from their own
-    chunk versions instead of the keepers' tables), finish it in place, and protect the new
+    The members agree on a step each can reach from what it holds, finish it, and protect the new
     generation from their own shards (a new base, like the initial protection)."""
     settled = _settled_generation(tr)
     layout = Layout.from_json(tr.job.store.get(keys.layout(settled))) if settled >= 0 else None
-    fits = (layout is not None and tr.inplace and tr._pending_reshard is None and tr.geometry == layout.geometry
-            and read_plan(tr.job.store, settled).proc_of_rank == plan.proc_of_rank)
-    low = min(tr.chunk_step) if fits else -1
+    reach = set() if tr.inplace else _reachable_steps(tr)
+    fits = (layout is not None and tr._pending_reshard is None and tr.geometry == layout.geometry
+            and read_plan(tr.job.store, settled).proc_of_rank == plan.proc_of_rank and (tr.inplace or bool(reach)))
+    low = -1 if not fits else min(tr.chunk_step) if tr.inplace else min(reach)
     agree = torch.tensor([settled, -settled, 1 if fits else 0, low], dtype=torch.int64)
     tr.comm.all_reduce(agree, torch.distributed.ReduceOp.MIN)
     if int(agree[0]) != -int(agree[1]) or int(agree[2]) != 1:
         raise RecoveryError("no keeper holds committed protection data, and not every member holds its own state "
                             "in one generation: nothing to rebuild from")
-    held, source = _held_gradients(tr, layout)
-    T = recovery_step({-1: {"applied": int(agree[3])}}, layout, held)
+    if tr.inplace:  # the replicated-gradient rule of `recovery_step`, from the members' own chunk versions
+        held, source = _held_gradients(tr, layout)
+        T = recovery_step({-1: {"applied": int(agree[3])}}, layout, held)
+        if T == held >= 0:
+            grads = _share_gradients(tr, layout, T, source)
+            tr.grad_step = T if grads is tr.flat_grad else None
+    else:
+        T = _common_step(tr, int(agree[3]), reach)
     t_restore = time.time()
-    if T == held >= 0:
-        grads = _share_gradients(tr, layout, T, source)
-        tr.grad_step = T if grads is tr.flat_grad else None
     tr.bring_to(T)
     tr.step_count = T
     tr.param_shard.copy_(tr.state[:, MASTER, :].reshape(-1))
@@ -189,6 +192,30 @@ def _rejoin_intact(tr: Trainer, gen: int, plan, t0: float) -> dict:
     if tr.rank == 0:
         tr.job.store.set(recovery_key(gen), json.dumps(record))
     return record
+
+
+def _reachable_steps(tr: Trainer) -> set[int]:
+    """Steps this rank can bring its own whole state to (two buffers, no keeper): the steps it
+    holds (and its snapshot of the last protected one), and one more where it holds that step's
+    gradients (`Trainer.bring_to`)."""
+    held = {s for s in tr.buf_step if s >= 0}
+    out = held | ({tr.snap_step} if tr.snap_step >= 0 else set())
+    for s in held:
+        try:
+            tr.grads_of(s + 1)
+        except RecoveryError:
+            continue
+        out.add(s + 1)
+    return out
+
+
+def _common_step(tr: Trainer, low: int, reach: set[int]) -> int:
+    """The latest step every member can reach: one BAND all-reduce of bit masks from `low`."""
+    bits = torch.tensor([sum(1 << (s - low) for s in reach if 0 <= s - low < 62)], dtype=torch.int64)
+    tr.comm.all_reduce(bits, torch.distributed.ReduceOp.BAND)
+    if int(bits.item()) == 0:
+        raise RecoveryError("no keeper holds committed protection data and the members hold no common step")
+    return low + int(bits.item()).bit_length() - 1
 
 
 def _reshard(tr: Trainer, layout: Layout, roles: Roles, rb: Rebuilder, T: int, me: int | None,
