@@ -95,13 +95,16 @@ def test_a_stopped_keeper_is_fenced_within_the_heartbeat_timeout(launcher, tmp_p
     _finish(ctl, run_dir, digest)
 
 
-def test_a_keeper_and_a_worker_of_another_node_killed_together(launcher, tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
+def test_a_keeper_and_a_worker_of_another_node_fail_together(launcher, tmp_path: Path, sig: int) -> None:
+    """Node 0's keeper is SIGKILLed or SIGSTOPped (fenced after its heartbeat timeout, during the
+    recovery of the worker) at the same moment as rank 2 of node 1 is SIGKILLed."""
     job = (*JOB, "--steps", "14")
     digest = reference_digest(launcher, tmp_path, *job)
     run_dir = tmp_path / "run"
-    ctl = _start(launcher, run_dir, job, 4)
+    ctl = _start(launcher, run_dir, (*job, "--heartbeat-timeout", "1.5"), 4)
     keeper, worker = _proc(run_dir, "keeper", node=0), _proc(run_dir, "worker", rank=2)
-    os.kill(keeper["pid"], signal.SIGKILL)
+    os.kill(keeper["pid"], sig)
     os.kill(worker["pid"], signal.SIGKILL)
     out, s = _finish(ctl, run_dir, digest)
     assert sorted(r for rec in s["recoveries"] for r in rec["failed_ranks"]) == [2]
