@@ -420,8 +420,8 @@ class Controller:
             record["t_fail"], record["t_detect"] = min(old["t_fail"], t_fail), min(old["t_detect"], t_detect)
             record["interrupted"] += old["interrupted"] + [old["generation"]]
         self.pending = [dict(record, kind="failure")]
-        for n in dead_keepers - lost_nodes:  # the node lives: give it a new keeper
-            self._spawn("keeper", None, n)
+        for n in dead_keepers - lost_nodes:  # the node lives: give it a new keeper, at normal priority
+            _boost(self._spawn("keeper", None, n).popen.pid)  # (the workers wait for it to protect again)
             self.dead_keeper_nodes.discard(n)
         # new shadows start once this recovery has closed: starting one (importing torch, building
         # the model) would compete for the cores the recovery is using
