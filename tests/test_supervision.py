@@ -222,3 +222,17 @@ def test_progress_times_out_only_after_a_measured_step_and_a_stall() -> None:
     assert check.stalled_for("w", 5, 203.5) == 3.5
     assert check.stalled_for("w", 6, 204.0) is None  # it moved
     assert parse_beat("12.5 7") == (12.5, 7) and parse_beat("12.5") == (12.5, 0) and parse_beat(DONE) is None
+
+
+def test_a_tight_progress_timeout_fences_nothing_in_a_healthy_run_with_a_recovery(launcher, tmp_path: Path) -> None:
+    """Start-up, the first step, a shadow's adoption, the recovery and the final digest are long
+    next to a step; with a timeout of a few steps none of them is taken for a hang."""
+    job = (*JOB, "--steps", "12")
+    digest = reference_digest(launcher, tmp_path, *job)
+    res, s = train(launcher, tmp_path / "run", *job, "--progress-floor", "1.5", "--progress-factor", "3",
+                   "--inject", "kill:rank=2:step=5:phase=update")
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    assert s["digest"] == digest
+    assert [(r["failed_ranks"], r["cause"]) for r in s["recoveries"]] == [([2], "was killed by SIGKILL")]
+    assert "made no progress" not in res.stdout
+    assert not no_process_left(tmp_path / "run")
