@@ -176,19 +176,26 @@ def test_tier2_is_re_placed_so_a_second_node_loss_is_survived(launcher, tmp_path
     assert not s["degraded"]
 
 
+def _train_to_the_digest(launcher, tmp_path: Path, floor: str, factor: str, inject: str):
+    """Run the 12-step job with a progress timeout and one injection; it must end with the
+    failure-free digest and leave no process behind."""
+    job = (*JOB, "--steps", "12")
+    digest = reference_digest(launcher, tmp_path, *job)
+    res, s = train(launcher, tmp_path / "run", *job, "--progress-floor", floor, "--progress-factor", factor,
+                   "--inject", inject)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    assert s["digest"] == digest
+    assert not no_process_left(tmp_path / "run")
+    return res, s
+
+
 def test_a_stuck_training_thread_is_found_by_progress_and_replaced(launcher, tmp_path: Path) -> None:
     """`hang` stops rank 1's training thread for ever while its heartbeat thread goes on: only
     the progress counter reveals it."""
-    job = (*JOB, "--steps", "12")
-    digest = reference_digest(launcher, tmp_path, *job)
-    res, s = train(launcher, tmp_path / "run", *job, "--progress-floor", "4", "--progress-factor", "4",
-                   "--inject", "hang:rank=1:step=6:phase=backward")
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
-    assert s["digest"] == digest
+    res, s = _train_to_the_digest(launcher, tmp_path, "4", "4", "hang:rank=1:step=6:phase=backward")
     (rec,) = s["recoveries"]
     assert rec["failed_ranks"] == [1] and "made no progress" in rec["cause"] and "heartbeats" in rec["cause"]
     assert rec["detect_s"] >= 4 - 0.1
-    assert not no_process_left(tmp_path / "run")
 
 
 # ----- the pure parts
@@ -227,12 +234,6 @@ def test_progress_times_out_only_after_a_measured_step_and_a_stall() -> None:
 def test_a_tight_progress_timeout_fences_nothing_in_a_healthy_run_with_a_recovery(launcher, tmp_path: Path) -> None:
     """Start-up, the first step, a shadow's adoption, the recovery and the final digest are long
     next to a step; with a timeout of a few steps none of them is taken for a hang."""
-    job = (*JOB, "--steps", "12")
-    digest = reference_digest(launcher, tmp_path, *job)
-    res, s = train(launcher, tmp_path / "run", *job, "--progress-floor", "1.5", "--progress-factor", "3",
-                   "--inject", "kill:rank=2:step=5:phase=update")
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
-    assert s["digest"] == digest
+    res, s = _train_to_the_digest(launcher, tmp_path, "1.5", "3", "kill:rank=2:step=5:phase=update")
     assert [(r["failed_ranks"], r["cause"]) for r in s["recoveries"]] == [([2], "was killed by SIGKILL")]
     assert "made no progress" not in res.stdout
-    assert not no_process_left(tmp_path / "run")
