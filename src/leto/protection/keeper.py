@@ -404,7 +404,8 @@ class Keeper:
         if not in_flight:
             return
         deadline = time.monotonic() + timeout_s
-        peers = [keys.barrier_state(self.gen, n) for n in sorted(live_nodes) if n != self.node and n in self.layout.nodes]
+        peers = [keys.barrier_state(self.gen, n) for n in sorted(live_nodes)
+                 if n != self.node and n in self.layout.nodes]
         hopeless = ([kind, step, False], [kind, step, "failed"])
         while not self.barrier_done.wait(1e-3):
             if time.monotonic() > deadline or abandoned():

@@ -3,8 +3,8 @@
 `--inject KIND:rank=R|node=N:step=S[:phase=P][:chunk=C]`, repeatable. KIND is `kill` (SIGKILL
 the rank), `stop` (SIGSTOP it: a hang), `hang` (the training thread sleeps for ever while the
 process and its heartbeat thread live on: a deadlock only progress can reveal) or `node-kill`
-(SIGKILL every process of node N: workers, shadows, keeper). Step S is the 1-based step being computed; the phase is where in it (default
-forward): forward, backward, reduce-scatter, grads (staging gradient chunks), update (the chunked
+(SIGKILL every process of node N: workers, shadows, keeper). Step S is the 1-based step being
+computed; the phase is where in it (default forward): forward, backward, reduce-scatter, grads (staging gradient chunks), update (the chunked
 optimizer update), all-gather, parity (staging the state deltas of the previous step, which happens
 at the start of step S), recovery (while joining the first recovery at or after step S). In the
 chunked phases the failure hits just before chunk C (default: the middle chunk). Each injection
