@@ -65,9 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--rows", type=int, default=None,
                        help="rows (sequences) of the global batch, split over the workers [the model preset's]")
     train.add_argument("--inject", action="append", default=[], metavar="KIND:rank=R|node=N:step=S[:phase=P]",
-                       help="inject a failure (kill, stop, node-kill); repeatable")
+                       help="inject a failure (kill, stop, hang, node-kill); repeatable")
     train.add_argument("--heartbeat-timeout", type=float, default=3.0,
-                       help="seconds without a heartbeat before a worker is declared hung [3]")
+                       help="seconds without a heartbeat before a worker or keeper is declared hung [3]")
+    train.add_argument("--progress-floor", type=float, default=30.0, metavar="S",
+                       help="a worker whose training thread has not advanced for max(S, F x median step time) "
+                            "seconds is declared hung, though its process heartbeats [30]")
+    train.add_argument("--progress-factor", type=float, default=20.0, metavar="F",
+                       help="F of --progress-floor [20]")
     train.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES,
                        help=f"bytes of unique state per protected chunk, a multiple of 12 [{DEFAULT_CHUNK_BYTES}]")
 
@@ -203,6 +208,9 @@ def _train(args: argparse.Namespace) -> int:
             raise UsageError(f"leto train: error: --inject {spec!r}: node {inj.node} is not in 0..{args.nodes - 1}")
     if args.heartbeat_timeout <= 0:
         raise UsageError(f"leto train: error: --heartbeat-timeout must be positive, got {args.heartbeat_timeout}")
+    if args.progress_floor <= 0 or args.progress_factor < 0:
+        raise UsageError(f"leto train: error: --progress-floor must be positive and --progress-factor not negative, "
+                         f"got {args.progress_floor} and {args.progress_factor}")
     try:
         load_tokens()
     except CorpusError as e:
@@ -214,7 +222,8 @@ def _train(args: argparse.Namespace) -> int:
     spec = JobSpec(command, args.workers, args.spares, args.nodes, run_dir, args.timeout, total_steps=args.steps,
                    protection=args.protection == "on", ec=args.ec, protect_every=args.protect_every,
                    protect_grads=args.protect_grads == "on",
-                   heartbeat_timeout_s=args.heartbeat_timeout,
+                   heartbeat_timeout_s=args.heartbeat_timeout, progress_floor_s=args.progress_floor,
+                   progress_factor=args.progress_factor,
                    inject=args.inject, no_spare=args.no_spare, zygotes=args.zygotes == "on")
     code = Controller(spec).run()
     summary = json.loads((run_dir / "summary.json").read_text())

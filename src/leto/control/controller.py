@@ -20,9 +20,11 @@ import torch.distributed as dist
 from leto.console import MetricsTail, StepDisplay
 from leto.control import linux
 from leto.control import runtime as rt
-from leto.control.membership import DONE, Plan, heartbeat_key, plan_key, warm_key
+from leto.control.membership import Plan, heartbeat_key, parse_beat, plan_key, warm_key
+from leto.control.progress import ProgressCheck
 from leto.control.zygote import ZYGOTES_OFF_KEY, fork_key, forked_key
 from leto.protection import doorbell, keys
+from leto.protection.placement import degradation
 from leto.recovery.decision import Spare, grow_plan, next_plan
 
 FORK_TIMEOUT_S = 2.0  # a zygote that does not deliver a shadow by then is passed over
@@ -51,7 +53,9 @@ class JobSpec:
     ec: tuple[int, int] | None = None  # tier-2 code; None: tier 1 only
     protect_every: int = 1           # protect the state every N steps (--protect-every)
     protect_grads: bool = False      # stage gradients even where every rank holds them (--protect-grads on)
-    heartbeat_timeout_s: float = 3.0   # a worker silent this long is declared hung and fenced
+    heartbeat_timeout_s: float = 3.0   # a worker or keeper silent this long is declared hung and fenced
+    progress_floor_s: float = 30.0     # a worker whose training thread has not advanced for
+    progress_factor: float = 20.0      # max(floor, factor x median step time) is hung (docs/design.md)
     inject: list[str] = field(default_factory=list)  # fault injections (--inject)
     no_spare: str = "shrink"           # lost ranks without a shadow: "shrink" the job, or "wait" for a cold one
     zygotes: bool = True               # one zygote per node forks replacement shadows (CPU jobs)
@@ -159,6 +163,7 @@ class Controller:
         self._last_beat_check = 0.0
         self._last_grow_check = 0.0
         self._forks: dict[str, int] = {}       # zygote -> fork requests sent
+        self.progress = ProgressCheck(spec.progress_floor_s, spec.progress_factor)
 
     # ----- processes
     def _spawn(self, role: str, rank: int | None, node: int) -> Proc:
@@ -261,6 +266,8 @@ class Controller:
                     if "step" in rec and "event" not in rec:
                         display.step(rec)
                         self._close_recoveries(rec)
+                        if rec.get("step_s") is not None:
+                            self.progress.record_step(float(rec["step_s"]))
                 if self._signal is not None:
                     display.message(f"leto: received {signal.Signals(self._signal).name}, stopping all processes")
                     return 128 + self._signal
@@ -292,12 +299,15 @@ class Controller:
         return self._find_failures()
 
     def _find_failures(self) -> list[tuple[Proc, str]]:
-        """Processes that died (any non-zero exit) or stopped heartbeating (fenced here)."""
+        """Processes that died (any non-zero exit), stopped heartbeating or stopped making
+        progress (both fenced here)."""
         out = []
         now = time.time()
         check_beats = now - self._last_beat_check >= HEARTBEAT_CHECK_S
         if check_beats:
             self._last_beat_check = now
+        if self.pending:  # a recovery or resize runs: its phases are no steps (ProgressCheck.reset)
+            self.progress.reset()
         for p in self.procs:
             if p.proc_id in self.handled:
                 continue
@@ -308,23 +318,44 @@ class Controller:
                 else:  # a worker or shadow that finished
                     self.handled.add(p.proc_id)
                 continue
-            if p.role == "worker" and check_beats:
-                last = self._heartbeat(p)
-                if last is not None and now - last > self.spec.heartbeat_timeout_s:
-                    _signal_quietly(p.popen, signal.SIGKILL)  # fence: a stopped process must never come back
-                    p.popen.wait()
-                    out.append((p, f"stopped heartbeating for {now - last:.1f}s (hung); fenced with SIGKILL"))
+            why = self._hung(p, now) if check_beats and p.role in ("worker", "keeper") else None
+            if why is not None:
+                _signal_quietly(p.popen, signal.SIGKILL)  # fence: a stopped process must never come back
+                p.popen.wait()
+                out.append((p, f"{why}; fenced with SIGKILL"))
         for p, _ in out:
             self.handled.add(p.proc_id)
         return out
 
-    def _heartbeat(self, p: Proc) -> float | None:
-        """The last heartbeat time, or None (not started yet, or left the job on purpose)."""
+    def _hung(self, p: Proc, now: float) -> str | None:
+        """Why a live worker or keeper counts as hung: no heartbeat for the heartbeat timeout,
+        or (a worker of the current generation) a training thread that made no progress for
+        the progress timeout; None while it is fine."""
+        beat = self._beat(p)
+        if beat is None:
+            return None
+        last, progress = beat
+        if now - last > self.spec.heartbeat_timeout_s:
+            return f"stopped heartbeating for {now - last:.1f}s (hung)"
+        if p.role != "worker" or self.pending or not any(m is p for m in self.members.values()):
+            return None
+        stalled = self.progress.stalled_for(p.proc_id, progress, now)
+        if stalled is None:
+            return None
+        return (f"made no progress for {stalled:.1f}s though its process heartbeats (training thread hung; "
+                f"timeout {self.progress.timeout_s():.1f}s)")
+
+    def _beat(self, p: Proc) -> tuple[float, int] | None:
+        """The last heartbeat (time, progress), or None (not started yet, or left on purpose)."""
         key = heartbeat_key(p.proc_id)
         if not self.store.check([key]):
             return None
-        value = self.store.get(key).decode()
-        return None if value == DONE else float(value)
+        return parse_beat(self.store.get(key).decode())
+
+    def _heartbeat(self, p: Proc) -> float | None:
+        """The last heartbeat time, or None (not started yet, or left the job on purpose)."""
+        beat = self._beat(p)
+        return None if beat is None else beat[0]
 
     def _on_failures(self, failed: list[tuple[Proc, str]]) -> int | None:
         """Decide generation g+1 and announce it; returns an exit code when the job must stop."""
@@ -372,6 +403,7 @@ class Controller:
             self.display.message(f"leto: cannot recover: {e}; stopping the job")
             return 1
         self._announce(new, dead_keepers)
+        self._note_degradation(new)
         t_fail = min(self._failure_time(p, t_detect) for p, _ in failed)
         record = {"generation": new.generation, "failed_ranks": sorted(lost_ranks), "failed_nodes": sorted(lost_nodes),
                   "cause": cause, "t_fail": t_fail, "t_detect": t_detect, "world_size": len(new.proc_of_rank),
@@ -388,8 +420,8 @@ class Controller:
             record["t_fail"], record["t_detect"] = min(old["t_fail"], t_fail), min(old["t_detect"], t_detect)
             record["interrupted"] += old["interrupted"] + [old["generation"]]
         self.pending = [dict(record, kind="failure")]
-        for n in dead_keepers - lost_nodes:  # the node lives: give it a new keeper
-            self._spawn("keeper", None, n)
+        for n in dead_keepers - lost_nodes:  # the node lives: give it a new keeper, at normal priority
+            _boost(self._spawn("keeper", None, n).popen.pid)  # (the workers wait for it to protect again)
             self.dead_keeper_nodes.discard(n)
         # new shadows start once this recovery has closed: starting one (importing torch, building
         # the model) would compete for the cores the recovery is using
@@ -415,6 +447,16 @@ class Controller:
             proc.role, proc.rank = "worker", q
         self.plan = new
         self.dead_keeper_nodes |= dead_keepers
+
+    def _note_degradation(self, new: Plan) -> None:
+        """After a loss, say what the tier-2 code re-placed over the nodes left no longer covers
+        (a `degraded` event, on the console and in summary.json); once per change."""
+        nodes = sorted(set(new.node_of_rank))
+        what = degradation(len(nodes), self.spec.ec) if self.spec.protection else None
+        if what is None or any(e["event"] == "degraded" and e["what"] == what for e in self.events):
+            return
+        self.event("degraded", generation=new.generation, nodes=nodes, what=what)
+        self.display.message(f"leto: degraded: {what}")
 
     def _maybe_grow(self) -> None:
         """After a shrink, a warm shadow joins as a new rank (no recovery may be in progress)."""
@@ -446,7 +488,7 @@ class Controller:
         key = f"control/inject/time/{p.proc_id}"
         if self.store.check([key]):
             return float(self.store.get(key))
-        last = self._heartbeat(p) if p.role == "worker" else None
+        last = self._heartbeat(p) if p.role in ("worker", "keeper") else None
         return min(t_detect, last) if last is not None else t_detect
 
     def _live_nodes(self, lost_nodes: set[int]) -> list[int]:
@@ -532,7 +574,8 @@ class Controller:
         summary = {**result, "wall_s": round(wall_s, 3), "workers": self.spec.workers,
                    "spares": self.spec.spares, "nodes": self.spec.nodes, "exit_code": code,
                    "recoveries": [e for e in self.events if e["event"] == "recovery"],
-                   "resizes": [e for e in self.events if e["event"] == "resize"]}
+                   "resizes": [e for e in self.events if e["event"] == "resize"],
+                   "degraded": [e for e in self.events if e["event"] == "degraded"]}
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
 
 

@@ -28,6 +28,41 @@ def heartbeat_key(proc_id: str) -> str:
     return f"control/hb/{proc_id}"
 
 
+def beat(store: dist.Store, proc_id: str, progress: int = 0) -> None:
+    """One heartbeat: the time and the training thread's progress counter."""
+    store.set(heartbeat_key(proc_id), f"{time.time()} {progress}")
+
+
+def parse_beat(value: str) -> tuple[float, int] | None:
+    """(time, progress) of a heartbeat, or None for a process that left the job on purpose."""
+    if value == DONE:
+        return None
+    t, _, progress = value.partition(" ")
+    return float(t), int(progress or 0)
+
+
+class Heartbeat:
+    """A thread that heartbeats for a process with no training thread (a keeper): it proves
+    that the process runs (a SIGSTOPped one stops beating), not what its main loop does."""
+
+    def __init__(self, addr: str, proc_id: str, timeout_s: float) -> None:
+        self._store = connect(addr, timeout_s)
+        self.proc_id = proc_id
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, name="leto-heartbeat", daemon=True).start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                beat(self._store, self.proc_id)
+            except Exception:  # the store is gone: the controller ended
+                return
+            self._stop.wait(CHECK_EVERY_S)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
 @dataclass(frozen=True)
 class Plan:
     """Who is rank what in one generation (written by the controller)."""
@@ -63,6 +98,10 @@ class GenerationWatch:
 
     `reason()` is what every wait in the worker polls: once generation g+1 exists, the worker
     must stop what it is doing in generation g (collectives, staging) and join the recovery.
+
+    `progress` counts what the training thread does: each step (`tick`) and each poll of a wait
+    (`reason`); every heartbeat carries it, so the controller tells a live process whose
+    training thread is stuck from one that waits (docs/design.md, "Progress, not liveness").
     """
 
     def __init__(self, addr: str, proc_id: str, generation: int, timeout_s: float) -> None:
@@ -70,6 +109,7 @@ class GenerationWatch:
         self.proc_id = proc_id
         self.generation = generation
         self._next: int | None = None
+        self.progress = 0  # written by the training thread only, read by the heartbeat thread
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="leto-watch", daemon=True)
@@ -78,7 +118,7 @@ class GenerationWatch:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self._store.set(heartbeat_key(self.proc_id), str(time.time()))
+                beat(self._store, self.proc_id, self.progress)
                 with self._lock:
                     want = self.generation + 1
                     pending = self._next is not None
@@ -95,7 +135,12 @@ class GenerationWatch:
             except Exception:  # the store is gone: the controller ended
                 return
 
+    def tick(self) -> None:
+        """The training thread made progress (a step begins)."""
+        self.progress += 1
+
     def reason(self) -> str | None:
+        self.progress += 1  # the training thread polls: it is running, waiting with a timeout
         with self._lock:
             return f"generation {self._next} was announced" if self._next is not None else None
 

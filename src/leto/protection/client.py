@@ -71,7 +71,7 @@ class Protector:
     def _publish(self, idx: int, kind: int, step: int, chunk: int, crc: int, last: bool) -> None:
         h = self.hdr[idx]
         h[S_KIND], h[S_STEP], h[S_CHUNK], h[S_CRC] = kind, step, chunk, crc
-        h[S_READY] = 1  # last: the keeper applies only complete slots
+        h[S_READY] = 1  # last: the keeper applies only complete slots (total store order: see shm.py)
         self.seq += 1
         # every half ring and at a step's last chunk: the keeper folds while the worker stages the
         # next ones, and wakes up half as often as there are chunks (a lost ring costs latency only)

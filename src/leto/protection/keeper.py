@@ -22,12 +22,13 @@ import torch.distributed as dist
 
 from leto.control import linux
 from leto.control import runtime as rt
+from leto.control.membership import Heartbeat
 from leto.protection import doorbell, keys
 from leto.protection.codec import scale_into, xor_into
 from leto.protection.layout import Layout
 from leto.protection.shm import (H_BASE, H_DCOMMIT, H_GCOMMIT, H_GEN, H_MAGIC, H_PID, H_STATE, KIND_DELTA,
                                  KIND_GRAD, MAGIC, S_CHUNK, S_CRC, S_KIND, S_READY, S_STEP, STATE_DRAINED,
-                                 STATE_RUNNING, Region)
+                                 STATE_RUNNING, Region, check_store_order)
 
 HDR = 8           # int64 fields in a tier-2 message header
 TAG = {KIND_GRAD: 1, KIND_DELTA: 2}
@@ -234,7 +235,7 @@ class Keeper:
             for _ in range(self.layout.ring_slots):
                 idx = self.next_slot[w] % self.layout.ring_slots
                 h = hdrs[w, idx]
-                if h[S_READY] != 1:
+                if h[S_READY] != 1:  # then read the slot: total store order is assumed (shm.py)
                     break
                 kind, step, chunk, crc = int(h[S_KIND]), int(h[S_STEP]), int(h[S_CHUNK]), int(h[S_CRC])
                 payload = data[w, idx, :self.nbytes[kind]]
@@ -387,6 +388,33 @@ class Keeper:
             return True
         return False
 
+    def settle_barrier(self, live_nodes: set[int], timeout_s: float, abandoned: Callable[[], bool]) -> None:
+        """After a drain was read, before the commit is judged: finish the barrier in flight, so
+        that every keeper reports the same committed step. A barrier completes for all keepers
+        or for none, and its completion reaches the main loop only through `_await_barrier`'s
+        thread; a keeper that saw the drain first would otherwise report the step as
+        uncommitted while a peer that processed the completion reports it committed. Each
+        keeper publishes where it stopped; one in flight waits until its barrier resolves,
+        or a live peer says it never entered it or saw it fail (then it cannot complete here
+        either: a peer that keeps waiting on a dead keeper is not told by gloo), or the timeout."""
+        kind, step = self.next_barrier
+        in_flight = self.barrier_work is not None
+        mine = keys.barrier_state(self.gen, self.node)
+        self.store.set(mine, json.dumps([kind, step, in_flight]))
+        if not in_flight:
+            return
+        deadline = time.monotonic() + timeout_s
+        peers = [keys.barrier_state(self.gen, n) for n in sorted(live_nodes)
+                 if n != self.node and n in self.layout.nodes]
+        hopeless = ([kind, step, False], [kind, step, "failed"])
+        while not self.barrier_done.wait(1e-3):
+            if time.monotonic() > deadline or abandoned():
+                return
+            if any(self.store.check([key]) and json.loads(self.store.get(key)) in hopeless for key in peers):
+                return
+        self._advance_barrier()  # record the completion (or the failure) like the main loop does
+        self.store.set(mine, json.dumps([kind, step, "failed" if self.broken else "done"]))
+
     def _await_barrier(self, work: dist.Work) -> None:
         """Wait for the barrier in a thread (gloo work cannot be polled cheaply) and ring."""
         linux.name_thread("keeper-barrier")
@@ -476,14 +504,18 @@ class Keeper:
             self.region.unlink()
 
 
+def _superseded(plan: dict, job: rt.Job) -> Callable[[], bool]:
+    """Whether the drain `plan` became moot: the job shuts down or a later drain was announced."""
+    later = keys.drain(int(plan["next_generation"]))
+    return lambda: job.shutdown_requested() or job.store.check([later])
+
+
 def _report(committed: Keeper | None, plan: dict, job: rt.Job) -> dict:
     """Drain and describe the last committed generation for the drain `plan`; a keeper with none
     says so."""
     if committed is None:
         return {"node": job.node, "empty": True}
-    later = keys.drain(int(plan["next_generation"]))
-    report = committed.drain(set(plan["live_nodes"]), job.timeout_s,
-                             lambda: job.shutdown_requested() or job.store.check([later]))
+    report = committed.drain(set(plan["live_nodes"]), job.timeout_s, _superseded(plan, job))
     report["generation_used"] = committed.gen
     return report
 
@@ -496,6 +528,8 @@ def main() -> None:
     torch.set_num_threads(1)
     linux.normal_priority()  # torch is imported (at idle priority, see the controller): serve at normal priority
     job = rt.init(device="cpu")
+    check_store_order()
+    Heartbeat(os.environ[rt.ENV_STORE], job.proc_id, job.timeout_s)  # the controller fences a keeper that stops
     node = job.node
     committed: Keeper | None = None   # the last generation whose protection is complete
     gen = 0
@@ -520,6 +554,9 @@ def main() -> None:
             return "shutdown" if job.shutdown_requested() else None
 
         reason = current.run(should_stop)
+        if reason == "drain":
+            plan = json.loads(job.store.get(keys.drain(gen)))
+            current.settle_barrier(set(plan["live_nodes"]), job.timeout_s, _superseded(plan, job))
         if current.region.header[H_DCOMMIT] >= layout.base_step:
             if committed is not None:
                 committed.close(unlink=True)

@@ -27,3 +27,8 @@ def sent(gen: int, src: int, dst: int) -> str:
 
 def report(gen: int, node: int) -> str:
     return f"prot/g{gen}/report/{node}"
+
+
+def barrier_state(gen: int, node: int) -> str:
+    """A draining keeper's barrier state: the next barrier and whether it entered it."""
+    return f"prot/g{gen}/barrier/{node}"

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from leto.protection.codec import ErasureCode, make_code
-from leto.protection.placement import Stripe, plan_stripes
+from leto.protection.placement import Stripe, fitted_code, plan_stripes
 
 GRAD_ROWS = 1
 STATE_ROWS = 3
@@ -90,13 +90,12 @@ class Layout:
     # ----- tier 2
     @cached_property
     def tier2(self) -> tuple[ErasureCode, list[Stripe]] | None:
-        """The code and stripes over node indices, or None when the membership cannot host it."""
-        if self.ec is None:
+        """The code and stripes over node indices: the requested code, re-placed over the nodes
+        left after a loss (`fitted_code`); None with no code or a single node."""
+        code = fitted_code(len(self.nodes), self.ec)
+        if code is None:
             return None
-        k, m = self.ec
-        if len(self.nodes) % (k + m):
-            return None
-        return make_code(k, m), plan_stripes(len(self.nodes), k, m)
+        return make_code(*code), plan_stripes(len(self.nodes), *code)
 
     @cached_property
     def positions_per_node(self) -> int:

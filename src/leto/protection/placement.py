@@ -26,6 +26,7 @@ from dataclasses import dataclass
 __all__ = [
     "Stripe",
     "default_code",
+    "fitted_code",
     "lost_summary",
     "padded_size",
     "plan_stripes",
@@ -85,6 +86,34 @@ class Stripe:
 def default_code(num_nodes: int) -> tuple[int, int] | None:
     """`--ec auto`: (nodes-1)+1 across all nodes; no tier 2 on a single node."""
     return (num_nodes - 1, 1) if num_nodes >= 2 else None
+
+
+def fitted_code(num_nodes: int, requested: tuple[int, int] | None) -> tuple[int, int] | None:
+    """The tier-2 code placed over `num_nodes` nodes for the requested k+m: as requested while
+    k + m divides the node count; otherwise (fewer nodes after a loss) re-placed as one group
+    over every node, (nodes - m')+m' with m' = min(m, nodes - 1), so that the next node loss is
+    survivable again; None when fewer than 2 nodes are left (or none was requested)."""
+    if requested is None:
+        return None
+    k, m = requested
+    if num_nodes >= k + m and num_nodes % (k + m) == 0:
+        return requested
+    m = min(m, num_nodes - 1)
+    return (num_nodes - m, m) if m >= 1 else None
+
+
+def degradation(num_nodes: int, requested: tuple[int, int] | None) -> str | None:
+    """What the requested tier-2 code no longer covers on `num_nodes` nodes, or None."""
+    if requested is None:
+        return None
+    fitted = fitted_code(num_nodes, requested)
+    if fitted is None:
+        return (f"tier 2 is off: {num_nodes} node left, so a node loss is no longer survivable "
+                f"(--ec {requested[0]}+{requested[1]} asked for {requested[1]}); tier 1 still covers one rank per node")
+    if fitted[1] < requested[1]:
+        return (f"tier 2 re-placed as {fitted[0]}+{fitted[1]} over {num_nodes} nodes: it survives {fitted[1]} "
+                f"node loss(es) at once, not {requested[1]} as --ec {requested[0]}+{requested[1]} asked")
+    return None
 
 
 def valid_specs(num_nodes: int, max_m: int = 3) -> list[str]:

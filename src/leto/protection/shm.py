@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import mmap
 import os
+import platform
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +27,26 @@ STATE_RUNNING, STATE_DRAINED = 1, 2
 S_READY, S_KIND, S_STEP, S_CHUNK, S_CRC, S_SEQ = range(6)
 KIND_GRAD, KIND_DELTA = 1, 2
 EMPTY = -1  # version of a chunk nothing was folded for yet
+
+# Store order. A staging slot is published with plain stores and no fence (Python has none): the
+# worker writes the slot's bytes and header fields, then S_READY = 1 (`Protector._publish`); the
+# keeper reads S_READY == 1, then the header and bytes (`Keeper._consume_slots`), and hands the
+# slot back with S_READY = 0 after it has read them. This is correct only where another core sees
+# one core's stores in program order and loads are not reordered with older loads: total store
+# order, x86-64 (each numpy assignment is a separate C call, so neither compiler reorders them
+# across one another). On a weaker machine (arm64, POWER) the keeper could fold a slot's stale
+# bytes; the checksums recorded with every chunk would then fail at decode, and recovery would
+# fall back to tier 2 or stop rather than go on with wrong state, but protection would be lost.
+TOTAL_STORE_ORDER = frozenset({"x86_64", "amd64", "i386", "i686"})
+
+
+def check_store_order() -> None:
+    """Warn once where the staging protocol's store-order assumption does not hold (above)."""
+    machine = platform.machine().lower()
+    if machine not in TOTAL_STORE_ORDER:
+        warnings.warn(f"leto: staging slots rely on total store order (x86-64); this machine is {machine}: "
+                      f"a reordered slot is caught by its checksum at decode, not prevented", RuntimeWarning,
+                      stacklevel=2)
 
 
 def region_name(job: str, generation: int, node: int) -> str:

@@ -1,9 +1,10 @@
 """Fault injection for tests and demos: real signals at chosen steps and phases.
 
 `--inject KIND:rank=R|node=N:step=S[:phase=P][:chunk=C]`, repeatable. KIND is `kill` (SIGKILL
-the rank), `stop` (SIGSTOP it: a hang) or `node-kill` (SIGKILL every process of node N: workers,
-shadows, keeper). Step S is the 1-based step being computed; the phase is where in it (default
-forward): forward, backward, reduce-scatter, grads (staging gradient chunks), update (the chunked
+the rank), `stop` (SIGSTOP it: a hang), `hang` (the training thread sleeps for ever while the
+process and its heartbeat thread live on: a deadlock only progress can reveal) or `node-kill`
+(SIGKILL every process of node N: workers, shadows, keeper). Step S is the 1-based step being
+computed; the phase is where in it (default forward): forward, backward, reduce-scatter, grads (staging gradient chunks), update (the chunked
 optimizer update), all-gather, parity (staging the state deltas of the previous step, which happens
 at the start of step S), recovery (while joining the first recovery at or after step S). In the
 chunked phases the failure hits just before chunk C (default: the middle chunk). Each injection
@@ -18,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-KINDS = ("kill", "stop", "node-kill")
+KINDS = ("kill", "stop", "hang", "node-kill")
 PHASES = ("forward", "backward", "reduce-scatter", "grads", "update", "all-gather", "parity", "recovery")
 CHUNKED = ("grads", "update", "parity")  # phases that run chunk by chunk (chunk=C picks the boundary)
 
@@ -99,6 +100,9 @@ class Injector:
         if inj.kind == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
             return
+        if inj.kind == "hang":  # for ever, on purpose: only the controller's fence ends it
+            while True:
+                time.sleep(3600)
         if inj.kind == "node-kill" and self.run_dir is not None:
             procs = json.loads((self.run_dir / "procs.json").read_text())
             for p in procs:

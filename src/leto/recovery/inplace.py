@@ -17,7 +17,7 @@ from leto.control.comm import Comm, PeerFailure
 from leto.control.membership import plan_key, read_plan
 from leto.protection import keys
 from leto.protection.layout import Layout
-from leto.recovery.rebuild import Rebuilder, RecoveryError, Roles, assign_roles, make_plan
+from leto.recovery.rebuild import Rebuilder, RecoveryError, Roles, assign_roles, make_plan, recovery_step
 from leto.training.optim import MASTER
 
 if TYPE_CHECKING:
@@ -68,8 +68,8 @@ def join(tr: Trainer, gen: int) -> dict:
     _wait_keys(tr, [keys.report(gen - 1, n) for n in live], f"keeper reports of generation {gen - 1}")
     reports = {n: json.loads(store.get(keys.report(gen - 1, n))) for n in live}
     reports = {n: r for n, r in reports.items() if not r.get("empty")}  # a new keeper holds nothing yet
-    if not reports:
-        raise RecoveryError("no keeper holds committed protection data: nothing to rebuild from")
+    if not reports:  # every keeper is gone or new: go on if no rank's state was lost
+        return _rejoin_intact(tr, gen, plan, t0)
     used = {r["generation_used"] for r in reports.values()}
     if len(used) != 1:
         raise RecoveryError(f"keepers report different protection generations {sorted(used)}")
@@ -156,6 +156,81 @@ def _lineage(store, gen: int, rank: int, proc_id: str, roles: Roles) -> list[str
         if rank < len(p) and p[rank] not in procs:
             procs.append(p[rank])
     return procs
+
+
+def _settled_generation(tr: Trainer) -> int:
+    """The last generation this process completed joining (0: an original worker; -1: none)."""
+    if tr.recoveries:
+        return int(tr.recoveries[-1]["generation"])
+    return 0 if read_plan(tr.job.store, 0).rank_of(tr.job.proc_id) is not None else -1
+
+
+def _rejoin_intact(tr: Trainer, gen: int, plan, t0: float) -> dict:
+    """Join generation `gen` with no keeper data at all (every keeper died or is new: a one-node
+    job, or the last node's keeper): possible only when every member holds its own state, i.e.
+    all settled in one generation with the same processes in the same ranks, nothing resharding.
+    The members agree on a step each can reach from what it holds, finish it, and protect the new
+    generation from their own shards (a new base, like the initial protection)."""
+    settled = _settled_generation(tr)
+    layout = Layout.from_json(tr.job.store.get(keys.layout(settled))) if settled >= 0 else None
+    reach = set() if tr.inplace else _reachable_steps(tr)
+    fits = (layout is not None and tr._pending_reshard is None and tr.geometry == layout.geometry
+            and read_plan(tr.job.store, settled).proc_of_rank == plan.proc_of_rank and (tr.inplace or bool(reach)))
+    low = -1 if not fits else min(tr.chunk_step) if tr.inplace else min(reach)
+    agree = torch.tensor([settled, -settled, 1 if fits else 0, low], dtype=torch.int64)
+    tr.comm.all_reduce(agree, torch.distributed.ReduceOp.MIN)
+    if int(agree[0]) != -int(agree[1]) or int(agree[2]) != 1:
+        raise RecoveryError("no keeper holds committed protection data, and not every member holds its own state "
+                            "in one generation: nothing to rebuild from")
+    if tr.inplace:  # the replicated-gradient rule of `recovery_step`, from the members' own chunk versions
+        held, source = _held_gradients(tr, layout)
+        T = recovery_step({-1: {"applied": int(agree[3])}}, layout, held)
+        if T == held >= 0:
+            grads = _share_gradients(tr, layout, T, source)
+            tr.grad_step = T if grads is tr.flat_grad else None
+    else:
+        T = _common_step(tr, int(agree[3]), reach)
+    tr.restore_rank_state(T, [tr.job.proc_id])  # same processes in the same ranks
+    t_restore = time.time()
+    tr.bring_to(T)
+    tr.step_count = T
+    tr.param_shard.copy_(tr.state[:, MASTER, :].reshape(-1))
+    tr.comm.all_gather(tr.flat_param, tr.param_shard)
+    restore_s = time.time() - t_restore
+    t_protect = time.time()
+    tr._protect(gen, T, wait=False)
+    record = {"generation": gen, "failed_ranks": [], "failed_nodes": list(plan.failed_nodes), "cause": plan.cause,
+              "tier": "none", "step": T, "restore_s": round(restore_s, 4), "world_size": tr.world_size,
+              "resharded": False, "decode_start_s": round(t_restore - t0, 4),
+              "protect_s": round(time.time() - t_protect, 4), "join_s": round(time.time() - t0, 4),
+              "repaired": [], "rebuilt_from": "the workers' own state (no keeper data)"}
+    if tr.rank == 0:
+        tr.job.store.set(recovery_key(gen), json.dumps(record))
+    return record
+
+
+def _reachable_steps(tr: Trainer) -> set[int]:
+    """Steps this rank can bring its own whole state to (two buffers, no keeper): the steps it
+    holds (and its snapshot of the last protected one), and one more where it holds that step's
+    gradients (`Trainer.bring_to`)."""
+    held = {s for s in tr.buf_step if s >= 0}
+    out = held | ({tr.snap_step} if tr.snap_step >= 0 else set())
+    for s in held:
+        try:
+            tr.grads_of(s + 1)
+        except RecoveryError:
+            continue
+        out.add(s + 1)
+    return out
+
+
+def _common_step(tr: Trainer, low: int, reach: set[int]) -> int:
+    """The latest step every member can reach: one BAND all-reduce of bit masks from `low`."""
+    bits = torch.tensor([sum(1 << (s - low) for s in reach if 0 <= s - low < 62)], dtype=torch.int64)
+    tr.comm.all_reduce(bits, torch.distributed.ReduceOp.BAND)
+    if int(bits.item()) == 0:
+        raise RecoveryError("no keeper holds committed protection data and the members hold no common step")
+    return low + int(bits.item()).bit_length() - 1
 
 
 def _reshard(tr: Trainer, layout: Layout, roles: Roles, rb: Rebuilder, T: int, me: int | None,

@@ -411,6 +411,8 @@ class Trainer:
 
     def _step(self, loss_fn: Callable[[], torch.Tensor] | Sequence[Callable[[], torch.Tensor]],
               weight: float | None, tokens: int) -> float:
+        if self.watch is not None:
+            self.watch.tick()  # progress for the controller's hang check (docs/design.md)
         w = 1.0 / self.world_size if weight is None else weight
         micro = [loss_fn] if callable(loss_fn) else list(loss_fn)
         if not micro:
