@@ -63,7 +63,9 @@ def fresh(run_dir: Path, command: list[str], persist: bool, persist_dir: Path | 
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise store.CheckpointError(f"cannot create the checkpoint folder {root}: {e.strerror or e}") from e
-    write_json_atomic(run_dir / RECORD, {"dir": str(root), "command": command})
+    # relative when inside the run folder, so a run folder can be moved or copied whole
+    where = root.relative_to(run_dir.resolve()) if root.is_relative_to(run_dir.resolve()) else root
+    write_json_atomic(run_dir / RECORD, {"dir": str(where), "command": command})
     cfg = PersistConfig(str(root), fingerprint(command), mtbf_s, every)
     return Start(root, {ENV_PERSIST: cfg.to_env()})
 
@@ -82,7 +84,7 @@ def resume(run_dir: Path, command: list[str], persist: bool, mtbf_s: float, ever
             f"its checkpoints belong to another configuration: recorded `{shlex.join(record['command'])}`, "
             f"now `{shlex.join(command)}` (give the flags of the run being resumed)")
     _not_running(run_dir)
-    root = Path(record["dir"])
+    root = run_dir / record["dir"]  # a relative one is inside the run folder
     ck = store.choose(root, fingerprint(command), lambda msg: print(f"leto: {msg}", file=sys.stderr))
     for step, path in store.steps_on_disk(root):  # newer ones are torn or corrupt: this run rewrites them
         if step > ck.step:
