@@ -233,7 +233,7 @@ def test_interval_helpers() -> None:
 
 
 def test_young_daly_k_is_chosen_from_measured_costs_and_shared(launcher, tmp_path: Path) -> None:
-    """No --persist-every: a calibration checkpoint 3 steps in, then rank 0's K for --mtbf."""
+    """No --persist-every: a calibration checkpoint 5 steps in, then rank 0's K for --mtbf."""
     run_dir = tmp_path / "run"
     res, s = train(launcher, run_dir, *SMALL[:-2], "--steps", "14", "--mtbf", "3s", "--protection", "off")
     assert res.returncode == 0, res.stderr[-3000:]
@@ -243,5 +243,19 @@ def test_young_daly_k_is_chosen_from_measured_costs_and_shared(launcher, tmp_pat
     assert abs(plan["every"] - k) <= 1 and plan["mtbf_s"] == 3.0  # the event's times are rounded
     k = plan["every"]
     commits = [e["step"] for e in events(run_dir, "persist_commit")]
-    assert commits[0] == 3
+    assert commits[0] == 5
     assert all((c - plan["first"]) % k == 0 and c >= plan["first"] for c in commits[1:])
+
+
+def test_leto_run_resumes_a_user_script(launcher, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    job = ("--workers", "2", "--persist-every", "4", "examples/minimal.py", "--steps", "12")
+    res = launcher.run("run", "--run-dir", str(run_dir), *job, run_dir=run_dir)
+    assert res.returncode == 0, res.stderr[-3000:]
+    digest = json.loads((run_dir / "summary.json").read_text())["digest"]
+    newest = store.complete(run_dir / "checkpoints")[0]
+    (newest.path / store.COMMIT).unlink()
+    res = launcher.run("run", "--resume", str(run_dir), *job, run_dir=run_dir)
+    assert res.returncode == 0, res.stderr[-3000:]
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["digest"] == digest and s["resumed_from_step"] < newest.step and s["steps"] == 12

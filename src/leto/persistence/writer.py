@@ -20,6 +20,7 @@ import math
 import os
 import pickle
 import statistics
+import sys
 import time
 import warnings
 from concurrent.futures import Future
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
 ENV_PERSIST = "LETO_PERSIST"   # JSON PersistConfig, set by `leto train|run` (absent: persistence off)
 ENV_RESUME = "LETO_RESUME"     # JSON {"path", "step"}: load this checkpoint at the start
 EVERY_KEY = "persist/every"    # store: {"every": K, "first": step} once rank 0 has chosen K
-CALIBRATE_AFTER = 3            # steps timed before the calibration checkpoint
+CALIBRATE_AFTER = 5            # steps timed before the calibration checkpoint (the first is not used)
 WRITE_TIMEOUT_S = 120.0        # the longest wait for the last write at the end of the job
 
 # each rank writes a one-process DCP checkpoint on purpose: say so once, not at every save
@@ -79,6 +80,7 @@ class Persister:
         self._t_last: float | None = None
         self.calibrated = cfg.every is not None
         self.skipped = 0
+        self.failed = 0
 
     # ----- schedule
     def _due(self, step: int, rank: int) -> bool:
@@ -96,7 +98,8 @@ class Persister:
 
     def _choose_k(self, step: int, write_s: float) -> None:
         """Rank 0, after the calibration write: K from Young/Daly, published for every rank."""
-        step_s = statistics.median(self.step_times[-20:]) if self.step_times else 0.0
+        times = self.step_times[1:] or self.step_times  # the first step after a start is slow
+        step_s = statistics.median(times[-20:]) if times else 0.0
         interval_s = young_daly_interval(write_s, self.cfg.mtbf_s)
         # never two writes in flight: K steps must outlast a write
         every = max(steps_between(interval_s, step_s), math.ceil(write_s / step_s) + 1 if step_s > 0 else 1)
@@ -125,23 +128,25 @@ class Persister:
             return
         path = store.part_dir(store.step_dir(self.root, step), rank)
         path.mkdir(parents=True, exist_ok=True)
-        sd = part_state(trainer, step)
         t0 = time.perf_counter()
-        fut = self.dcp.async_save(sd, storage_writer=self.dcp.FileSystemWriter(str(path), overwrite=True),
-                                  no_dist=True)  # stages a host copy here; writes in DCP's thread
+        fut = self.dcp.async_save(part_state(trainer, step), no_dist=True,  # stages a host copy here,
+                                  storage_writer=self.dcp.FileSystemWriter(str(path), overwrite=True))  # writes in DCP's thread
+        stage_s = time.perf_counter() - t0  # the whole cost in the step
         world = trainer.world_size
         done: Future = Future()
-        fut.add_done_callback(lambda f: self._on_written(f, done, step, rank, world, t0))
+        fut.add_done_callback(lambda f: self._on_written(f, done, step, rank, world, t0, stage_s))
         self.pending = (step, t0, done)
 
-    def _on_written(self, fut: Future, done: Future, step: int, rank: int, world: int, t0: float) -> None:
+    def _on_written(self, fut: Future, done: Future, step: int, rank: int, world: int, t0: float,
+                    stage_s: float) -> None:
         """DCP's thread: the part's bytes are on disk; record them and maybe commit."""
         try:
             fut.result()
             ckpt = store.step_dir(self.root, step)
             if store.mark_part(ckpt, rank, step, world, self.cfg.fingerprint):
                 store.prune(self.root)
-                self._event("persist_commit", step=step, world_size=world, rank=rank)
+                self._event("persist_commit", step=step, world_size=world, rank=rank, stage_s=round(stage_s, 6),
+                            write_s=round(time.perf_counter() - t0, 4))
             done.set_result(time.perf_counter() - t0)
         except BaseException as e:  # noqa: BLE001 - handed to the training thread
             done.set_exception(e)
@@ -149,7 +154,15 @@ class Persister:
     def _finish_pending(self, rank: int) -> None:
         step, _, done = self.pending
         self.pending = None
-        write_s = done.result(timeout=WRITE_TIMEOUT_S)  # re-raises a failed write
+        try:
+            write_s = done.result(timeout=WRITE_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - a failed write (disk full...) must not stop training
+            self.failed += 1
+            self._event("persist_failed", step=step, rank=rank, error=f"{type(e).__name__}: {e}")
+            if self.failed == 1:
+                print(f"leto: rank {rank}: checkpoint of step {step} failed ({type(e).__name__}: {e}); "
+                      f"training goes on, the previous complete checkpoint stays", file=sys.stderr, flush=True)
+            return
         if rank == 0 and not self.calibrated:
             self._choose_k(step, write_s)
 
