@@ -259,3 +259,20 @@ def test_leto_run_resumes_a_user_script(launcher, tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr[-3000:]
     s = json.loads((run_dir / "summary.json").read_text())
     assert s["digest"] == digest and s["resumed_from_step"] < newest.step and s["steps"] == 12
+
+
+def test_a_resumed_job_still_recovers_in_place(launcher, tmp_path: Path, small_run) -> None:
+    """Protection starts from the resumed step: a worker SIGKILLed after the resume is adopted
+    by a shadow and decoded from the keepers, and the digest is still the failure-free one."""
+    run_dir = copy_run(small_run[0], tmp_path / "run")
+    for ck in store.complete(run_dir / "checkpoints")[:1]:
+        (ck.path / store.COMMIT).unlink()
+    if store.complete(run_dir / "checkpoints")[0].step >= 7:
+        pytest.skip("no complete checkpoint before step 7 (a write was skipped)")
+    args = [*SMALL]
+    args[args.index("--spares") + 1] = "1"
+    res, s = train(launcher, run_dir, "--resume", str(run_dir), *args, "--inject", "kill:rank=1:step=7:phase=update")
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    assert s["resumed_from_step"] < 7 and s["digest"] == small_run[1]
+    (rec,) = s["recoveries"]
+    assert rec["failed_ranks"] == [1] and rec["tier"] == "tier1" and rec["lost_steps"] == 0
