@@ -131,15 +131,19 @@ class Persister:
                 self._event("persist_skipped", step=step, writing=self.pending[0])
             return
         path = store.part_dir(store.step_dir(self.root, step), rank)
-        path.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        fut = self.dcp.async_save(part_state(trainer, step), no_dist=True, async_stager=self.stager,  # the copy, here
-                                  storage_writer=self.dcp.FileSystemWriter(str(path), overwrite=True))  # the write: DCP's thread
-        stage_s = time.perf_counter() - t0  # the whole cost in the step
-        world = trainer.world_size
         done: Future = Future()
-        fut.add_done_callback(lambda f: self._on_written(f, done, step, rank, world, t0, stage_s))
         self.pending = (step, t0, done)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            fut = self.dcp.async_save(part_state(trainer, step), no_dist=True, async_stager=self.stager,  # the copy,
+                                      storage_writer=self.dcp.FileSystemWriter(str(path), overwrite=True))  # the write
+        except Exception as e:  # noqa: BLE001 - reported by _finish_pending, like a failed write
+            done.set_exception(e)
+            return
+        stage_s = time.perf_counter() - t0  # the whole cost in the step; the write is in DCP's thread
+        world = trainer.world_size
+        fut.add_done_callback(lambda f: self._on_written(f, done, step, rank, world, t0, stage_s))
 
     def _on_written(self, fut: Future, done: Future, step: int, rank: int, world: int, t0: float,
                     stage_s: float) -> None:
@@ -156,17 +160,17 @@ class Persister:
             done.set_exception(e)
 
     def _finish_pending(self, rank: int) -> None:
-        step, _, done = self.pending
+        step, t0, done = self.pending
         self.pending = None
         try:
             write_s = done.result(timeout=WRITE_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - a failed write (disk full...) must not stop training
+            write_s = time.perf_counter() - t0  # K is still chosen, so a failing disk is retried every K steps
             self.failed += 1
             self._event("persist_failed", step=step, rank=rank, error=f"{type(e).__name__}: {e}")
             if self.failed == 1:
                 print(f"leto: rank {rank}: checkpoint of step {step} failed ({type(e).__name__}: {e}); "
                       f"training goes on, the previous complete checkpoint stays", file=sys.stderr, flush=True)
-            return
         if rank == 0 and not self.calibrated:
             self._choose_k(step, write_s)
 
