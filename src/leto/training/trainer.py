@@ -186,7 +186,9 @@ class Trainer:
         self.comm.broadcast(self.flat_param, 0)  # all ranks start from rank 0's initialization
         shard = self.flat_param[self.rank * self.shard_elems:(self.rank + 1) * self.shard_elems]
         self.state[:, MASTER, :].copy_(shard.view(self.n_chunks, self.chunk_elems))
-        self._resume()  # --resume: start from a persistent checkpoint
+        # --resume: start from a persistent checkpoint. MERGE: keep this before main's
+        # `_gather_rank_state(self.step_count)`, which must gather the resumed buffers
+        self._resume()
         if job.protection and self.plan is not None:
             self._protect(0, self.step_count)
 
