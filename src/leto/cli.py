@@ -7,9 +7,13 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from leto.training.model import PRESETS
 from leto.training.trainer import DEFAULT_CHUNK_BYTES
+
+if TYPE_CHECKING:
+    from leto.persistence.resume import Start
 
 
 class UsageError(Exception):
@@ -44,6 +48,23 @@ def _add_job_flags(p: argparse.ArgumentParser, workers: int, spares: int, nodes:
                    help="hand each step's gradient shard to the keepers: auto does so only where the reduction "
                         "leaves a rank alone with its shard (NCCL's reduce-scatter); on gloo every rank holds "
                         "the whole reduced gradient and a replay takes it from a survivor; on: always [auto]")
+    _add_persist_flags(p)
+
+
+def _add_persist_flags(p: argparse.ArgumentParser) -> None:
+    """Persistence, the last line of defence (docs/design.md, "Persistence")."""
+    from leto.persistence.resume import DEFAULT_MTBF
+    p.add_argument("--persist", choices=["on", "off"], default="on",
+                   help="an asynchronous DCP checkpoint of the whole state every K steps, off the critical "
+                        "path; the last 2 complete ones are kept [on]")
+    p.add_argument("--persist-dir", type=Path, default=None, help="checkpoint folder [RUN_DIR/checkpoints]")
+    p.add_argument("--mtbf", default=DEFAULT_MTBF, metavar="DURATION",
+                   help=f"expected time between failures the codes cannot absorb (e.g. 90s, 5m, 2h): K is the "
+                        f"Young/Daly interval for it and the measured cost of a checkpoint [{DEFAULT_MTBF}]")
+    p.add_argument("--persist-every", type=int, default=None, metavar="K",
+                   help="checkpoint every K steps instead of Young/Daly's K")
+    p.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
+                   help="continue the run in RUN_DIR from its newest complete checkpoint (same flags)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,6 +142,31 @@ def _check_job(args: argparse.Namespace, prog: str) -> None:
     if args.protect_every < 1:
         raise UsageError(f"{prog}: error: --protect-every must be at least 1, got {args.protect_every}")
     args.ec = _tier2_code(args.ec, args.nodes, prog)
+    from leto.persistence.resume import check_flags
+    try:
+        args.mtbf_s = check_flags(args.persist, args.mtbf, args.persist_every)
+    except ValueError as e:
+        raise UsageError(f"{prog}: error: {e}") from e
+    if args.resume is not None and args.run_dir is not None and args.run_dir.resolve() != args.resume.resolve():
+        raise UsageError(f"{prog}: error: --resume {args.resume} continues that run in its own folder; "
+                         f"drop --run-dir {args.run_dir}")
+
+
+def _start(args: argparse.Namespace, command: list[str], prog: str) -> tuple[Path, Start]:
+    """The run folder and what persistence (or --resume) adds to the job: `command` is what
+    identifies the trajectory (checked on --resume)."""
+    from leto.persistence import resume
+    from leto.persistence.store import CheckpointError
+    try:
+        if args.resume is not None:
+            run_dir = args.resume.resolve()
+            return run_dir, resume.resume(run_dir, command, args.persist == "on", args.mtbf_s, args.persist_every)
+        run_dir = make_run_dir(args.run_dir, prog)
+        return run_dir, resume.fresh(run_dir, command, args.persist == "on", args.persist_dir, args.mtbf_s,
+                                     args.persist_every)
+    except CheckpointError as e:
+        flag = f"--resume {args.resume}" if args.resume is not None else "--persist-dir"
+        raise UsageError(f"{prog}: error: {flag}: {e}") from e
 
 
 def _tier2_code(spec: str, nodes: int, prog: str) -> tuple[int, int] | None:
@@ -170,12 +216,17 @@ def _run(args: argparse.Namespace) -> int:
         if not Path(args.script).is_file():
             raise UsageError(f"leto run: error: script {args.script!r} not found")
         command = [args.script, *args.script_args]
-    run_dir = make_run_dir(args.run_dir, "leto run")
+    ident = [str(Path(command[0]).resolve()), *command[1:]] if not args.module else command
+    run_dir, start = _start(args, ident, "leto run")
     spec = JobSpec(command, args.workers, args.spares, args.nodes, run_dir, args.timeout,
                    protection=args.protection == "on", ec=args.ec, protect_every=args.protect_every,
                    protect_grads=args.protect_grads == "on",
-                   no_spare=args.no_spare, zygotes=args.zygotes == "on")
-    return Controller(spec).run()
+                   no_spare=args.no_spare, zygotes=args.zygotes == "on", env=start.env, summary_extra=start.summary)
+    code = Controller(spec).run()
+    if code != 0:
+        from leto.persistence.resume import after_failure
+        after_failure(run_dir, start.persist_dir, "leto run")
+    return code
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -215,17 +266,21 @@ def _train(args: argparse.Namespace) -> int:
         load_tokens()
     except CorpusError as e:
         raise UsageError(f"leto train: error: {e}") from e
-    run_dir = make_run_dir(args.run_dir, "leto train")
     command = ["-m", "leto.training.job", "--steps", str(args.steps), "--seed", str(args.seed),
                "--model", args.model, "--lr", str(args.lr), "--chunk-bytes", str(args.chunk_bytes),
                *(["--rows", str(args.rows)] if args.rows is not None else [])]
+    run_dir, start = _start(args, command, "leto train")
     spec = JobSpec(command, args.workers, args.spares, args.nodes, run_dir, args.timeout, total_steps=args.steps,
                    protection=args.protection == "on", ec=args.ec, protect_every=args.protect_every,
                    protect_grads=args.protect_grads == "on",
                    heartbeat_timeout_s=args.heartbeat_timeout, progress_floor_s=args.progress_floor,
                    progress_factor=args.progress_factor,
-                   inject=args.inject, no_spare=args.no_spare, zygotes=args.zygotes == "on")
+                   inject=args.inject, no_spare=args.no_spare, zygotes=args.zygotes == "on",
+                   env=start.env, summary_extra=start.summary)
     code = Controller(spec).run()
+    if code != 0:
+        from leto.persistence.resume import after_failure
+        after_failure(run_dir, start.persist_dir, "leto train")
     summary = json.loads((run_dir / "summary.json").read_text())
     if code == 0:
         print(f"leto: trained {summary['steps']} steps in {summary['wall_s']:.1f}s, final loss "

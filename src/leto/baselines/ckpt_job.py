@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import os
 import shutil
 import statistics
@@ -34,6 +33,10 @@ import torch.distributed as dist
 
 import leto
 from leto.control.runtime import Job
+from leto.persistence.files import append_event
+from leto.persistence.files import read_json as _read_json
+from leto.persistence.files import write_json_atomic as _write_json_atomic
+from leto.persistence.interval import steps_between, young_daly_interval
 from leto.training import job as base_job
 from leto.training.optim import MASTER
 from leto.training.trainer import Trainer
@@ -56,44 +59,10 @@ class CheckpointMismatch(RuntimeError):
     """A checkpoint exists but was written by a job with another configuration."""
 
 
-def young_daly_interval(ckpt_cost_s: float, mtbf_s: float) -> float:
-    """Seconds of training between checkpoints that minimise the expected waste.
-
-    Daly's higher-order estimate (2006), which refines Young's sqrt(2·C·M); M itself when C >= 2M.
-    """
-    if ckpt_cost_s < 0 or mtbf_s <= 0:
-        raise ValueError(f"need checkpoint cost >= 0 and MTBF > 0, got {ckpt_cost_s}, {mtbf_s}")
-    if ckpt_cost_s >= 2 * mtbf_s:
-        return mtbf_s
-    x = ckpt_cost_s / (2 * mtbf_s)
-    return math.sqrt(2 * ckpt_cost_s * mtbf_s) * (1 + math.sqrt(x) / 3 + x / 9) - ckpt_cost_s
-
-
-def steps_between(interval_s: float, step_s: float) -> int:
-    """K: the Young/Daly interval in whole steps (at least 1)."""
-    return max(1, round(interval_s / step_s)) if step_s > 0 else 1
-
-
 # ----- events (rank 0 appends them to the run's metrics.jsonl, like the controller's)
 def emit(job: Job, kind: str, **fields: object) -> None:
-    if job.rank != 0 or job.run_dir is None:
-        return
-    with open(job.run_dir / "metrics.jsonl", "a") as f:
-        f.write(json.dumps({"event": kind, "time": time.time(), **fields}) + "\n")
-
-
-def _write_json_atomic(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj))
-    os.replace(tmp, path)
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        obj = json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-    return obj if isinstance(obj, dict) else None
+    if job.rank == 0 and job.run_dir is not None:
+        append_event(job.run_dir, kind, **fields)
 
 
 def _max_over_ranks(trainer: Trainer, *values: float) -> list[float]:

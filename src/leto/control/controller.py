@@ -23,7 +23,7 @@ from leto.control import runtime as rt
 from leto.control.membership import Plan, heartbeat_key, parse_beat, plan_key, warm_key
 from leto.control.progress import ProgressCheck
 from leto.control.zygote import ZYGOTES_OFF_KEY, fork_key, forked_key
-from leto.protection import doorbell, keys
+from leto.protection import doorbell, keys, shm
 from leto.protection.placement import degradation
 from leto.recovery.decision import Spare, grow_plan, next_plan
 
@@ -60,6 +60,7 @@ class JobSpec:
     no_spare: str = "shrink"           # lost ranks without a shadow: "shrink" the job, or "wait" for a cold one
     zygotes: bool = True               # one zygote per node forks replacement shadows (CPU jobs)
     env: dict[str, str] = field(default_factory=dict)
+    summary_extra: dict = field(default_factory=dict)  # more fields for summary.json (e.g. a resume's)
 
 
 class Forked:
@@ -216,6 +217,16 @@ class Controller:
         for f in Path("/dev/shm").glob(f"leto-{self.job_id}-*"):  # keepers' memory dies with the job
             f.unlink(missing_ok=True)
 
+    def _claim_shm(self) -> None:
+        """Remove the /dev/shm leftovers of dead jobs, and record this job's owner (the
+        record goes with the job's other segments in `_stop_all`)."""
+        removed = shm.remove_dead_segments()
+        if removed:
+            self.event("shm_cleanup", removed=removed)
+            if not self.spec.quiet:
+                print(f"leto: removed {len(removed)} shared-memory segment(s) left behind by dead jobs", file=sys.stderr)
+        shm.write_owner(self.job_id, os.getpid())
+
     def event(self, kind: str, **fields: object) -> None:
         rec = {"event": kind, "time": time.time(), **fields}
         self.events.append(rec)
@@ -231,6 +242,7 @@ class Controller:
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         # shadows forked by zygotes are orphans: they are reparented here and supervised like children
         linux.become_subreaper()
+        self._claim_shm()
         try:
             nodes = [node_of_rank(r, self.spec.workers, self.spec.nodes) for r in range(self.spec.workers)]
             workers = [self._spawn("worker", r, nodes[r]) for r in range(self.spec.workers)]
@@ -575,7 +587,7 @@ class Controller:
                    "spares": self.spec.spares, "nodes": self.spec.nodes, "exit_code": code,
                    "recoveries": [e for e in self.events if e["event"] == "recovery"],
                    "resizes": [e for e in self.events if e["event"] == "resize"],
-                   "degraded": [e for e in self.events if e["event"] == "degraded"]}
+                   "degraded": [e for e in self.events if e["event"] == "degraded"], **self.spec.summary_extra}
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
 
 

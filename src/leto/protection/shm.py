@@ -6,9 +6,11 @@ one hand-off of the bytes themselves).
 """
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import platform
+import re
 import warnings
 from pathlib import Path
 
@@ -51,6 +53,60 @@ def check_store_order() -> None:
 
 def region_name(job: str, generation: int, node: int) -> str:
     return f"leto-{job}-g{generation}-n{node}"
+
+
+# ----- leftovers of dead jobs. A job id is "<controller pid>-<store port>"; the controller also
+# writes an owner record naming its pid and start time, so a reused pid is not taken for it.
+_JOB_FILE = re.compile(r"leto-(\d+)-(\d+)-(?:g\d+-n\d+|owner)")
+
+
+def owner_path(job: str) -> Path:
+    return SHM_DIR / f"leto-{job}-owner"
+
+
+def _start_time(pid: int) -> str | None:
+    """The kernel's start time of process `pid` (clock ticks since boot), None if it is gone
+    or a zombie."""
+    from leto.control.linux import proc_stat
+    fields = proc_stat(pid)
+    if fields is None or fields[0] in ("Z", "X") or len(fields) < 20:
+        return None
+    return fields[19]
+
+
+def write_owner(job: str, pid: int) -> None:
+    """Record that `pid` (alive now) owns job `job`'s segments."""
+    owner_path(job).write_text(json.dumps({"pid": pid, "start": _start_time(pid)}))
+
+
+def _job_alive(shm_dir: Path, job: str, pid: int) -> bool:
+    start = _start_time(pid)
+    if start is None:
+        return False
+    try:
+        owner = json.loads((shm_dir / owner_path(job).name).read_text())
+    except (OSError, ValueError):
+        return True  # no owner record (yet, or an older Leto): a live pid keeps its segments
+    return not isinstance(owner, dict) or owner.get("start") in (None, start)
+
+
+def remove_dead_segments(shm_dir: Path | None = None) -> list[str]:
+    """Remove the /dev/shm files of jobs whose controller is gone (a SIGKILLed controller
+    leaves its keepers' segments behind); a live job's are never touched. Returns their names."""
+    shm_dir = SHM_DIR if shm_dir is None else shm_dir
+    removed: list[str] = []
+    verdict: dict[str, bool] = {}
+    for path in shm_dir.glob("leto-*"):
+        m = _JOB_FILE.fullmatch(path.name)
+        if m is None:
+            continue
+        job = f"{m.group(1)}-{m.group(2)}"
+        if job not in verdict:
+            verdict[job] = _job_alive(shm_dir, job, int(m.group(1)))
+        if not verdict[job]:
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+    return sorted(removed)
 
 
 def specs(layout: Layout, node: int) -> list[tuple[str, tuple[int, ...], type]]:

@@ -104,6 +104,8 @@ class RankState:
         for k, v in (state.get("user") or {}).items():
             if k in self.stateful:
                 self.stateful[k].load_state_dict(v)
+            else:  # registered later (a resumed job registers its loader in the loop)
+                self.pending[k] = v
 
     def _load_buffers(self, values: dict[str, torch.Tensor]) -> None:
         for k, v in values.items():
@@ -116,9 +118,10 @@ class RankState:
     def gather(self, comm: Comm, step: int, rank: int, procs: list[str]) -> None:
         """Replicate this step's extra state (a collective): rank 0's buffers become every rank's,
         and every rank's user state is recorded in `tables[step]`."""
-        self.pending.clear()
+        # state loaded for an object not registered yet travels on until it is registered
+        user = {**self.pending, **{k: obj.state_dict() for k, obj in self.stateful.items()}}
         mine = _dumps({"buffers": {k: b.detach() for k, b in self.buffers.items()} if rank == 0 else None,
-                       "user": {k: obj.state_dict() for k, obj in self.stateful.items()}})
+                       "user": user})
         parts = _all_gather_bytes(comm, mine, rank, len(procs))
         decoded = [_loads(p) for p in parts]
         if rank != 0:

@@ -21,6 +21,7 @@ from leto.control import runtime as rt
 from leto.control.comm import Comm, PeerFailure, reduction_replicates
 from leto.control.membership import GenerationWatch, Plan, plan_key, read_plan, warm_key
 from leto.control.runtime import FATAL_KEY, RESULT_KEY, Job
+from leto.persistence.writer import PersistConfig, Persister
 from leto.protection import keys
 from leto.protection.client import Protector
 from leto.protection.layout import Geometry, Layout
@@ -93,6 +94,7 @@ class Trainer:
         self.snap: torch.Tensor | None = None  # --protect-every > 1: the state at the last protected step
         self.snap_step = -1
         self._t_last = time.perf_counter()
+        self.persister = _make_persister(job)  # persistence (issue 12 item 4), see the end of the class
 
     def _allocate(self, shards: int) -> None:
         """Build the flat buffers for ZeRO-1 over `shards` ranks (again after a resize), keeping
@@ -199,9 +201,10 @@ class Trainer:
         abort = self.watch.reason if self.watch else (lambda: None)
         self.comm = Comm(job.store, 0, self.rank, self.world_size, job.timeout_s, abort, job.device)
         self.comm.broadcast(self.flat_param, 0)  # all ranks start from rank 0's initialization
-        self._gather_rank_state(self.step_count)  # and rank 0's buffers
         shard = self.flat_param[self.rank * self.shard_elems:(self.rank + 1) * self.shard_elems]
         self.state[:, MASTER, :].copy_(shard.view(self.n_chunks, self.chunk_elems))
+        self._resume()  # --resume: start from a persistent checkpoint
+        self._gather_rank_state(self.step_count)  # rank 0's buffers (resumed ones too) are everyone's
         if job.protection and self.plan is not None:
             self._protect(0, self.step_count)
 
@@ -256,6 +259,8 @@ class Trainer:
         for collectives after the loop (e.g. `full_state()`)."""
         if self.watch is not None:
             self.watch.stop()
+        if self.persister is not None:
+            self.persister.close()
         if self.protector is not None:
             self.protector.close()
             self.protector = None
@@ -482,6 +487,7 @@ class Trainer:
         self.step_count = t + 1
         self.last_loss = float(self._loss.item())
         self._record(tokens)
+        self._persist()
         return self.last_loss
 
     def _gather_rank_state(self, step: int) -> None:
@@ -565,6 +571,25 @@ class Trainer:
                 {"steps": self.step_count, "final_loss": self.last_loss, "digest": digest}))
         return digest
 
+    # ----- persistence (issue 12 item 4): a checkpoint every K steps, and --resume
+    def _persist(self) -> None:
+        """After a completed step: maybe start this rank's part of a persistent checkpoint
+        (a host copy now, the write in DCP's thread)."""
+        if self.persister is not None:
+            self.persister.after_step(self)
+
+    def _resume(self) -> None:
+        """At the start of a `--resume` job: load this rank's state from the checkpoint."""
+        from leto.persistence.loader import load, resume_target
+        target = resume_target()
+        if target is None:
+            return
+        got = load(*target, self.rank, self.world_size, self.numel, self.n_chunks, self.chunk_elems)
+        self.install(got.shard, got.step)
+        self.flat_param[:self.numel].copy_(got.params)
+        self.step_count = got.step
+        self.load_extra_state(got.extra)
+
     def _wait_for_adoption(self) -> bool:
         """A shadow waits, fully initialized, until a generation names it; False at shutdown."""
         from leto.recovery.inplace import join
@@ -595,3 +620,9 @@ class Trainer:
                     if read_plan(self.job.store, gen).rank_of(self.job.proc_id) is None:
                         return False  # replaced again before it finished adopting
         return False
+
+
+def _make_persister(job: Job) -> Persister | None:
+    """The job's persister, where `leto train|run` turned persistence on (ENV_PERSIST)."""
+    cfg = PersistConfig.from_env()
+    return Persister(cfg, job) if cfg is not None else None

@@ -1,0 +1,91 @@
+"""Loading a persistent checkpoint into a new job (`--resume`), in any world size.
+
+Part r of a checkpoint written by W ranks holds elements [r·S, (r+1)·S) of each of the three
+unsharded state vectors (master, exp_avg, exp_avg_sq; S = that job's shard size). A rank of
+the new job reads only the parts that overlap its own shard, so with the same world size it
+reads exactly its own part (bit for bit, padding included) and after a shrink or grow it cuts
+its shard out of the overlapping ones.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from leto.persistence import store
+from leto.persistence.files import read_json
+from leto.persistence.writer import ENV_RESUME
+
+_ROWS = 3  # master, exp_avg, exp_avg_sq
+
+
+@dataclass
+class Loaded:
+    """What a rank of the new job installs."""
+
+    step: int
+    shard: torch.Tensor      # [n_chunks, 3, chunk_elems] in the new job's sharding
+    params: torch.Tensor     # [numel]
+    extra: dict              # the extra state of the same rank of the old job (rank 0's if it had fewer)
+
+
+def resume_target() -> tuple[Path, int] | None:
+    """The checkpoint this job starts from (ENV_RESUME, set by `--resume`), if any."""
+    text = os.environ.get(ENV_RESUME)
+    if not text:
+        return None
+    info = json.loads(text)
+    return Path(info["path"]), int(info["step"])
+
+
+def _load(path: Path, sd: dict) -> dict:
+    import torch.distributed.checkpoint as dcp
+    try:
+        dcp.load(sd, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+    except Exception as e:  # DCP raises several kinds (CheckpointException, RuntimeError, OSError)
+        raise store.CheckpointError(f"cannot load checkpoint part {path}: {e}") from e
+    return sd
+
+
+def _state_shape(path: Path) -> torch.Size:
+    import torch.distributed.checkpoint as dcp
+    try:
+        return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata["state"].size
+    except Exception as e:  # noqa: BLE001 - a missing or corrupt .metadata
+        raise store.CheckpointError(f"cannot read the metadata of checkpoint part {path}: {e}") from e
+
+
+def load(path: Path, step: int, rank: int, world_size: int, numel: int, n_chunks: int, chunk_elems: int) -> Loaded:
+    """This rank's state in a job of `world_size` ranks, from the checkpoint at `path`."""
+    commit = read_json(path / store.COMMIT)
+    if commit is None or commit.get("step") != step:
+        raise store.CheckpointError(f"{path} is not the complete checkpoint of step {step}")
+    old_world = int(commit["world_size"])
+    shard_elems = n_chunks * chunk_elems
+    lo, hi = rank * shard_elems, min(numel, (rank + 1) * shard_elems)
+    rows = torch.zeros(_ROWS, shard_elems)
+    old_shard = _state_shape(store.part_dir(path, 0))
+    old_elems = old_shard[0] * old_shard[2]
+    for r in range(old_world):
+        a, b = max(lo, r * old_elems), min(hi, (r + 1) * old_elems)
+        if a >= b and not (r == rank and old_world == world_size):
+            continue
+        part = store.part_dir(path, r)
+        sd = _load(part, {"state": torch.empty(old_shard), "step": torch.tensor(-1, dtype=torch.int64)})
+        if int(sd["step"]) != step:
+            raise store.CheckpointError(f"{part} holds step {int(sd['step'])}, expected {step}")
+        src = sd["state"].transpose(0, 1).reshape(_ROWS, -1)
+        if old_world == world_size and old_elems == shard_elems:  # the same sharding: the part, bit for bit
+            rows.copy_(src)
+            break
+        rows[:, a - lo:b - lo] = src[:, a - r * old_elems:b - r * old_elems]
+    shard = rows.view(_ROWS, n_chunks, chunk_elems).transpose(0, 1).contiguous()
+    params = _load(store.part_dir(path, 0), {"params": torch.empty(numel)})["params"]
+    own = rank if rank < old_world else 0
+    blob = _load(store.part_dir(path, own), {"extra": io.BytesIO()})["extra"]
+    return Loaded(step, shard, params, pickle.loads(blob.getvalue()))

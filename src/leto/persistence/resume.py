@@ -1,0 +1,166 @@
+"""The command-line side of persistence: turn it on for a start, or resume a run (`--resume`).
+
+A run that persists records `RUN_DIR/persist.json` (the checkpoint folder and the training
+command). `--resume RUN_DIR` checks that the command is the same (the checkpoints of another
+configuration would not continue the same trajectory), picks the newest complete, intact
+checkpoint (saying why newer ones are passed over), moves the previous attempt's metrics and
+summary aside and starts a new job in RUN_DIR from that checkpoint.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shlex
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from leto.persistence import store
+from leto.persistence.files import read_json, write_json_atomic
+from leto.persistence.interval import parse_duration
+from leto.persistence.writer import ENV_PERSIST, ENV_RESUME, PersistConfig
+
+RECORD = "persist.json"
+DEFAULT_DIR = "checkpoints"   # under RUN_DIR
+DEFAULT_MTBF = "5m"           # --mtbf: a failure every few minutes of training (docs/design.md)
+
+
+@dataclass
+class Start:
+    """What one start of a job adds to its JobSpec."""
+
+    persist_dir: Path | None
+    env: dict[str, str] = field(default_factory=dict)
+    summary: dict = field(default_factory=dict)
+
+
+def fingerprint(command: list[str]) -> str:
+    return hashlib.sha256(json.dumps(command).encode()).hexdigest()[:16]
+
+
+def check_flags(persist: str, mtbf: str, every: int | None) -> float:
+    """Validate the persistence flags; the MTBF in seconds. ValueError names the bad flag."""
+    if every is not None and every < 1:
+        raise ValueError(f"--persist-every must be at least 1, got {every}")
+    try:
+        return parse_duration(mtbf)
+    except ValueError as e:
+        raise ValueError(f"--mtbf: {e}") from None
+
+
+def fresh(run_dir: Path, command: list[str], persist: bool, persist_dir: Path | None, mtbf_s: float,
+          every: int | None) -> Start:
+    """A new job: persist into `persist_dir` (default RUN_DIR/checkpoints), which must hold no
+    checkpoints yet. CheckpointError names the problem."""
+    if not persist:
+        return Start(None)
+    root = (persist_dir or run_dir / DEFAULT_DIR).resolve()
+    if store.steps_on_disk(root):
+        raise store.CheckpointError(f"{root} already holds checkpoints: continue that run with --resume, "
+                                    f"or choose another --persist-dir / --run-dir")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise store.CheckpointError(f"cannot create the checkpoint folder {root}: {e.strerror or e}") from e
+    # relative when inside the run folder, so a run folder can be moved or copied whole
+    where = root.relative_to(run_dir.resolve()) if root.is_relative_to(run_dir.resolve()) else root
+    write_json_atomic(run_dir / RECORD, {"dir": str(where), "command": command})
+    cfg = PersistConfig(str(root), fingerprint(command), mtbf_s, every)
+    return Start(root, {ENV_PERSIST: cfg.to_env()})
+
+
+def resume(run_dir: Path, command: list[str], persist: bool, mtbf_s: float, every: int | None) -> Start:
+    """Resume the run in `run_dir` from its newest complete checkpoint. CheckpointError names
+    what is wrong with the folder."""
+    if not run_dir.is_dir():
+        raise store.CheckpointError(f"{run_dir} is not a folder")
+    record = read_json(run_dir / RECORD)
+    if record is None or not isinstance(record.get("dir"), str) or not isinstance(record.get("command"), list):
+        raise store.CheckpointError(f"{run_dir} has no {RECORD}: it is not a run that persisted checkpoints "
+                                    f"(was it started with --persist off?)")
+    if record["command"] != command:
+        raise store.CheckpointError(
+            f"its checkpoints belong to another configuration: recorded `{shlex.join(record['command'])}`, "
+            f"now `{shlex.join(command)}` (give the flags of the run being resumed)")
+    _not_running(run_dir)
+    root = run_dir / record["dir"]  # a relative one is inside the run folder
+    ck = store.choose(root, fingerprint(command), lambda msg: print(f"leto: {msg}", file=sys.stderr))
+    for step, path in store.steps_on_disk(root):  # newer ones are torn or corrupt: this run rewrites them
+        if step > ck.step:
+            shutil.rmtree(path, ignore_errors=True)
+    last = _last_step(run_dir / "metrics.jsonl")
+    _set_aside(run_dir)
+    start = Start(root if persist else None, {ENV_RESUME: json.dumps({"path": str(ck.path), "step": ck.step})},
+                  {"resumed_from_step": ck.step, "steps_lost": None if last is None else max(0, last - ck.step),
+                   "resumed_from": str(ck.path)})
+    if persist:
+        start.env[ENV_PERSIST] = PersistConfig(str(root), fingerprint(command), mtbf_s, every, ck.step).to_env()
+    print(f"leto: resuming from step {ck.step} ({ck.path})"
+          + (f", {start.summary['steps_lost']} completed step(s) to redo" if last is not None else ""),
+          file=sys.stderr)
+    return start
+
+
+def _not_running(run_dir: Path) -> None:
+    """The run being resumed must be over: its controller (procs.json) is gone."""
+    from leto.control.linux import proc_stat
+    procs = read_json_list(run_dir / "procs.json")
+    for p in procs:
+        if p.get("role") == "controller" and isinstance(p.get("pid"), int):
+            fields = proc_stat(p["pid"])
+            if fields is not None and fields[0] not in ("Z", "X"):
+                raise store.CheckpointError(f"the run is still going (its controller, pid {p['pid']}, is alive)")
+
+
+def read_json_list(path: Path) -> list[dict]:
+    try:
+        obj = json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return []
+    return [p for p in obj if isinstance(p, dict)] if isinstance(obj, list) else []
+
+
+def _last_step(metrics: Path) -> int | None:
+    """The last step the previous attempt completed (its step records in metrics.jsonl)."""
+    try:
+        lines = metrics.read_text().splitlines()
+    except FileNotFoundError:
+        return None
+    steps = []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:  # the last line of a killed run may be torn
+            continue
+        if isinstance(rec, dict) and "event" not in rec and isinstance(rec.get("step"), int):
+            steps.append(rec["step"])
+    return max(steps, default=None)
+
+
+def _set_aside(run_dir: Path) -> None:
+    """Keep the previous attempt's metrics and summary as `<name>.attempt<k>` (the new job
+    starts them afresh)."""
+    for name in ("metrics.jsonl", "summary.json"):
+        path = run_dir / name
+        if path.exists():
+            k = 1 + sum(1 for _ in run_dir.glob(f"{name}.attempt*"))
+            path.rename(run_dir / f"{name}.attempt{k}")
+
+
+def after_failure(run_dir: Path, persist_dir: Path | None, prog: str) -> None:
+    """A job that stopped (a loss beyond the codes, a signal): name the checkpoint to resume
+    from, on the console and in summary.json."""
+    if persist_dir is None:
+        return
+    done = store.complete(persist_dir)
+    if not done:
+        return
+    ck = done[0]
+    print(f"leto: the newest complete checkpoint is step {ck.step} ({ck.path}); continue from it with "
+          f"`{prog} --resume {run_dir}` and the same flags", file=sys.stderr)
+    summary_path = run_dir / "summary.json"
+    summary = read_json(summary_path)
+    if summary is not None:
+        summary["resume_from"] = {"step": ck.step, "path": str(ck.path)}
+        write_json_atomic(summary_path, summary)

@@ -1,0 +1,163 @@
+"""The on-disk format of persistent checkpoints; plain files, read without torch.
+
+    ROOT/step-00000120/rank0/          DCP checkpoint of rank 0's part (.metadata, *.distcp)
+    ROOT/step-00000120/rank0.done      JSON: step, world size, fingerprint, size and XXH3 of every file
+    ROOT/step-00000120/COMMIT          JSON: written once every rank's marker is there
+
+A checkpoint is complete when its COMMIT and all `world_size` part markers are present and
+agree; anything else (a rank killed mid-write, a marker deleted) is torn and never loaded. The
+file checksums catch a corrupt file before anything is loaded.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+
+from leto.persistence.files import read_json, write_json_atomic
+
+COMMIT = "COMMIT"
+KEEP = 2  # complete checkpoints kept
+_STEP_DIR = re.compile(r"step-(\d{8})")
+_READ = 1 << 20
+
+
+class CheckpointError(Exception):
+    """A checkpoint (or a folder of them) that cannot be used; the message names the problem."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One complete checkpoint."""
+
+    path: Path
+    step: int
+    world_size: int
+    fingerprint: str
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:08d}"
+
+
+def part_dir(ckpt: Path, rank: int) -> Path:
+    return ckpt / f"rank{rank}"
+
+
+def part_marker(ckpt: Path, rank: int) -> Path:
+    return ckpt / f"rank{rank}.done"
+
+
+def _file_digest(path: Path) -> str:
+    h = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        while chunk := f.read(_READ):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_digests(folder: Path) -> dict[str, list]:
+    """{file name: [size, XXH3-64]} of every file in `folder`."""
+    return {p.name: [p.stat().st_size, _file_digest(p)] for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def mark_part(ckpt: Path, rank: int, step: int, world_size: int, fingerprint: str) -> bool:
+    """Record that rank `rank`'s part is fully written; commit the checkpoint if it was the
+    last part. Returns whether the checkpoint is complete now."""
+    write_json_atomic(part_marker(ckpt, rank), {"step": step, "rank": rank, "world_size": world_size,
+                                                "fingerprint": fingerprint,
+                                                "files": file_digests(part_dir(ckpt, rank))})
+    if _torn_because(ckpt, step, world_size, fingerprint, need_commit=False) is not None:
+        return False
+    # the last ranks to finish may both get here: they write the same bytes, atomically
+    write_json_atomic(ckpt / COMMIT, {"step": step, "world_size": world_size, "fingerprint": fingerprint})
+    return True
+
+
+def _torn_because(ckpt: Path, step: int, world_size: int, fingerprint: str, need_commit: bool = True) -> str | None:
+    """Why `ckpt` is not complete, or None."""
+    if need_commit and read_json(ckpt / COMMIT) is None:
+        return f"{ckpt.name} has no commit marker (torn)"
+    for r in range(world_size):
+        mark = read_json(part_marker(ckpt, r))
+        if mark is None:
+            return f"{ckpt.name} lacks rank {r}'s part marker (torn)"
+        if (mark.get("step"), mark.get("world_size"), mark.get("fingerprint")) != (step, world_size, fingerprint):
+            return f"{ckpt.name}: rank {r}'s part marker disagrees with the commit marker"
+    return None
+
+
+def steps_on_disk(root: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every checkpoint folder under `root`, complete or not, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.fullmatch(p.name)) and p.is_dir()]
+    return sorted(found)
+
+
+def _complete(path: Path, step: int) -> tuple[Checkpoint | None, str | None]:
+    commit = read_json(path / COMMIT)
+    if commit is None:
+        return None, f"{path.name} has no commit marker (torn)"
+    world, fp = commit.get("world_size"), commit.get("fingerprint")
+    if commit.get("step") != step or not isinstance(world, int) or world < 1 or not isinstance(fp, str):
+        return None, f"{path.name}: its commit marker is malformed"
+    why = _torn_because(path, step, world, fp)
+    return (Checkpoint(path, step, world, fp), None) if why is None else (None, why)
+
+
+def complete(root: Path) -> list[Checkpoint]:
+    """The complete checkpoints under `root` (by their markers), newest first."""
+    out = [ck for step, path in steps_on_disk(root) if (ck := _complete(path, step)[0]) is not None]
+    return out[::-1]
+
+
+def verify(ck: Checkpoint) -> None:
+    """Raise CheckpointError unless every file of every part has its recorded size and checksum."""
+    for r in range(ck.world_size):
+        recorded = (read_json(part_marker(ck.path, r)) or {}).get("files") or {}
+        folder = part_dir(ck.path, r)
+        if ".metadata" not in recorded:
+            raise CheckpointError(f"{folder} records no DCP .metadata file")
+        for name, (size, digest) in recorded.items():
+            f = folder / name
+            try:
+                actual = f.stat().st_size
+            except FileNotFoundError:
+                raise CheckpointError(f"{f} is missing") from None
+            if actual != size:
+                raise CheckpointError(f"{f} has {actual} bytes, {size} were written")
+            if _file_digest(f) != digest:
+                raise CheckpointError(f"{f} is corrupt (its checksum differs from the one written)")
+
+
+def choose(root: Path, fingerprint: str, warn: Callable[[str], None]) -> Checkpoint:
+    """The newest complete, intact checkpoint of this job under `root`; `warn` hears why each
+    newer one was passed over. CheckpointError if there is none."""
+    for step, path in reversed(steps_on_disk(root)):
+        ck, why = _complete(path, step)
+        if ck is not None and ck.fingerprint != fingerprint:
+            why = f"{path.name} was written by another job configuration"
+        elif ck is not None:
+            try:
+                verify(ck)
+                return ck
+            except CheckpointError as e:
+                why = str(e)
+        warn(f"checkpoint {why}; passed over")
+    raise CheckpointError(f"no complete checkpoint of this job in {root}")
+
+
+def prune(root: Path, keep: int = KEEP) -> None:
+    """Remove every checkpoint folder older than the `keep` newest complete ones (a folder newer
+    than the newest complete one may still be being written, and is left alone)."""
+    kept = complete(root)[:keep]
+    if len(kept) < keep:
+        return
+    for step, path in steps_on_disk(root):
+        if step < kept[-1].step:
+            shutil.rmtree(path, ignore_errors=True)
