@@ -14,6 +14,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
+# Persistence (its own tests: test_persistence.py) is off by default in the rest of the suite:
+# every job of it would otherwise import DCP and write checkpoints, ~5 s a job on 2 cores.
+os.environ["LETO_PERSIST_DEFAULT"] = "off"
+
 
 def leto_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "leto.cli", *args]

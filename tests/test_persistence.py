@@ -23,6 +23,17 @@ from leto.persistence.interval import parse_duration, steps_between, young_daly_
 SMALL = ("--workers", "2", "--nodes", "1", "--spares", "0", "--steps", "8", "--seed", "0", "--persist-every", "2")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def persistence_on_by_default() -> Iterator[None]:
+    """The default of `leto train|run` (conftest turns it off for the rest of the suite)."""
+    old = os.environ.pop("LETO_PERSIST_DEFAULT", None)
+    try:
+        yield
+    finally:
+        if old is not None:
+            os.environ["LETO_PERSIST_DEFAULT"] = old
+
+
 def events(run_dir: Path, kind: str) -> list[dict]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r.get("event") == kind]

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 from leto.training.model import PRESETS
 from leto.training.trainer import DEFAULT_CHUNK_BYTES
 
+ENV_PERSIST_DEFAULT = "LETO_PERSIST_DEFAULT"  # the default of --persist (on | off), e.g. for a test suite
+
 if TYPE_CHECKING:
     from leto.persistence.resume import Start
 
@@ -54,9 +56,9 @@ def _add_job_flags(p: argparse.ArgumentParser, workers: int, spares: int, nodes:
 def _add_persist_flags(p: argparse.ArgumentParser) -> None:
     """Persistence, the last line of defence (docs/design.md, "Persistence")."""
     from leto.persistence.resume import DEFAULT_MTBF
-    p.add_argument("--persist", choices=["on", "off"], default="on",
+    p.add_argument("--persist", choices=["on", "off"], default=os.environ.get(ENV_PERSIST_DEFAULT, "on"),
                    help="an asynchronous DCP checkpoint of the whole state every K steps, off the critical "
-                        "path; the last 2 complete ones are kept [on]")
+                        f"path; the last 2 complete ones are kept [on, or ${ENV_PERSIST_DEFAULT}]")
     p.add_argument("--persist-dir", type=Path, default=None, help="checkpoint folder [RUN_DIR/checkpoints]")
     p.add_argument("--mtbf", default=DEFAULT_MTBF, metavar="DURATION",
                    help=f"expected time between failures the codes cannot absorb (e.g. 90s, 5m, 2h): K is the "
@@ -142,6 +144,8 @@ def _check_job(args: argparse.Namespace, prog: str) -> None:
     if args.protect_every < 1:
         raise UsageError(f"{prog}: error: --protect-every must be at least 1, got {args.protect_every}")
     args.ec = _tier2_code(args.ec, args.nodes, prog)
+    if args.persist not in ("on", "off"):
+        raise UsageError(f"{prog}: error: ${ENV_PERSIST_DEFAULT} must be 'on' or 'off', got {args.persist!r}")
     from leto.persistence.resume import check_flags
     try:
         args.mtbf_s = check_flags(args.persist, args.mtbf, args.persist_every)

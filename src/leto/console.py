@@ -8,7 +8,8 @@ from pathlib import Path
 from types import TracebackType
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                           TimeRemainingColumn)
 
 
 def parse_records(lines: list[bytes] | list[str]) -> list[dict]:
@@ -52,7 +53,8 @@ class MetricsTail:
 
 
 class StepDisplay:
-    """Shows training steps (step, loss, tokens/s) and events as they arrive."""
+    """Shows training steps (step/total, ETA, loss, tokens/s, recoveries so far) and events as
+    they arrive: a live rich progress bar on a terminal, a plain line every few seconds otherwise."""
 
     def __init__(self, total: int | None, plain_every_s: float = 2.0, quiet: bool = False) -> None:
         self.total = total
@@ -63,11 +65,14 @@ class StepDisplay:
         self._last_plain = 0.0
         self._progress: Progress | None = None
         self._task = None
+        self.recoveries = 0
+        self._first: tuple[int, float] | None = None  # (step, time) of the first step seen: the ETA's base
 
     def __enter__(self) -> StepDisplay:
         if self.live:
             self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                                       TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
+                                      TextColumn("eta"), TimeRemainingColumn(),
                                       console=self.console, transient=False)
             self._progress.start()
             self._task = self._progress.add_task("train", total=self.total, info="")
@@ -77,19 +82,33 @@ class StepDisplay:
         if self._progress is not None:
             self._progress.stop()
 
+    def recovered(self) -> None:
+        self.recoveries += 1
+
+    def eta_s(self, step: int, now: float) -> float | None:
+        """Seconds to the last step at the pace since the first step seen (None: unknown yet)."""
+        if self._first is None:
+            self._first = (step, now)
+        done, t0 = step - self._first[0], self._first[1]
+        if not self.total or done <= 0:
+            return None
+        return max(0.0, (self.total - step) * (now - t0) / done)
+
     def step(self, rec: dict) -> None:
         tps = rec.get("tokens_per_s")
-        info = f"loss {rec['loss']:.4f}" + (f"  {tps:,.0f} tok/s" if tps else "")
+        info = f"loss {rec['loss']:.4f}" + (f"  {tps:,.0f} tok/s" if tps else "") + f"  recoveries {self.recoveries}"
+        now = time.monotonic()
+        eta = self.eta_s(rec["step"], now)
         if self._progress is not None and self._task is not None:
             self._progress.update(self._task, completed=rec["step"], info=info)
             return
-        now = time.monotonic()
         if self.quiet:
             return
         if now - self._last_plain >= self.plain_every_s or rec["step"] == self.total:
             self._last_plain = now
             of = f"/{self.total}" if self.total else ""
-            print(f"step {rec['step']}{of}  {info}", flush=True)
+            left = f"  eta {eta:.0f}s" if eta is not None else ""
+            print(f"step {rec['step']}{of}{left}  {info}", flush=True)
 
     def message(self, text: str) -> None:
         if self._progress is not None:

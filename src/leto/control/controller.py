@@ -574,6 +574,7 @@ class Controller:
                                      f"(step {done['step']}, {done['total_s']:.3f}s)")
                 continue
             self.event("recovery", **done)
+            self.display.recovered()
             self.display.message(f"leto: recovered generation {done['generation']} ({done['cause']}) via "
                                  f"{done['tier']} at step {done['step']}: detect {done['detect_s']:.3f}s, "
                                  f"restore {done['restore_s']}s, total {done['total_s']:.3f}s")

@@ -21,6 +21,7 @@ import os
 import pickle
 import statistics
 import sys
+import threading
 import time
 import warnings
 from concurrent.futures import Future
@@ -71,12 +72,12 @@ class Persister:
     """Schedules and writes this rank's checkpoint parts (one write in flight at a time)."""
 
     def __init__(self, cfg: PersistConfig, job: Job) -> None:
-        import torch.distributed.checkpoint as dcp  # ~1 s of imports: at start, never in a step
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-        self.dcp, self.cfg, self.job = dcp, cfg, job
-        # one stager for the job: it keeps the host copies and reuses them (the copy in the step is
-        # a memcpy, no allocation); safe because a part is staged only when no write is in flight
-        self.stager = DefaultStager(StagingOptions(False, False, False, False))
+        self.cfg, self.job = cfg, job
+        # DCP costs ~1.2 s of imports (DTensor, sympy): only a process that trains pays it, in a
+        # background thread started after its first step (shadows and zygotes never do)
+        self._importer: threading.Thread | None = None
+        self.dcp = None
+        self.stager = None
         self.root = Path(cfg.dir)
         self.every, self.first = (cfg.every, 0) if cfg.every else (None, 0)
         self.pending: tuple[int, float, Future] | None = None  # (step, t0, DCP future)
@@ -113,9 +114,23 @@ class Persister:
         self._event("persist_interval", every=every, first=first, write_s=round(write_s, 4),
                     step_s=round(step_s, 5), mtbf_s=self.cfg.mtbf_s, interval_s=round(interval_s, 3))
 
+    def _import_dcp(self) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        self.dcp = dcp
+        # one stager for the job: it keeps the host copies and reuses them (the copy in the step is
+        # a memcpy, no allocation); safe because a part is staged only when no write is in flight
+        self.stager = DefaultStager(StagingOptions(False, False, False, False))
+
+    def _dcp_ready(self) -> None:
+        if self._importer is None:
+            self._importer = threading.Thread(target=self._import_dcp, name="leto-dcp-import", daemon=True)
+            self._importer.start()
+
     # ----- the step hook
     def after_step(self, trainer: Trainer) -> None:
         """Called once a step has completed: maybe start this rank's part of a checkpoint."""
+        self._dcp_ready()
         now = time.perf_counter()
         if self._t_last is not None:
             self.step_times.append(now - self._t_last)
@@ -131,6 +146,11 @@ class Persister:
                 self._event("persist_skipped", step=step, writing=self.pending[0])
             return
         path = store.part_dir(store.step_dir(self.root, step), rank)
+        self._importer.join(timeout=self.job.timeout_s)  # started steps ago: done by now
+        if self.dcp is None:
+            self.failed += 1
+            self._event("persist_failed", step=step, error="torch.distributed.checkpoint did not import")
+            return
         t0 = time.perf_counter()
         done: Future = Future()
         self.pending = (step, t0, done)
@@ -178,7 +198,8 @@ class Persister:
         """Wait for the write in flight (the end of the job)."""
         if self.pending is not None:
             self._finish_pending(self.job.rank or 0)
-        self.stager.close()
+        if self.stager is not None:
+            self.stager.close()
 
     def _event(self, kind: str, **fields: object) -> None:
         if self.job.run_dir is not None:
