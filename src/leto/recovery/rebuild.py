@@ -278,13 +278,6 @@ class Rebuilder:
         rep = reps[first]
         # interval: which offsets each parity block reads from its pre-image
         pre = {blk: self._stripe_preimage(s, r) for blk, r in reps.items()} if self.interval else {}
-        # the decode combines every chosen parity block with the data at the versions named by
-        # `rep`: the blocks must have folded the same versions (and pre-images), or it is garbage
-        for blk, r in reps.items():
-            if r["v2"] != rep["v2"] or (self.interval and pre[blk] != pre[first]):
-                nodes = [lay.nodes[s.parity_nodes[b - k]] for b in (first, blk)]
-                raise RecoveryError(f"stripe {s.index}: the parity on nodes {nodes[0]} and {nodes[1]} holds "
-                                    f"different versions of its data; refusing to decode them together")
         missing = sorted(job.coeffs)
         buf = torch.zeros(len(missing), L, self.sb + self.gb, dtype=torch.uint8)
         acc = buf.numpy()
