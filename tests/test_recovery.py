@@ -65,6 +65,22 @@ def test_two_nodes_of_a_2_plus_2_stripe_lost_at_once(launcher, tmp_path: Path) -
     assert rec["failed_nodes"] == [0, 3] and rec["tier"] == "tier2"
 
 
+def test_parity_blocks_that_folded_different_versions_are_not_decoded_together() -> None:
+    """An update that reached one parity node of a 2+2 stripe and not the other makes that offset
+    undecodable from the two together; the decode names it instead of trusting a checksum."""
+    from leto.protection.layout import Geometry, Layout
+    from leto.recovery.rebuild import torn_offsets
+    layout = Layout(0, 0, Geometry(2, 4), (0, 0, 1, 1, 2, 2, 3, 3), (2, 2))
+    s = layout.tier2[1][0]
+    L = layout.segment_len
+    v2 = [[5] * L for _ in range(s.k)]
+    reports = {s.k + j: {"v2": [row[:] for row in v2]} for j in range(s.m)}
+    assert torn_offsets(layout, s, reports) == set()
+    reports[s.k + 1]["v2"][1][L - 1] = 4
+    assert torn_offsets(layout, s, reports) == {L - 1}
+    assert torn_offsets(layout, s, {s.k: reports[s.k]}) == set()  # one parity block agrees with itself
+
+
 def test_a_hung_worker_is_detected_by_heartbeat_fenced_and_replaced(launcher, tmp_path: Path) -> None:
     digest = reference_digest(launcher, tmp_path, *JOB)
     res, s = train(launcher, tmp_path / "run", *JOB, "--heartbeat-timeout", "1.5",

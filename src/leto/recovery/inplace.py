@@ -112,7 +112,7 @@ def join(tr: Trainer, gen: int) -> dict:
         if bad["tier2"] or set(bad["tier1"]) <= set(rplan.force_tier2) or layout.tier2 is None:
             what = ", ".join([f"tier-1 data of node {n}" for n in bad["tier1"]] +
                              [f"tier-2 stripe {s}" for s in bad["tier2"]])
-            raise RecoveryError(f"decoded state failed its checksums ({what}) and no other redundancy "
+            raise RecoveryError(f"decoded state failed its checksums or version checks ({what}) and no other redundancy "
                                 f"is left: stopping rather than continue on corrupt state")
         repaired += [f"tier-1 data of node {n} failed its checksums; rebuilt from tier 2" for n in bad["tier1"]]
         rplan = make_plan(layout, plan, reports, roles, frozenset(bad["tier1"]) | rplan.force_tier2, held)

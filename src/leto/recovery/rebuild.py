@@ -189,6 +189,22 @@ def _tier2_jobs(layout: Layout, new: Plan, reports: dict[int, dict], lost_nodes:
     return jobs
 
 
+def torn_offsets(layout: Layout, s: Stripe, reports: dict[int, dict]) -> set[int]:
+    """Offsets of stripe `s` where the parity blocks in `reports` (block -> that parity node's
+    stripe report) folded different versions of some data block (an update reached one parity
+    node and not the other): decoding them together there would be garbage, so those chunks
+    are refused by name, not by a checksum's luck. Padding offsets carry no version."""
+    L = layout.segment_len
+    torn = set()
+    for i in range(L):
+        for d, dn in enumerate(s.data_nodes):
+            if layout.source_of(layout.nodes[dn], s.segment_of(dn) * L + i) is None:
+                continue
+            if len({r["v2"][d][i] for r in reports.values()}) > 1:
+                torn.add(i)
+    return torn
+
+
 class Rebuilder:
     """Runs a `RebuildPlan` in one process of the new generation."""
 
@@ -279,6 +295,7 @@ class Rebuilder:
         # interval: which offsets each parity block reads from its pre-image
         pre = {blk: self._stripe_preimage(s, r) for blk, r in reps.items()} if self.interval else {}
         missing = sorted(job.coeffs)
+        torn = set() if self.interval else torn_offsets(lay, s, reps)
         buf = torch.zeros(len(missing), L, self.sb + self.gb, dtype=torch.uint8)
         acc = buf.numpy()
         for bi, blk in enumerate(job.chosen):
@@ -315,6 +332,9 @@ class Rebuilder:
             for i in range(L):
                 src = lay.source_of(node, seg * L + i)
                 if src is None or src[0] not in self.plan.lost or self.plan.roles.holder[src[0]] != self.rank:
+                    continue
+                if i in torn:
+                    self.corrupt.add(("tier2", s.index))
                     continue
                 if self.interval:
                     version, crc, gcrc = T, rep["crc_pre" if pre[first][i] else "crc2"][e][i], 0
