@@ -216,6 +216,9 @@ def test_verdicts_are_measured_never_assumed() -> None:
     assert t["memory_overhead_default_job"]["result"] == "MISS"
     out["curve"] = out["curve"][:1]
     assert targets(out)["overhead_ratio_512_rows"]["result"] == "NOT MEASURED"
+    assert t["overhead_ratio_default_job_with_persistence"]["result"] == "NOT MEASURED"
+    out["persistence"] = {"overhead_ratio_with_persistence": 1.025}
+    assert targets(out)["overhead_ratio_default_job_with_persistence"]["result"] == "PASS"
 
 
 def test_bad_curve_flags_are_usage_errors_before_any_run(monkeypatch: pytest.MonkeyPatch,
@@ -237,19 +240,24 @@ def test_the_bench_interleaves_runs_and_reports_every_key(monkeypatch: pytest.Mo
     """main() on stand-in runs (no job starts): the order of runs, the JSON keys, the printout."""
     import json
     calls: list[tuple] = []
+    persisted: list[bool] = []
 
     def fake_run(workers: int, steps: int, model: str, run_dir: Path, extra: list[str] | None = None,
                  spares: int = 0, nodes: int = 1, protection: bool = False, ec: object = None,
-                 module: str | None = None, memory_every_s: float | None = None) -> dict:
+                 module: str | None = None, memory_every_s: float | None = None, persist: bool = False) -> dict:
         rows = int(extra[1]) if extra else overhead.PRESETS[model].batch_size
         calls.append((model, rows, protection, spares, module))
+        persisted.append(persist)
         step_s = 0.1 * rows / 32 * (1.1 if protection else 1.0)
+        wall_s = step_s * (1.2 / 1.1 if persist else 1.0)  # a checkpoint's copy: not in the median step time
         recs = [{"step": i + 1, "step_s": step_s, "tokens_per_s": rows * 64 / step_s, "stage_s": 0.001,
-                 "wait_s": 0.002} for i in range(steps)]
+                 "wait_s": 0.002, "time": 1000.0 + i * wall_s} for i in range(steps)]
+        events = [{"event": "persist_interval", "every": 3}, {"event": "persist_commit", "step": steps}] \
+            if persist else []
         mem = {1: {"pid": 1, "role": "keeper", "node": 0, "vm_rss": 9 << 20, "pss": 8 << 20, "pss_shmem": 1 << 20},
                2: {"pid": 2, "role": "zygote", "node": 0, "vm_rss": 7 << 20, "pss": 6 << 20, "pss_shmem": 0},
                3: {"pid": 3, "role": "shadow", "node": 0, "vm_rss": 7 << 20, "pss": 5 << 20, "pss_shmem": 0}}
-        return {"steps": recs, "cpu_s_per_step": {"worker": 0.1, **({"keeper": 0.02} if protection else {})},
+        return {"steps": recs, "events": events, "cpu_s_per_step": {"worker": 0.1, **({"keeper": 0.02} if protection else {})},
                 "memory": mem if memory_every_s else {}}
 
     monkeypatch.setattr(overhead, "run_job", fake_run)
@@ -259,10 +267,15 @@ def test_the_bench_interleaves_runs_and_reports_every_key(monkeypatch: pytest.Mo
         ("encode_gbps", "xor_gbps", "checksum_gbps", "memcpy_gbps"), 10.0))
     assert cli.main(["bench", "overhead", "--json", "--steps", "4", "--curve", "128", "--curve-rounds", "2"]) == 0
     out = json.loads(capsys.readouterr().out)
-    default = [("tiny", 32, p, 0, None) for _ in range(overhead.ROUNDS) for p in (False, True)]
+    default = [("tiny", 32, p, 0, None) for _ in range(overhead.ROUNDS) for p in (False, True, True)]
     curve = [("tiny", 128, p, 0, None) for _ in range(2) for p in (False, True)]
     n = len(default)
     assert calls[:n] == default and calls[n:n + 4] == curve
+    assert persisted == [False, False, True] * overhead.ROUNDS + [False] * (len(calls) - n)  # the default job only
+    pe = out["persistence"]
+    assert pe["overhead_ratio_with_persistence"] == pytest.approx(1.2) and pe["overhead_ratio_wall"] == pytest.approx(1.1)
+    assert pe["every"] == [3] * overhead.ROUNDS and pe["checkpoints_in_window"] == [1] * overhead.ROUNDS
+    assert out["targets"]["overhead_ratio_default_job_with_persistence"]["result"] == "MISS"
     assert calls[n + 4][2:4] == (True, 1)  # the memory run: protected, with a shadow (and zygotes)
     old_keys = {"model", "workers", "nodes", "ec", "steps_per_run", "rounds", "step_s_off", "step_s_on",
                 "overhead_ratio", "step_s_off_runs", "step_s_on_runs", "protection_stage_s_per_step",
@@ -283,8 +296,8 @@ def test_the_bench_interleaves_runs_and_reports_every_key(monkeypatch: pytest.Mo
     calls.clear()
     assert cli.main(["bench", "overhead", "--steps", "4", "--rounds", "3", "--curve", "none", "--rss", "off"]) == 0
     text = capsys.readouterr().out
-    assert len(calls) == 6
-    assert "overhead ratio 1.100" in text and "memory, all in" in text
+    assert len(calls) == 9
+    assert "overhead ratio 1.100" in text and "memory, all in" in text and "overhead ratio 1.200 by wall time" in text
     assert "target overhead_ratio_default_job <= 1.03: 1.100 MISS" in text
 
 

@@ -23,8 +23,9 @@ from pathlib import Path
 import numpy as np
 
 from leto.bench.floor import floor
-from leto.bench.throughput import WARMUP_STEPS, run_job, steady_step_s
+from leto.bench.throughput import WARMUP_STEPS, run_job, steady_step_s, wall_step_s
 from leto.control.controller import node_of_rank
+from leto.persistence.resume import DEFAULT_MTBF
 from leto.protection.accounting import bytes_per_element_per_step
 from leto.protection.codec_bench import measure_codec
 from leto.protection.keeper import batch_buffer_bytes
@@ -275,21 +276,47 @@ def check_tokens(records: list[dict], tokens: int, run_dir: Path) -> None:
 
 
 def _measure(point: Point, default_rows: int, rounds: int, steps: int, workers: int, ec: tuple[int, int] | None,
-             tmp: Path) -> tuple[list[float], list[float], list[dict], list[dict], list[dict]]:
-    """`rounds` interleaved off/on runs of one point: step times, CPU by role, protected steps."""
+             tmp: Path, persist: dict | None = None) -> tuple[list[float], list[float], list[dict], list[dict], list[dict]]:
+    """`rounds` interleaved off/on runs of one point: step times, CPU by role, protected steps.
+    With `persist` (a dict to fill), each round also runs protection + persistence at its default
+    K, and the wall time per step of all three goes into it."""
     off, on, cpu_off, cpu_on, prot = [], [], [], [], []
     rows_flag = point.rows is not None and point.rows != default_rows
-    for i in range(rounds):  # interleaved so that machine load hits both alike
-        for protection in (False, True):
-            d = tmp / f"{point.model}-{point.global_rows}-{i}-{protection}"
+    variants = ("off", "on", "persist") if persist is not None else ("off", "on")
+    for i in range(rounds):  # interleaved so that machine load hits all alike
+        for v in variants:
+            protection = v != "off"
+            d = tmp / f"{point.model}-{point.global_rows}-{i}-{v}"
             res = run_job(workers, steps + WARMUP_STEPS, point.model, d, nodes=NODES, protection=protection,
-                          ec=ec if protection else None, extra=["--rows", str(point.rows)] if rows_flag else None)
+                          ec=ec if protection else None, extra=["--rows", str(point.rows)] if rows_flag else None,
+                          persist=v == "persist")
             check_tokens(res["steps"], point.global_rows * PRESETS[point.model].block_size, d)
+            if persist is not None:
+                persist.setdefault(f"wall_step_s_{v}", []).append(wall_step_s(res["steps"]))
+            if v == "persist":
+                first = res["steps"][WARMUP_STEPS - 1]["step"]
+                persist.setdefault("checkpoints_in_window", []).append(
+                    sum(1 for e in res["events"] if e["event"] == "persist_commit" and e["step"] > first))
+                persist.setdefault("every", []).extend(e["every"] for e in res["events"]
+                                                       if e["event"] == "persist_interval")
+                continue
             (on if protection else off).append(steady_step_s(res["steps"]))
             (cpu_on if protection else cpu_off).append(res["cpu_s_per_step"])
             if protection:
                 prot += res["steps"][WARMUP_STEPS:]
     return off, on, cpu_off, cpu_on, prot
+
+
+def persistence_entry(runs: dict) -> dict:
+    """The default job's all-in figure: protection plus persistent checkpoints at the default K,
+    against no protection, by wall time per step (so a checkpoint's copy in the step is charged)."""
+    off, on, per = runs["wall_step_s_off"], runs["wall_step_s_on"], runs["wall_step_s_persist"]
+    return {"mtbf": DEFAULT_MTBF, "every": runs.get("every", []),
+            "checkpoints_in_window": runs.get("checkpoints_in_window", []),
+            "wall_step_s_off_runs": [round(x, 5) for x in off], "wall_step_s_on_runs": [round(x, 5) for x in on],
+            "wall_step_s_persist_runs": [round(x, 5) for x in per],
+            "overhead_ratio_wall": round(paired_ratio(off, on), 4),
+            "overhead_ratio_with_persistence": round(paired_ratio(off, per), 4)}
 
 
 # ----- targets
@@ -304,6 +331,8 @@ def targets(out: dict) -> dict[str, dict]:
     at_rows = next((e["overhead_ratio"] for e in out.get("curve", [])
                     if e["model"] == out["model"] and e["rows"] == TARGET_ROWS), None)
     checks = {"overhead_ratio_default_job": (out.get("overhead_ratio"), TARGET_RATIO_DEFAULT),
+              "overhead_ratio_default_job_with_persistence":
+                  (out.get("persistence", {}).get("overhead_ratio_with_persistence"), TARGET_RATIO_DEFAULT),
               f"overhead_ratio_{TARGET_ROWS}_rows": (at_rows, TARGET_RATIO_ROWS),
               "memory_overhead_default_job": (out.get("memory_overhead"), TARGET_MEMORY)}
     return {name: {"value": v, "target": f"<= {limit}", "result": verdict(v, limit)} for name, (v, limit) in checks.items()}
@@ -332,9 +361,10 @@ def main(args: argparse.Namespace) -> int:
     curve = []
     rss_out: dict = {}
     with tempfile.TemporaryDirectory(prefix="leto-bench-") as tmp:
-        log(f"default job: {rounds} interleaved off/on rounds of {steps} steps")
+        log(f"default job: {rounds} interleaved rounds of {steps} steps: off, on, on with persistence")
+        persist: dict = {}
         off, on, cpu_off, cpu_on, prot = _measure(default, default.global_rows, rounds, steps, args.workers, ec,
-                                                  Path(tmp))
+                                                  Path(tmp), persist)
         curve.append(curve_entry(default, numel, layout, off, on, cpu_off, cpu_on, steps, prot))
         for p in points:
             log(f"curve: {p.label}: {curve_rounds} interleaved off/on rounds of {curve_steps} steps")
@@ -369,7 +399,7 @@ def main(args: argparse.Namespace) -> int:
            "bytes_per_element_per_step": bytes_per_element_per_step(layout),
            "protection_cpu_s_per_step": _protection_cpu(curve[0]),
            "physical_floor": floor(layout, step_off, os.cpu_count() or 1),
-           **mem, **rss_out,
+           "persistence": persistence_entry(persist), **mem, **rss_out,
            "curve_mode": curve_spec, "curve_rounds": curve_rounds if points else None,
            "curve_steps_per_run": curve_steps if points else None, "curve": curve}
     out["targets"] = targets(out)
@@ -394,6 +424,11 @@ def _print(out: dict, mem: dict) -> None:
           f"{out['rounds']} interleaved rounds of {out['steps_per_run']} steps")
     print(f"  step time off {out['step_s_off'] * 1e3:.1f} ms, on {out['step_s_on'] * 1e3:.1f} ms: "
           f"overhead ratio {out['overhead_ratio']:.3f}")
+    pe = out["persistence"]
+    print(f"  with persistent checkpoints too (default --mtbf {pe['mtbf']}, K {sorted(set(pe['every']))}, "
+          f"{sum(pe['checkpoints_in_window'])} checkpoints in the measured steps): overhead ratio "
+          f"{pe['overhead_ratio_with_persistence']:.3f} by wall time per step "
+          f"(protection alone, same clock: {pe['overhead_ratio_wall']:.3f})")
     print(f"  protection on the training thread per step: staging {out['protection_stage_s_per_step'] * 1e3:.2f} ms, "
           f"waiting for keepers {out['protection_wait_s_per_step'] * 1e3:.2f} ms (rank 0)")
     c_off, c_on = out["cpu_s_per_step_off"], out["cpu_s_per_step_on"]

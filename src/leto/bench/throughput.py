@@ -16,13 +16,20 @@ WARMUP_STEPS = 5
 
 def run_job(workers: int, steps: int, model: str, run_dir: Path, extra: list[str] | None = None,
             spares: int = 0, nodes: int = 1, protection: bool = False, ec: tuple[int, int] | None = None,
-            module: str | None = None, memory_every_s: float | None = None) -> dict:
+            module: str | None = None, memory_every_s: float | None = None, persist: bool = False) -> dict:
     """Run the built-in job quietly (or `module`, a wrapper taking the same arguments); returns
     its summary, per-step records, the CPU seconds per step each role used over the steps after
-    the warm-up and, with `memory_every_s`, each process's peak memory (`CpuSampler.peak_memory`)."""
+    the warm-up, the job's events and, with `memory_every_s`, each process's peak memory
+    (`CpuSampler.peak_memory`). `persist`: persistent checkpoints as `leto train` writes them by
+    default (every K steps, K from Young/Daly for the default --mtbf)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     command = ["-m", module or "leto.training.job", "--steps", str(steps), "--model", model, *(extra or [])]
-    spec = JobSpec(command, workers, spares, nodes, run_dir, quiet=True, protection=protection, ec=ec)
+    env = {}
+    if persist:
+        from leto.persistence.interval import parse_duration
+        from leto.persistence.resume import DEFAULT_MTBF, fresh
+        env = fresh(run_dir, command, True, None, parse_duration(DEFAULT_MTBF), None).env
+    spec = JobSpec(command, workers, spares, nodes, run_dir, quiet=True, protection=protection, ec=ec, env=env)
     with CpuSampler(run_dir, memory_every_s=memory_every_s) as cpu:
         code = Controller(spec).run()
     if code != 0:
@@ -33,12 +40,19 @@ def run_job(workers: int, steps: int, model: str, run_dir: Path, extra: list[str
     used = cpu.between(measured[0]["time"], measured[-1]["time"]) if len(measured) > 1 else {}
     per_step = {role: round(v / (len(measured) - 1), 5) for role, v in used.items()}
     return {"summary": json.loads((run_dir / "summary.json").read_text()), "steps": steps_,
-            "cpu_s_per_step": per_step, "memory": cpu.peak_memory()}
+            "events": [r for r in records if "event" in r], "cpu_s_per_step": per_step, "memory": cpu.peak_memory()}
 
 
 def steady_step_s(steps: list[dict]) -> float:
     """Median step time after the warm-up steps."""
     return statistics.median(r["step_s"] for r in steps[WARMUP_STEPS:] or steps)
+
+
+def wall_step_s(steps: list[dict]) -> float:
+    """Wall time per step after the warm-up, from the step records' clock: it charges everything
+    between steps too (a checkpoint's copy), which a median of step times would not see."""
+    measured = steps[WARMUP_STEPS - 1:] if len(steps) > WARMUP_STEPS else steps
+    return (measured[-1]["time"] - measured[0]["time"]) / max(1, len(measured) - 1)
 
 
 def main(args: argparse.Namespace) -> int:

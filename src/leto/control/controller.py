@@ -185,7 +185,9 @@ class Controller:
             env[rt.ENV_RANK] = str(rank)
         command = ["-m", "leto.protection.keeper"] if role == "keeper" else self.spec.command
         # every child dies with the controller, even a SIGKILLed one (the preexec functions)
+        # quiet (benchmarks): the children's own prints go too; their errors still reach stderr
         popen = subprocess.Popen([sys.executable, *command], env=env, start_new_session=True,
+                                 stdout=subprocess.DEVNULL if self.spec.quiet else None,
                                  preexec_fn=_start_shadow if role in ("shadow", "zygote") else
                                  _start_keeper if role == "keeper" else linux.die_with_parent)
         proc = Proc(role, rank, node, proc_id, popen)
