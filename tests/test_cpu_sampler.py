@@ -11,7 +11,7 @@ from leto.bench.cpu import CpuSampler, thread_group
 
 BURNER = """
 import threading, time
-from leto.control import linux
+from leto.runtime import linux
 def spin(name, seconds):
     linux.name_thread(name)
     end = time.process_time() + seconds  # CPU seconds of the whole process: good enough to keep busy

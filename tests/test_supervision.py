@@ -9,8 +9,14 @@ import signal
 from pathlib import Path
 
 import pytest
-
-from conftest import no_process_left, read_procs, reference_digest, step_records, train, wait_for
+from conftest import (
+    no_process_left,
+    read_procs,
+    reference_digest,
+    step_records,
+    train,
+    wait_for,
+)
 
 JOB = ("--workers", "4", "--nodes", "2", "--spares", "1", "--seed", "0")
 
@@ -215,8 +221,8 @@ def test_the_tier2_code_is_re_placed_over_the_nodes_left() -> None:
 
 
 def test_progress_times_out_only_after_a_measured_step_and_a_stall() -> None:
-    from leto.control.membership import DONE, parse_beat
     from leto.control.progress import ProgressCheck
+    from leto.protocol.messages import DONE, parse_beat
     check = ProgressCheck(floor_s=2.0, factor=10.0)
     assert check.stalled_for("w", 5, 0.0) is None and check.stalled_for("w", 5, 100.0) is None  # no step yet
     for s in (0.1, 0.5, 0.3):

@@ -32,11 +32,11 @@ import torch
 import torch.distributed as dist
 
 import leto
-from leto.control.runtime import Job
 from leto.persistence.files import append_event
 from leto.persistence.files import read_json as _read_json
 from leto.persistence.files import write_json_atomic as _write_json_atomic
 from leto.persistence.interval import steps_between, young_daly_interval
+from leto.runtime.env import Job
 from leto.training import job as base_job
 from leto.training.optim import MASTER
 from leto.training.trainer import Trainer

@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-from leto.control.linux import proc_stat
+from leto.runtime.linux import proc_stat
 
 _TICK = os.sysconf("SC_CLK_TCK")
 BY_THREAD = {"keeper"}  # roles whose CPU is also reported by thread group

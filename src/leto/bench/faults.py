@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from leto.control.linux import proc_stat
+from leto.runtime.linux import proc_stat
 
 POLL_S = 0.005
 

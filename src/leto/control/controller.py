@@ -18,14 +18,14 @@ from pathlib import Path
 import torch.distributed as dist
 
 from leto.console import MetricsTail, StepDisplay
-from leto.control import linux
-from leto.control import runtime as rt
-from leto.control.membership import Plan, heartbeat_key, parse_beat, plan_key, warm_key
 from leto.control.progress import ProgressCheck
-from leto.control.zygote import ZYGOTES_OFF_KEY, fork_key, forked_key
-from leto.protection import doorbell, keys, shm
+from leto.protection import doorbell, shm
 from leto.protection.placement import degradation
+from leto.protocol import keys
+from leto.protocol.messages import Plan, parse_beat
 from leto.recovery.decision import Spare, grow_plan, next_plan
+from leto.runtime import env as rt
+from leto.runtime import linux
 
 FORK_TIMEOUT_S = 2.0  # a zygote that does not deliver a shadow by then is passed over
 POLL_S = 0.01
@@ -204,7 +204,7 @@ class Controller:
 
     def _stop_all(self) -> None:
         """SIGTERM every live child, SIGKILL what is left after a grace period, reap all."""
-        self.store.set(rt.SHUTDOWN_KEY, "1")
+        self.store.set(keys.SHUTDOWN, "1")
         live = [p for p in self.procs if p.popen.poll() is None]
         for p in live:
             _signal_quietly(p.popen, signal.SIGTERM)
@@ -250,7 +250,7 @@ class Controller:
             workers = [self._spawn("worker", r, nodes[r]) for r in range(self.spec.workers)]
             self.members = dict(enumerate(workers))
             self.plan = Plan(0, tuple(nodes), tuple(w.proc_id for w in workers))
-            self.store.set(plan_key(0), self.plan.to_json())
+            self.store.set(keys.plan(0), self.plan.to_json())
             for i in range(self.spec.spares):
                 self._spawn("shadow", None, i % self.spec.nodes)
             if self._zygotes_wanted():
@@ -361,7 +361,7 @@ class Controller:
 
     def _beat(self, p: Proc) -> tuple[float, int] | None:
         """The last heartbeat (time, progress), or None (not started yet, or left on purpose)."""
-        key = heartbeat_key(p.proc_id)
+        key = keys.heartbeat(p.proc_id)
         if not self.store.check([key]):
             return None
         return parse_beat(self.store.get(key).decode())
@@ -374,8 +374,8 @@ class Controller:
     def _on_failures(self, failed: list[tuple[Proc, str]]) -> int | None:
         """Decide generation g+1 and announce it; returns an exit code when the job must stop."""
         t_detect = time.time()
-        if self.store.check([rt.FATAL_KEY]):
-            msg = self.store.get(rt.FATAL_KEY).decode()
+        if self.store.check([keys.FATAL]):
+            msg = self.store.get(keys.FATAL).decode()
             self.event("fatal", cause=msg)
             self.display.message(f"leto: cannot recover: {msg}; stopping the job")
             return 1
@@ -454,7 +454,7 @@ class Controller:
         for p in self.procs:  # keepers sleep between doorbells: wake them to read the drain
             if p.role == "keeper" and p.popen.poll() is None:
                 _signal_quietly(p.popen, doorbell.CONTROL)
-        self.store.set(plan_key(new.generation), new.to_json())
+        self.store.set(keys.plan(new.generation), new.to_json())
         self.members_before = dict(self.members)
         self.members = {q: by_id[proc_id] for q, proc_id in enumerate(new.proc_of_rank)}
         for q, proc in self.members.items():
@@ -480,7 +480,7 @@ class Controller:
         self._last_grow_check = now
         warm = [Spare(p.proc_id, p.node) for p in self.procs if p.role == "shadow" and p.popen.poll() is None
                 and p.proc_id not in self.handled and p.node not in self.dead_keeper_nodes
-                and self.store.check([warm_key(p.proc_id)])]
+                and self.store.check([keys.warm(p.proc_id)])]
         if not warm or self.plan.generation >= MAX_GENERATIONS:
             return
         new = grow_plan(self.plan, warm[:self.spec.workers - len(self.members)])
@@ -499,7 +499,7 @@ class Controller:
 
     def _failure_time(self, p: Proc, t_detect: float) -> float:
         """When the failure happened: the injector's record, else the last heartbeat before it."""
-        key = f"control/inject/time/{p.proc_id}"
+        key = keys.inject_time(p.proc_id)
         if self.store.check([key]):
             return float(self.store.get(key))
         last = self._heartbeat(p) if p.role in ("worker", "keeper") else None
@@ -518,7 +518,7 @@ class Controller:
         """Zygotes need spares to make, protection to adopt with, and a job that can fork (a
         zygote that finds a CUDA context says so and exits: CUDA does not survive fork)."""
         return bool(self.spec.zygotes and self.spec.spares and self.spec.protection
-                    and not self.store.check([ZYGOTES_OFF_KEY]))
+                    and not self.store.check([keys.ZYGOTES_OFF]))
 
     def _replenish(self) -> None:
         """Keep --spares shadows: fork new ones from a warm zygote of the node (milliseconds),
@@ -537,20 +537,20 @@ class Controller:
     def _fork_shadow(self, node: int) -> Proc | None:
         """Ask the node's warm zygote for a shadow; None if it has none ready in time."""
         zygote = next((p for p in self.procs if p.role == "zygote" and p.node == node and p.popen.poll() is None
-                       and p.proc_id not in self.handled and self.store.check([warm_key(p.proc_id)])), None)
+                       and p.proc_id not in self.handled and self.store.check([keys.warm(p.proc_id)])), None)
         if zygote is None:
             return None
         self._seq += 1
         proc_id = f"shadow-{self._seq}"
         seq = self._forks.get(zygote.proc_id, 0)
         self._forks[zygote.proc_id] = seq + 1
-        self.store.set(fork_key(zygote.proc_id, seq), json.dumps({"proc_id": proc_id, "node": node}))
+        self.store.set(keys.fork(zygote.proc_id, seq), json.dumps({"proc_id": proc_id, "node": node}))
         deadline = time.monotonic() + FORK_TIMEOUT_S
-        while not self.store.check([forked_key(proc_id)]):
+        while not self.store.check([keys.forked(proc_id)]):
             if time.monotonic() > deadline or zygote.popen.poll() is not None:
                 return None
             time.sleep(1e-3)
-        proc = Proc("shadow", None, node, proc_id, Forked(int(self.store.get(forked_key(proc_id)))))
+        proc = Proc("shadow", None, node, proc_id, Forked(int(self.store.get(keys.forked(proc_id)))))
         self.procs.append(proc)
         return proc
 
@@ -559,7 +559,7 @@ class Controller:
         for pending in list(self.pending):
             if rec.get("time", 0) <= pending["t_detect"]:
                 continue
-            key = f"control/recovery/{pending['generation']}"
+            key = keys.recovery(pending['generation'])
             info = json.loads(self.store.get(key)) if self.store.check([key]) else {}
             done = {k: v for k, v in pending.items() if k not in ("t_fail", "t_detect", "kind")}
             done.update({"tier": info.get("tier"), "step": info.get("step"), "repaired": info.get("repaired", []),
@@ -584,8 +584,8 @@ class Controller:
 
     def _write_summary(self, wall_s: float, code: int) -> None:
         result: dict = {"steps": None, "final_loss": None, "digest": None}
-        if self.store.check([rt.RESULT_KEY]):
-            result.update(json.loads(self.store.get(rt.RESULT_KEY)))
+        if self.store.check([keys.RESULT]):
+            result.update(json.loads(self.store.get(keys.RESULT)))
         summary = {**result, "wall_s": round(wall_s, 3), "workers": self.spec.workers,
                    "spares": self.spec.spares, "nodes": self.spec.nodes, "exit_code": code,
                    "recoveries": [e for e in self.events if e["event"] == "recovery"],

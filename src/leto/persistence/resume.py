@@ -104,7 +104,7 @@ def resume(run_dir: Path, command: list[str], persist: bool, mtbf_s: float, ever
 
 def _not_running(run_dir: Path) -> None:
     """The run being resumed must be over: its controller (procs.json) is gone."""
-    from leto.control.linux import proc_stat
+    from leto.runtime.linux import proc_stat
     procs = read_json_list(run_dir / "procs.json")
     for p in procs:
         if p.get("role") == "controller" and isinstance(p.get("pid"), int):

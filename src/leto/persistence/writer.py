@@ -34,14 +34,14 @@ import torch
 from leto.persistence import store
 from leto.persistence.files import append_event
 from leto.persistence.interval import steps_between, young_daly_interval
+from leto.protocol import keys
 
 if TYPE_CHECKING:
-    from leto.control.runtime import Job
+    from leto.runtime.env import Job
     from leto.training.trainer import Trainer
 
 ENV_PERSIST = "LETO_PERSIST"   # JSON PersistConfig, set by `leto train|run` (absent: persistence off)
 ENV_RESUME = "LETO_RESUME"     # JSON {"path", "step"}: load this checkpoint at the start
-EVERY_KEY = "persist/every"    # store: {"every": K, "first": step} once rank 0 has chosen K
 CALIBRATE_AFTER = 5            # steps timed before the calibration checkpoint (the first is not used)
 WRITE_TIMEOUT_S = 120.0        # the longest wait for the last write at the end of the job
 
@@ -91,8 +91,8 @@ class Persister:
     def _due(self, step: int, rank: int) -> bool:
         if step <= self.cfg.start_step:
             return False
-        if self.every is None and self.job.store.check([EVERY_KEY]):
-            plan = json.loads(self.job.store.get(EVERY_KEY))
+        if self.every is None and self.job.store.check([keys.PERSIST_EVERY]):
+            plan = json.loads(self.job.store.get(keys.PERSIST_EVERY))
             self.every, self.first, self.calibrated = plan["every"], plan["first"], True
         if self.every is not None:
             return step >= self.first and (step - self.first) % self.every == 0
@@ -109,7 +109,7 @@ class Persister:
         # never two writes in flight: K steps must outlast a write
         every = max(steps_between(interval_s, step_s), math.ceil(write_s / step_s) + 1 if step_s > 0 else 1)
         first = step + max(every, 2)  # every rank reads the plan before that step (lock-step)
-        self.job.store.set(EVERY_KEY, json.dumps({"every": every, "first": first}))
+        self.job.store.set(keys.PERSIST_EVERY, json.dumps({"every": every, "first": first}))
         self.every, self.first, self.calibrated = every, first, True
         self._event("persist_interval", every=every, first=first, write_s=round(write_s, 4),
                     step_s=round(step_s, 5), mtbf_s=self.cfg.mtbf_s, interval_s=round(interval_s, 3))

@@ -7,13 +7,24 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from leto.control.comm import PeerFailure
-from leto.protection import keys
 from leto.protection.doorbell import Doorbell
 from leto.protection.integrity import checksum
 from leto.protection.layout import Layout
-from leto.protection.shm import (H_DCOMMIT, H_GCOMMIT, H_PID, KIND_DELTA, KIND_GRAD, S_CHUNK, S_CRC, S_KIND, S_READY,
-                                 S_STEP, Region)
+from leto.protection.shm import (
+    H_DCOMMIT,
+    H_GCOMMIT,
+    H_PID,
+    KIND_DELTA,
+    KIND_GRAD,
+    S_CHUNK,
+    S_CRC,
+    S_KIND,
+    S_READY,
+    S_STEP,
+    Region,
+)
+from leto.protocol import keys
+from leto.runtime.comm import PeerFailure
 
 
 def as_bytes(t: torch.Tensor) -> np.ndarray:

@@ -20,15 +20,34 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from leto.control import linux
-from leto.control import runtime as rt
-from leto.control.membership import Heartbeat
-from leto.protection import doorbell, keys
+from leto.protection import doorbell
 from leto.protection.codec import scale_into, xor_into
 from leto.protection.layout import Layout
-from leto.protection.shm import (H_BASE, H_DCOMMIT, H_GCOMMIT, H_GEN, H_MAGIC, H_PID, H_STATE, KIND_DELTA,
-                                 KIND_GRAD, MAGIC, S_CHUNK, S_CRC, S_KIND, S_READY, S_STEP, STATE_DRAINED,
-                                 STATE_RUNNING, Region, check_store_order)
+from leto.protection.shm import (
+    H_BASE,
+    H_DCOMMIT,
+    H_GCOMMIT,
+    H_GEN,
+    H_MAGIC,
+    H_PID,
+    H_STATE,
+    KIND_DELTA,
+    KIND_GRAD,
+    MAGIC,
+    S_CHUNK,
+    S_CRC,
+    S_KIND,
+    S_READY,
+    S_STEP,
+    STATE_DRAINED,
+    STATE_RUNNING,
+    Region,
+    check_store_order,
+)
+from leto.protocol import keys
+from leto.runtime import env as rt
+from leto.runtime import linux
+from leto.runtime.membership import Heartbeat
 
 HDR = 8           # int64 fields in a tier-2 message header
 TAG = {KIND_GRAD: 1, KIND_DELTA: 2}

@@ -67,7 +67,7 @@ def owner_path(job: str) -> Path:
 def _start_time(pid: int) -> str | None:
     """The kernel's start time of process `pid` (clock ticks since boot), None if it is gone
     or a zombie."""
-    from leto.control.linux import proc_stat
+    from leto.runtime.linux import proc_stat
     fields = proc_stat(pid)
     if fields is None or fields[0] in ("Z", "X") or len(fields) < 20:
         return None

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from leto.control.membership import Plan
+from leto.protocol.messages import Plan
 
 
 @dataclass(frozen=True)

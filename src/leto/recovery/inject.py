@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from leto.protocol import keys
+
 KINDS = ("kill", "stop", "hang", "node-kill")
 PHASES = ("forward", "backward", "reduce-scatter", "grads", "update", "all-gather", "parity", "recovery")
 CHUNKED = ("grads", "update", "parity")  # phases that run chunk by chunk (chunk=C picks the boundary)
@@ -89,11 +91,11 @@ class Injector:
                     continue
             elif inj.rank != rank:
                 continue
-            fired = f"control/inject/fired/{inj.index}"
+            fired = keys.inject_fired(inj.index)
             if self.store.check([fired]):
                 continue
             self.store.set(fired, self.proc_id)
-            self.store.set(f"control/inject/time/{self.proc_id}", str(time.time()))
+            self.store.set(keys.inject_time(self.proc_id), str(time.time()))
             self._fire(inj)
 
     def _fire(self, inj: Injection) -> None:
@@ -107,7 +109,7 @@ class Injector:
             procs = json.loads((self.run_dir / "procs.json").read_text())
             for p in procs:
                 if p["node"] == inj.node and p["pid"] != os.getpid():
-                    self.store.set(f"control/inject/time/{p['id']}", str(time.time()))
+                    self.store.set(keys.inject_time(p['id']), str(time.time()))
                     try:
                         os.kill(p["pid"], signal.SIGKILL)
                     except ProcessLookupError:

@@ -13,19 +13,23 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from leto.control.comm import Comm, PeerFailure
-from leto.control.membership import plan_key, read_plan
-from leto.protection import keys
 from leto.protection.layout import Layout
-from leto.recovery.rebuild import Rebuilder, RecoveryError, Roles, assign_roles, make_plan, recovery_step
+from leto.protocol import keys
+from leto.recovery.rebuild import (
+    Rebuilder,
+    RecoveryError,
+    Roles,
+    assign_roles,
+    make_plan,
+    recovery_step,
+)
+from leto.runtime.comm import Comm, PeerFailure
+from leto.runtime.membership import read_plan
 from leto.training.optim import MASTER
 
 if TYPE_CHECKING:
     from leto.training.trainer import Trainer
 
-
-def recovery_key(gen: int) -> str:
-    return f"control/recovery/{gen}"
 
 
 def _wait_keys(tr: Trainer, names: list[str], what: str) -> None:
@@ -40,7 +44,7 @@ def _wait_keys(tr: Trainer, names: list[str], what: str) -> None:
 
 def latest_generation(store, start: int) -> int:
     g = start
-    while store.check([plan_key(g + 1)]):
+    while store.check([keys.plan(g + 1)]):
         g += 1
     return g
 
@@ -141,7 +145,7 @@ def join(tr: Trainer, gen: int) -> dict:
               "protect_s": round(time.time() - t_protect, 4), "join_s": round(time.time() - t0, 4),
               "repaired": repaired}
     if rank == 0:
-        store.set(recovery_key(gen), json.dumps(record))
+        store.set(keys.recovery(gen), json.dumps(record))
     return record
 
 
@@ -205,7 +209,7 @@ def _rejoin_intact(tr: Trainer, gen: int, plan, t0: float) -> dict:
               "protect_s": round(time.time() - t_protect, 4), "join_s": round(time.time() - t0, 4),
               "repaired": [], "rebuilt_from": "the workers' own state (no keeper data)"}
     if tr.rank == 0:
-        tr.job.store.set(recovery_key(gen), json.dumps(record))
+        tr.job.store.set(keys.recovery(gen), json.dumps(record))
     return record
 
 

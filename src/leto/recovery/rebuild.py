@@ -14,14 +14,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from leto.control.comm import Comm
-from leto.control.membership import Plan
 from leto.protection.client import as_bytes
 from leto.protection.codec import UnrecoverableError, scale_into, xor_into
 from leto.protection.integrity import checksum
 from leto.protection.layout import Layout
 from leto.protection.placement import Stripe, lost_summary
 from leto.protection.shm import Region
+from leto.protocol.messages import Plan
+from leto.runtime.comm import Comm
 
 
 class RecoveryError(RuntimeError):

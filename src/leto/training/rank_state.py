@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import pickle
 import random
 import sys
 from typing import Any, Protocol
@@ -25,7 +24,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn as nn
 
-from leto.control.comm import Comm
+from leto.runtime.comm import Comm
 
 KEEP_STEPS = 3  # tables kept behind the current step: a recovery rolls back at most one step
 

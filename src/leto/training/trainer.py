@@ -11,22 +11,23 @@ import hashlib
 import json
 import os
 import time
-from datetime import timedelta
 from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
 
 import torch
 import torch.nn as nn
 
-from leto.control import runtime as rt
-from leto.control.comm import Comm, PeerFailure, reduction_replicates
-from leto.control.membership import GenerationWatch, Plan, plan_key, read_plan, warm_key
-from leto.control.runtime import FATAL_KEY, RESULT_KEY, Job
 from leto.persistence.writer import PersistConfig, Persister
-from leto.protection import keys
 from leto.protection.client import Protector
 from leto.protection.layout import Geometry, Layout
+from leto.protocol import keys
+from leto.protocol.messages import Plan
 from leto.recovery.inject import Injector
 from leto.recovery.rebuild import RecoveryError
+from leto.runtime import env as rt
+from leto.runtime.comm import Comm, PeerFailure, reduction_replicates
+from leto.runtime.env import Job
+from leto.runtime.membership import GenerationWatch, read_plan
 from leto.training.optim import MASTER, AdamW, Optimizer
 from leto.training.param_groups import ParamGroups
 from leto.training.rank_state import RankState, Stateful, reseed
@@ -237,7 +238,7 @@ class Trainer:
     def steps(self, total: int) -> Iterator[int]:
         """Yield the step numbers to run (0-based); shadows wait here until the job ends."""
         if self.job.is_zygote:  # forks shadows; returns in a fork, which is a shadow from here on
-            from leto.control.zygote import serve
+            from leto.runtime.zygote import serve
             if not serve(self.job):
                 return
             if self.injector is not None:
@@ -300,7 +301,7 @@ class Trainer:
             except PeerFailure:
                 continue  # another failure during recovery: join the next generation
             except RecoveryError as e:
-                self.job.store.set(FATAL_KEY, f"rank {self.rank}: {e}")
+                self.job.store.set(keys.FATAL, f"rank {self.rank}: {e}")
                 raise
 
     def _fault(self, phase: str, step: int, chunk: int | None = None) -> None:
@@ -567,7 +568,7 @@ class Trainer:
         """Compute the final digest and publish the result to the controller (rank 0)."""
         digest = self.digest()
         if self.rank == 0:
-            self.job.store.set(RESULT_KEY, json.dumps(
+            self.job.store.set(keys.RESULT, json.dumps(
                 {"steps": self.step_count, "final_loss": self.last_loss, "digest": digest}))
         return digest
 
@@ -594,10 +595,10 @@ class Trainer:
         """A shadow waits, fully initialized, until a generation names it; False at shutdown."""
         from leto.recovery.inplace import join
         gen = 1
-        self.job.store.set(warm_key(self.job.proc_id), "1")
+        self.job.store.set(keys.warm(self.job.proc_id), "1")
         while not self.job.shutdown_requested():
             try:  # returns as soon as generation `gen` is announced
-                self.job.store.wait([plan_key(gen)], timedelta(seconds=0.5))
+                self.job.store.wait([keys.plan(gen)], timedelta(seconds=0.5))
             except RuntimeError:
                 continue
             plan = read_plan(self.job.store, gen)
@@ -612,7 +613,7 @@ class Trainer:
                     self.recoveries.append(join(self, gen))
                     return True
                 except RecoveryError as e:
-                    self.job.store.set(FATAL_KEY, f"rank {self.rank}: {e}")
+                    self.job.store.set(keys.FATAL, f"rank {self.rank}: {e}")
                     raise
                 except PeerFailure:
                     from leto.recovery.inplace import latest_generation

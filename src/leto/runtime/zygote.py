@@ -16,22 +16,11 @@ import os
 import time
 from datetime import timedelta
 
-from leto.control import linux
-from leto.control import runtime as rt
-from leto.control.membership import warm_key
+from leto.protocol import keys
+from leto.runtime import env as rt
+from leto.runtime import linux
 
-ZYGOTES_OFF_KEY = "control/zygotes-off"  # why this job cannot use zygotes (set by one)
 REPARENT_TIMEOUT_S = 5.0
-
-
-def fork_key(zygote_id: str, seq: int) -> str:
-    """The controller's `seq`-th fork request to a zygote: {"proc_id", "node"}."""
-    return f"control/fork/{zygote_id}/{seq}"
-
-
-def forked_key(proc_id: str) -> str:
-    """Set by a forked shadow to its pid once it is ready to be supervised."""
-    return f"control/forked/{proc_id}"
 
 
 def serve(job: rt.Job) -> bool:
@@ -39,12 +28,12 @@ def serve(job: rt.Job) -> bool:
     which is now a shadow with its own identity and store connection."""
     import torch
     if torch.cuda.is_initialized():  # a CUDA context does not survive fork: no zygotes in this job
-        job.store.set(ZYGOTES_OFF_KEY, "the job's processes use CUDA, which cannot be forked")
+        job.store.set(keys.ZYGOTES_OFF, "the job's processes use CUDA, which cannot be forked")
         return False
-    job.store.set(warm_key(job.proc_id), "1")
+    job.store.set(keys.warm(job.proc_id), "1")
     seq = 0
     while not job.shutdown_requested():
-        key = fork_key(job.proc_id, seq)
+        key = keys.fork(job.proc_id, seq)
         try:
             job.store.wait([key], timedelta(seconds=0.5))
         except RuntimeError:  # timed out: check for shutdown, wait again
@@ -77,7 +66,7 @@ def _fork(job: rt.Job, request: dict) -> bool:
         job.role, job.proc_id, job.node = "shadow", request["proc_id"], int(request["node"])
         os.environ.update({rt.ENV_ROLE: "shadow", rt.ENV_PROC_ID: job.proc_id, rt.ENV_NODE: str(job.node)})
         job.store = rt.connect(os.environ[rt.ENV_STORE], job.timeout_s)  # never share the zygote's socket
-        job.store.set(forked_key(job.proc_id), str(os.getpid()))
+        job.store.set(keys.forked(job.proc_id), str(os.getpid()))
         return True
     except BaseException:  # a half-made shadow must not return into the zygote's loop
         os._exit(1)

@@ -1,44 +1,23 @@
-"""Membership generations: the controller's plan for each generation, and the worker's watch on it."""
+"""The worker's side of membership: heartbeats, reading a generation's plan, and the watch
+that notices the next generation."""
 from __future__ import annotations
 
-import json
 import threading
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
 
-from leto.control.runtime import connect
+from leto.protocol import keys
+from leto.protocol.messages import DONE, Plan, format_beat
+from leto.runtime.env import connect
 
-DONE = "done"  # the heartbeat of a process that left the job on purpose
 CHECK_EVERY_S = 0.1  # how often a worker heartbeats (a new generation is noticed at once)
-
-
-def plan_key(gen: int) -> str:
-    return f"control/gen/{gen}"
-
-
-def warm_key(proc_id: str) -> str:
-    """Set by a shadow once it is fully initialized and waiting to adopt a rank."""
-    return f"control/warm/{proc_id}"
-
-
-def heartbeat_key(proc_id: str) -> str:
-    return f"control/hb/{proc_id}"
 
 
 def beat(store: dist.Store, proc_id: str, progress: int = 0) -> None:
     """One heartbeat: the time and the training thread's progress counter."""
-    store.set(heartbeat_key(proc_id), f"{time.time()} {progress}")
-
-
-def parse_beat(value: str) -> tuple[float, int] | None:
-    """(time, progress) of a heartbeat, or None for a process that left the job on purpose."""
-    if value == DONE:
-        return None
-    t, _, progress = value.partition(" ")
-    return float(t), int(progress or 0)
+    store.set(keys.heartbeat(proc_id), format_beat(time.time(), progress))
 
 
 class Heartbeat:
@@ -63,34 +42,8 @@ class Heartbeat:
         self._stop.set()
 
 
-@dataclass(frozen=True)
-class Plan:
-    """Who is rank what in one generation (written by the controller)."""
-
-    generation: int
-    node_of_rank: tuple[int, ...]
-    proc_of_rank: tuple[str, ...]
-    failed_ranks: tuple[int, ...] = ()
-    failed_nodes: tuple[int, ...] = ()
-    cause: str = ""
-
-    def to_json(self) -> str:
-        return json.dumps({"generation": self.generation, "node_of_rank": list(self.node_of_rank),
-                           "proc_of_rank": list(self.proc_of_rank), "failed_ranks": list(self.failed_ranks),
-                           "failed_nodes": list(self.failed_nodes), "cause": self.cause})
-
-    @staticmethod
-    def from_json(text: str | bytes) -> Plan:
-        d = json.loads(text)
-        return Plan(d["generation"], tuple(d["node_of_rank"]), tuple(d["proc_of_rank"]),
-                    tuple(d["failed_ranks"]), tuple(d["failed_nodes"]), d["cause"])
-
-    def rank_of(self, proc_id: str) -> int | None:
-        return self.proc_of_rank.index(proc_id) if proc_id in self.proc_of_rank else None
-
-
 def read_plan(store: dist.Store, gen: int) -> Plan:
-    return Plan.from_json(store.get(plan_key(gen)))
+    return Plan.from_json(store.get(keys.plan(gen)))
 
 
 class GenerationWatch:
@@ -126,7 +79,7 @@ class GenerationWatch:
                     self._stop.wait(CHECK_EVERY_S)
                     continue
                 try:  # returns as soon as the next generation is announced
-                    self._store.wait([plan_key(want)], timedelta(seconds=CHECK_EVERY_S))
+                    self._store.wait([keys.plan(want)], timedelta(seconds=CHECK_EVERY_S))
                 except RuntimeError:
                     continue  # timed out: heartbeat again
                 with self._lock:
@@ -155,6 +108,6 @@ class GenerationWatch:
         self._stop.set()
         self._thread.join(timeout=1.0)
         try:
-            self._store.set(heartbeat_key(self.proc_id), DONE)
+            self._store.set(keys.heartbeat(self.proc_id), DONE)
         except Exception:  # the controller is gone already
             pass

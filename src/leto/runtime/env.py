@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from leto.protocol import keys
+
 # The controller passes the membership to its children in these variables.
 ENV_STORE = "LETO_STORE"          # host:port of the controller's TCPStore
 ENV_ROLE = "LETO_ROLE"            # worker | shadow | zygote
@@ -26,9 +28,6 @@ ENV_PROTECT_EVERY = "LETO_PROTECT_EVERY"  # protect the state every N steps (--p
 ENV_PROTECT_GRADS = "LETO_PROTECT_GRADS"  # "on": stage gradients even where every rank holds them
 ENV_INJECT = "LETO_INJECT"        # fault injections, a JSON list of --inject specs
 
-SHUTDOWN_KEY = "control/shutdown"
-RESULT_KEY = "control/result"
-FATAL_KEY = "control/fatal"       # set by a worker that found the job unrecoverable
 
 
 @dataclass
@@ -60,7 +59,7 @@ class Job:
         return self.role == "zygote"
 
     def shutdown_requested(self) -> bool:
-        return self.store.check([SHUTDOWN_KEY])
+        return self.store.check([keys.SHUTDOWN])
 
 
 def connect(addr: str, timeout_s: float) -> dist.TCPStore:

@@ -1,0 +1,82 @@
+"""Every store key of the job, in one place. Control keys are written by the controller (plans,
+fork requests) or to it (heartbeats, results); protection keys carry their generation."""
+
+# ----- control: membership, liveness, the job's end
+SHUTDOWN = "control/shutdown"          # set once the job stops: every wait gives up
+RESULT = "control/result"              # rank 0's final digest and loss (JSON)
+FATAL = "control/fatal"                # set by a worker that found the job unrecoverable (the reason)
+ZYGOTES_OFF = "control/zygotes-off"    # why this job cannot use zygotes (set by one)
+PERSIST_EVERY = "persist/every"        # {"every": K, "first": step} once rank 0 has chosen K
+
+
+def plan(gen: int) -> str:
+    """The `messages.Plan` of generation `gen`."""
+    return f"control/gen/{gen}"
+
+
+def warm(proc_id: str) -> str:
+    """Set by a shadow (or zygote) once it is fully initialized and waiting."""
+    return f"control/warm/{proc_id}"
+
+
+def heartbeat(proc_id: str) -> str:
+    """A process's latest heartbeat (`messages.format_beat`)."""
+    return f"control/hb/{proc_id}"
+
+
+def fork(zygote_id: str, seq: int) -> str:
+    """The controller's `seq`-th fork request to a zygote."""
+    return f"control/fork/{zygote_id}/{seq}"
+
+
+def forked(proc_id: str) -> str:
+    """The pid of the shadow a zygote forked as `proc_id`."""
+    return f"control/forked/{proc_id}"
+
+
+def recovery(gen: int) -> str:
+    """The recovery record rank 0 writes once generation `gen` has joined."""
+    return f"control/recovery/{gen}"
+
+
+def inject_fired(index: int) -> str:
+    return f"control/inject/fired/{index}"
+
+
+def inject_time(proc_id: str) -> str:
+    """When an injected fault hit `proc_id` (the failure time of its recovery)."""
+    return f"control/inject/time/{proc_id}"
+
+
+# ----- protection
+def layout(gen: int) -> str:
+    return f"prot/g{gen}/layout"
+
+
+def ready(gen: int, node: int) -> str:
+    return f"prot/g{gen}/ready/{node}"
+
+
+def committed(gen: int, node: int) -> str:
+    return f"prot/g{gen}/committed/{node}"
+
+
+def keeper_pg(gen: int) -> str:
+    return f"kpg/g{gen}/"
+
+
+def drain(gen: int) -> str:
+    return f"prot/g{gen}/drain"
+
+
+def sent(gen: int, src: int, dst: int) -> str:
+    return f"prot/g{gen}/sent/{src}/{dst}"
+
+
+def report(gen: int, node: int) -> str:
+    return f"prot/g{gen}/report/{node}"
+
+
+def barrier_state(gen: int, node: int) -> str:
+    """A draining keeper's barrier state: the next barrier and whether it entered it."""
+    return f"prot/g{gen}/barrier/{node}"
