@@ -5,6 +5,8 @@ import json
 import os
 from pathlib import Path
 
+from leto.runtime import runlog
+
 
 def write_json_atomic(path: Path, obj: dict) -> None:
     """Write `obj` to `path` so that a reader sees the old file or the whole new one."""
@@ -23,7 +25,5 @@ def read_json(path: Path) -> dict | None:
 
 
 def append_event(run_dir: Path, kind: str, **fields: object) -> None:
-    """Append one event record to the run's metrics.jsonl (one write: whole lines only)."""
-    import time
-    with open(run_dir / "metrics.jsonl", "a") as f:
-        f.write(json.dumps({"event": kind, "time": time.time(), **fields}) + "\n")
+    """Append one event record to the run's metrics.jsonl."""
+    runlog.event(run_dir, kind, **fields)
