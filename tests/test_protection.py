@@ -29,7 +29,7 @@ MODES = {"replicated-grads": (), "protected-grads": ("--protect-grads", "on")}
 @pytest.mark.parametrize("mode, phase", [("replicated-grads", "update"), ("replicated-grads", "parity"),
                                          ("protected-grads", "grads"), ("protected-grads", "update"),
                                          ("protected-grads", "parity")])
-@pytest.mark.parametrize("chunk", [0, 1, 3])  # the first, a middle and the last chunk
+@pytest.mark.parametrize("chunk", [0, 3])  # the first and the last (which commits the step) of 4 chunks
 def test_kill_at_every_chunk_boundary_rebuilds_the_exact_state(launcher, tmp_path: Path, mode: str, phase: str,
                                                                chunk: int) -> None:
     digest = reference_digest(launcher, tmp_path, *SMALL)  # the same digest in both modes

@@ -43,8 +43,6 @@ def test_a_killed_worker_is_replaced_in_place_in_any_phase(launcher, tmp_path: P
     rec = check_recovered(res, s, digest, tmp_path / "run")[0]
     assert rec["failed_ranks"] == [rank] and rec["tier"] == "tier1"
     assert "SIGKILL" in rec["cause"]
-    procs = read_procs(tmp_path / "run")
-    assert sum(p["role"] == "shadow" for p in procs) >= 0  # the run ended; shadows were replenished during it
 
 
 def test_a_whole_node_lost_is_rebuilt_from_tier2(launcher, tmp_path: Path) -> None:
