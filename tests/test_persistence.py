@@ -17,7 +17,7 @@ import torch
 
 from conftest import (JOB, Launcher, alive, no_process_left, read_procs, reference_digest, step_records, train,
                       wait_for)
-from leto.persistence import loader, store
+from leto.persistence import loader, resume, store
 from leto.persistence.interval import parse_duration, steps_between, young_daly_interval
 
 SMALL = ("--workers", "2", "--nodes", "1", "--spares", "0", "--steps", "8", "--seed", "0", "--persist-every", "2")
@@ -73,12 +73,7 @@ def test_a_run_keeps_the_last_two_complete_checkpoints(small_run) -> None:
     store.verify(ck)
 
 
-@pytest.mark.parametrize("damage", ["marker", "part-marker", "corrupt", "truncate"])
-def test_a_torn_or_corrupt_newest_checkpoint_falls_back_to_the_previous(launcher, tmp_path: Path, small_run,
-                                                                      damage: str) -> None:
-    run_dir = copy_run(small_run[0], tmp_path / "run")
-    previous, newest = (ck.path for ck in store.complete(run_dir / "checkpoints")[::-1])
-    before = int(previous.name[5:])
+def _damage(newest: Path, damage: str) -> None:
     data = store.part_dir(newest, 1) / "__0_0.distcp"
     if damage == "marker":
         (newest / store.COMMIT).unlink()
@@ -90,6 +85,26 @@ def test_a_torn_or_corrupt_newest_checkpoint_falls_back_to_the_previous(launcher
         data.write_bytes(bytes(raw))
     else:
         data.write_bytes(data.read_bytes()[:-100])
+
+
+@pytest.mark.parametrize("damage", ["marker", "part-marker", "corrupt", "truncate"])
+def test_a_torn_or_corrupt_newest_checkpoint_is_passed_over(tmp_path: Path, small_run, damage: str) -> None:
+    run_dir = copy_run(small_run[0], tmp_path / "run")
+    previous, newest = (ck.path for ck in store.complete(run_dir / "checkpoints")[::-1])
+    _damage(newest, damage)
+    said: list[str] = []
+    record = json.loads((run_dir / "persist.json").read_text())
+    ck = store.choose(run_dir / "checkpoints", resume.fingerprint(record["command"]), said.append)
+    assert ck.path == previous
+    assert any(newest.name in msg and "passed over" in msg for msg in said), said
+
+
+def test_a_resume_past_a_corrupt_newest_checkpoint_ends_with_the_failure_free_digest(launcher, tmp_path: Path,
+                                                                                   small_run) -> None:
+    run_dir = copy_run(small_run[0], tmp_path / "run")
+    previous, newest = (ck.path for ck in store.complete(run_dir / "checkpoints")[::-1])
+    before = int(previous.name[5:])
+    _damage(newest, "corrupt")
     res, s = train(launcher, run_dir, "--resume", str(run_dir), *SMALL, "--protection", "off")
     assert res.returncode == 0, res.stderr[-3000:]
     assert newest.name in res.stderr and "passed over" in res.stderr
