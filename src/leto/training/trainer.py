@@ -16,6 +16,7 @@ from datetime import timedelta
 import torch
 import torch.nn as nn
 
+from leto.persistence import loader
 from leto.persistence.writer import PersistConfig, Persister
 from leto.protection.client import Protector
 from leto.protection.layout import STATE_ROWS, Geometry, Layout
@@ -436,12 +437,11 @@ class Trainer:
 
     def _resume(self) -> None:
         """At the start of a `--resume` job: load this rank's state from the checkpoint."""
-        from leto.persistence.loader import load, resume_target
-        target = resume_target()
+        target = loader.resume_target()
         if target is None:
             return
         s = self.sharded
-        got = load(*target, self.rank, self.world_size, s.numel, s.n_chunks, s.chunk_elems)
+        got = loader.load(*target, self.rank, self.world_size, s.numel, s.n_chunks, s.chunk_elems)
         s.load(got.shard, got.params, got.step, self.rank)
         self.load_extra_state(got.extra)
 
