@@ -42,11 +42,11 @@ class ShardedState:
         self.grad_copies = 0 if replicated_grads else self.copies if protect_every == 1 else 1
         self.rank: int | None = None
         self.step = 0
-        self.kept: dict[int, tuple[int, torch.Tensor]] = {}  # chunk -> (step, data) a recovery replaced
+        self._kept: dict[int, tuple[int, torch.Tensor]] = {}  # chunk -> (step, data) a recovery replaced
         self.snap: torch.Tensor | None = None  # --protect-every > 1: the state at the last protected step
         self.snap_step = -1
         self._pending: tuple[int, int, int, torch.Tensor, torch.Tensor, int] | None = None
-        self.scratch = torch.zeros(chunk_elems, device=device)
+        self._scratch = torch.zeros(chunk_elems, device=device)
         self.allocate(shards)
         self.buf_step[0] = 0
         self.chunk_step = [0] * self.n_chunks
@@ -106,7 +106,7 @@ class ShardedState:
         if self.inplace:
             if self.chunk_step[c] == step:
                 return self.bufs[0][c]
-            kept = self.kept.get(c)
+            kept = self._kept.get(c)
             if kept is not None and kept[0] == step:
                 return kept[1]
             raise RecoveryError(f"rank {self.rank} does not hold chunk {c} at step {step} "
@@ -153,9 +153,9 @@ class ShardedState:
         hyper-parameters."""
         for lo, hi, opt in self.groups.segments(offset, self.chunk_elems):
             if hi - lo == self.chunk_elems:
-                opt.update(old, grad, dst, step, self.scratch)
+                opt.update(old, grad, dst, step, self._scratch)
             else:
-                opt.update(old[:, lo:hi], grad[lo:hi], dst[:, lo:hi], step, self.scratch[:hi - lo])
+                opt.update(old[:, lo:hi], grad[lo:hi], dst[:, lo:hi], step, self._scratch[:hi - lo])
 
     def bring_to(self, step: int) -> None:
         """A survivor's own state at `step`: it holds it, rolls back to its snapshot of the last
@@ -187,14 +187,14 @@ class ShardedState:
         for c in behind:
             if self.chunk_step[c] != step - 1:
                 raise RecoveryError(f"rank {self.rank} chunk {c} is at step {self.chunk_step[c]}, cannot reach {step}")
-            self.kept[c] = (step - 1, s[c].clone())
+            self._kept[c] = (step - 1, s[c].clone())
             self.update_chunk(s[c], grads[c], s[c], step, self.offset_of(c))
             self.chunk_step[c] = step
         self.buf_step[0] = step
 
     def release_kept(self) -> None:
         """The keepers' tables name nothing older than the current step any more."""
-        self.kept.clear()
+        self._kept.clear()
 
     def snapshot(self, step: int, state: torch.Tensor) -> None:
         """--protect-every > 1: `state` is the last protected step's (the next deltas start from it)."""
