@@ -54,9 +54,10 @@ class Member(Protocol):
     job: Job
     watch: GenerationWatch | None
     comm: Comm | None
-    sharded: Shard
     recoveries: list[RecoveryRecord]   # the generations it joined, oldest first
 
+    @property
+    def sharded(self) -> Shard: ...
     @property
     def rank(self) -> int: ...
     @property
