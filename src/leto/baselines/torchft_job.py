@@ -18,7 +18,6 @@ the workers, keeps run_dir/procs.json current, restarts dead workers and writes 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import signal
@@ -34,8 +33,10 @@ from leto.control.controller import describe_exit, node_of_rank
 from leto.training import job as base_job
 from leto.training.corpus import load_tokens
 from leto.training.data import Sampler
+from leto.training.flat import bind_grads, flatten, state_digest
 from leto.training.model import GPT, PRESETS
 from leto.training.optim import MASTER, AdamW, warmup_cosine
+from leto.training.shard import STATE_NAMES
 
 HEARTBEAT_TIMEOUT_MS = 1000   # the lighthouse's default is 5000; a tuned deployment detects faster
 JOIN_TIMEOUT_MS = 2000
@@ -53,25 +54,14 @@ def _flatten(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Make every parameter and gradient a view of one flat buffer (full replica, DDP)."""
     params = [p for p in model.parameters() if p.requires_grad]
     numel = sum(p.numel() for p in params)
-    flat, grad = torch.zeros(numel), torch.zeros(numel)
-    offset = 0
-    for p in params:
-        n = p.numel()
-        flat[offset:offset + n].copy_(p.data.view(-1))
-        p.data = flat[offset:offset + n].view_as(p)
-        p.grad = grad[offset:offset + n].view_as(p)
-        offset += n
+    flat, grad = flatten(params, numel), torch.zeros(numel)
+    bind_grads(params, grad)
     return flat, grad, numel
 
 
 def digest(step: int, flat: torch.Tensor, state: torch.Tensor) -> str:
     """The same digest as `Trainer.digest` (step, params, master, exp_avg, exp_avg_sq)."""
-    h = hashlib.sha256(b"leto-state-v1")
-    h.update(step.to_bytes(8, "little"))
-    for name, t in (("params", flat), ("master", state[0]), ("exp_avg", state[1]), ("exp_avg_sq", state[2])):
-        h.update(name.encode())
-        h.update(t.detach().contiguous().numpy().tobytes())
-    return h.hexdigest()
+    return state_digest(step, {"params": flat, **dict(zip(STATE_NAMES, state, strict=True))})
 
 
 def _emit(run_dir: Path, rec: dict) -> None:

@@ -27,7 +27,7 @@ import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -38,7 +38,6 @@ from leto.protocol import keys
 
 if TYPE_CHECKING:
     from leto.runtime.env import Job
-    from leto.training.trainer import Trainer
 
 ENV_PERSIST = "LETO_PERSIST"   # JSON PersistConfig, set by `leto train|run` (absent: persistence off)
 ENV_RESUME = "LETO_RESUME"     # JSON {"path", "step"}: load this checkpoint at the start
@@ -47,6 +46,24 @@ WRITE_TIMEOUT_S = 120.0        # the longest wait for the last write at the end 
 
 # each rank writes a one-process DCP checkpoint on purpose: say so once, not at every save
 warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+
+
+class Persisted(Protocol):
+    """What a rank persists (implemented by `leto.training.trainer.Trainer`)."""
+
+    @property
+    def step_count(self) -> int: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def state(self) -> torch.Tensor: ...
+    @property
+    def flat_param(self) -> torch.Tensor: ...
+    @property
+    def numel(self) -> int: ...
+    def extra_state(self) -> dict: ...
 
 
 @dataclass(frozen=True)
@@ -128,7 +145,7 @@ class Persister:
             self._importer.start()
 
     # ----- the step hook
-    def after_step(self, trainer: Trainer) -> None:
+    def after_step(self, trainer: Persisted) -> None:
         """Called once a step has completed: maybe start this rank's part of a checkpoint."""
         self._dcp_ready()
         now = time.perf_counter()
@@ -207,7 +224,7 @@ class Persister:
 
 
 # ----- what a part holds, and loading it back
-def part_state(trainer: Trainer, step: int) -> dict:
+def part_state(trainer: Persisted, step: int) -> dict:
     """This rank's part: its shard at `step`, the step, its extra state; rank 0 also the parameters."""
     sd: dict = {"state": trainer.state, "step": torch.tensor(step, dtype=torch.int64),
                 "extra": io.BytesIO(pickle.dumps(trainer.extra_state()))}

@@ -7,7 +7,6 @@ parameters are all-gathered.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -17,23 +16,31 @@ from datetime import timedelta
 import torch
 import torch.nn as nn
 
+from leto.persistence import loader
 from leto.persistence.writer import PersistConfig, Persister
 from leto.protection.client import Protector
-from leto.protection.layout import Geometry, Layout
+from leto.protection.layout import STATE_ROWS, Geometry, Layout
 from leto.protocol import keys
-from leto.protocol.messages import Plan
+from leto.protocol.messages import Plan, RecoveryRecord
 from leto.recovery.inject import Injector
+from leto.recovery.inplace import join, latest_generation
 from leto.recovery.rebuild import RecoveryError
 from leto.runtime import env as rt
 from leto.runtime.comm import Comm, PeerFailure, reduction_replicates
 from leto.runtime.env import Job
 from leto.runtime.membership import GenerationWatch, read_plan
+from leto.training.flat import state_digest
 from leto.training.optim import MASTER, AdamW, Optimizer
 from leto.training.param_groups import ParamGroups
 from leto.training.rank_state import RankState, Stateful, reseed
+from leto.training.shard import ShardedState
 
 DEFAULT_CHUNK_BYTES = 12 * 16384  # 192 KiB: 16384 elements of (master, exp_avg, exp_avg_sq)
-_STATE_ROWS = 3  # master, exp_avg, exp_avg_sq
+
+
+def _of_sharded(name: str, doc: str) -> property:
+    """A read-only view of `Trainer.sharded.<name>`."""
+    return property(lambda self: getattr(self.sharded, name), doc=doc)
 
 
 class Trainer:
@@ -54,8 +61,8 @@ class Trainer:
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, seed: int | None = 0,
                  param_groups: list[dict] | None = None, max_grad_norm: float | None = None,
                  autocast: torch.dtype | None = None) -> None:
-        if chunk_bytes < _STATE_ROWS * 4 or chunk_bytes % (_STATE_ROWS * 4):
-            raise ValueError(f"chunk size must be a positive multiple of {_STATE_ROWS * 4} bytes, got {chunk_bytes}")
+        if chunk_bytes < STATE_ROWS * 4 or chunk_bytes % (STATE_ROWS * 4):
+            raise ValueError(f"chunk size must be a positive multiple of {STATE_ROWS * 4} bytes, got {chunk_bytes}")
         self.job, self.model = job, model.to(job.device)
         self.optimizer = optimizer or AdamW()
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -67,121 +74,45 @@ class Trainer:
         self.grad_norm = float("nan")  # the last step's global gradient norm (before clipping)
         self.autocast = autocast
         self.rank_state = RankState(model)
-        self.numel = sum(p.numel() for p in self.params)
-        self.chunk_elems = chunk_bytes // (_STATE_ROWS * 4)
         # on gloo every rank holds the whole reduced gradient: the keepers need no copy of it
         self.replicated_grads = reduction_replicates(job.device) and not job.protect_grads
-        self.grad_step: int | None = None  # the step whose whole reduced gradient flat_grad holds
-        # every-step protection with replicated gradients updates the one shard in place, handing
-        # each chunk's delta over as it is computed (docs/protection.md, "One step, in order")
-        self.inplace = job.protection and self.replicated_grads and job.protect_every == 1
-        self._kept: dict[int, tuple[int, torch.Tensor]] = {}  # chunk -> (step, data) a recovery replaced
-        self._allocate(job.world_size)
-        self.buf_step[0] = 0
-        self.chunk_step = [0] * self.n_chunks
+        self.sharded = ShardedState(self.params, self.groups, chunk_bytes // (STATE_ROWS * 4), job.device,
+                                    job.world_size, protection=job.protection,
+                                    replicated_grads=self.replicated_grads, protect_every=job.protect_every)
         self.generation = 0
-        self._pending_reshard: tuple[int, int, torch.Tensor, torch.Tensor, int] | None = None
-        self.recoveries: list[dict] = []
+        self.recoveries: list[RecoveryRecord] = []
         specs = json.loads(os.environ.get(rt.ENV_INJECT, "[]"))
         self.injector = Injector(job.store, specs, job.run_dir, job.proc_id) if specs else None
-        self._scratch = torch.zeros(self.chunk_elems, device=job.device)
         self._loss = torch.zeros(1, device=job.device)
-        self.step_count = 0  # optimizer steps applied
         self.last_loss = float("nan")
         self.comm: Comm | None = None
         self.protector: Protector | None = None
         self.watch: GenerationWatch | None = None
         self.plan: Plan | None = None
-        self.snap: torch.Tensor | None = None  # --protect-every > 1: the state at the last protected step
-        self.snap_step = -1
         self._t_last = time.perf_counter()
         self.persister = _make_persister(job)  # persistence (issue 12 item 4), see the end of the class
 
-    def _allocate(self, shards: int) -> None:
-        """Build the flat buffers for ZeRO-1 over `shards` ranks (again after a resize), keeping
-        the parameter values; the shard buffers start empty."""
-        dev = self.job.device
-        self.n_chunks = -(-self.numel // (shards * self.chunk_elems))
-        self.shard_elems = self.n_chunks * self.chunk_elems
-        self.flat_param = torch.zeros(shards * self.shard_elems, device=dev)
-        offset = 0
-        for p in self.params:  # parameters and gradients become views of the flat buffers
-            n = p.numel()
-            self.flat_param[offset:offset + n].copy_(p.data.view(-1))
-            p.data = self.flat_param[offset:offset + n].view_as(p)
-            offset += n
-        self.fresh_grads()
-        # Protection keeps two versions of the shard (ping-pong by step parity, see docs/protection.md)
-        copies = 2 if self.job.protection and not self.inplace else 1
-        # a gradient shard of its own only where the reduction leaves one (NCCL); two when it is
-        # protected (an interval protects no gradients)
-        gcopies = 0 if self.replicated_grads else copies if self.job.protect_every == 1 else 1
-        self.bufs = [torch.zeros(self.n_chunks, _STATE_ROWS, self.chunk_elems, device=dev) for _ in range(copies)]
-        self.gbufs = [torch.zeros(self.n_chunks, self.chunk_elems, device=dev) for _ in range(gcopies)]
-        self.buf_step = [-1] * copies   # the step each state buffer holds
-        self.chunk_step = [-1] * self.n_chunks  # in place: the step each chunk holds
-        self._next = torch.zeros(_STATE_ROWS, self.chunk_elems, device=dev)  # in place: a chunk's next step
-        self.gbuf_step = [-1] * gcopies  # the step each gradient buffer holds
-        self.param_shard = torch.zeros(self.shard_elems, device=dev)
-
-    def fresh_grads(self) -> None:
-        """Give the gradients a new flat buffer. After a failure, a reduction abandoned in a gloo
-        thread may still write into the old one (it stays with the parked process group)."""
-        self.flat_grad = torch.zeros_like(self.flat_param)
-        self.grad_step = None
-        offset = 0
-        for p in self.params:
-            n = p.numel()
-            p.grad = self.flat_grad[offset:offset + n].view_as(p)
-            offset += n
-
-    def reshard(self, shards: int, shard: torch.Tensor, params: torch.Tensor, step: int) -> None:
-        """Switch to ZeRO-1 over `shards` ranks holding `shard` ([n_chunks, 3, chunk_elems]) at
-        `step`, with parameters `params` (after a shrink or grow)."""
-        self._allocate(shards)
-        self.install(shard, step)
-        self.flat_param[:self.numel].copy_(params[:self.numel])
-        self.step_count = step
-
-    def install(self, shard: torch.Tensor, step: int) -> None:
-        """Hold `shard` ([n_chunks, 3, chunk_elems], decoded or resharded) as this rank's state at `step`."""
-        if shard.shape != self.bufs[0].shape:
-            raise RecoveryError(f"shard of shape {tuple(shard.shape)} installed, expected {tuple(self.bufs[0].shape)}")
-        i = step % len(self.bufs)
-        self.bufs[i].copy_(shard)
-        self.buf_step[i] = step
-        self.chunk_step = [step] * self.n_chunks
-
-    def stage_reshard(self, generation: int, shard: torch.Tensor, params: torch.Tensor, step: int) -> None:
-        """Hold a resharded state until the protection of `generation` commits: until then the
-        old shard is what the keepers protect, and a second failure must find it intact."""
-        self._pending_reshard = (generation, self.world_size, shard, params, step)
-
-    def settle_reshard(self, committed: int) -> None:
-        """Generation `committed` is the one the keepers protect: switch to the state staged for
-        it, or drop a staged state that never got protected."""
-        pending, self._pending_reshard = self._pending_reshard, None
-        if pending is not None and pending[0] == committed:
-            self.reshard(*pending[1:])
-
-    def geometry_for(self, shards: int) -> Geometry:
-        return Geometry(-(-self.numel // (shards * self.chunk_elems)), self.chunk_elems)
-
+    # ----- the sharded state (`sharded`), as users and the baselines read it
     @property
-    def state(self) -> torch.Tensor:
-        """This rank's unique state at `step_count`: [n_chunks, 3, chunk_elems]."""
-        return self.bufs[self.step_count % len(self.bufs)]
+    def step_count(self) -> int:
+        """Optimizer steps applied."""
+        return self.sharded.step
 
-    def state_at(self, step: int) -> torch.Tensor:
-        """This rank's whole state at `step` ([n_chunks, 3, chunk_elems]), which it must hold."""
-        i = step % len(self.bufs)
-        if self.buf_step[i] != step or (self.inplace and any(c != step for c in self.chunk_step)):
-            raise RecoveryError(f"rank {self.rank} does not hold its whole state at step {step}")
-        return self.bufs[i]
+    @step_count.setter
+    def step_count(self, step: int) -> None:
+        self.sharded.step = step
 
-    @property
-    def geometry(self) -> Geometry:
-        return Geometry(self.n_chunks, self.chunk_elems)
+    state = _of_sharded("state", "This rank's unique state at `step_count`: [n_chunks, 3, chunk_elems].")
+    buf_step = _of_sharded("buf_step", "The step each state buffer holds.")
+    flat_param = _of_sharded("flat_param", "All parameters (views of it), padded to whole shards.")
+    flat_grad = _of_sharded("flat_grad", "All gradients (views of it), laid out like `flat_param`.")
+    param_shard = _of_sharded("param_shard", "This rank's updated parameters, sent by the all-gather.")
+    numel = _of_sharded("numel", "Elements of all trainable parameters.")
+    chunk_elems = _of_sharded("chunk_elems", "Elements of one protected chunk.")
+    n_chunks = _of_sharded("n_chunks", "Chunks of this rank's shard.")
+    shard_elems = _of_sharded("shard_elems", "Elements of one rank's shard (whole chunks).")
+    geometry = _of_sharded("geometry", "The chunking of this rank's shard.")
+    inplace = _of_sharded("inplace", "One shard updated in place, each chunk's delta handed over as computed.")
 
     # ----- membership
     @property
@@ -202,14 +133,29 @@ class Trainer:
         abort = self.watch.reason if self.watch else (lambda: None)
         self.comm = Comm(job.store, 0, self.rank, self.world_size, job.timeout_s, abort, job.device)
         self.comm.broadcast(self.flat_param, 0)  # all ranks start from rank 0's initialization
-        shard = self.flat_param[self.rank * self.shard_elems:(self.rank + 1) * self.shard_elems]
-        self.state[:, MASTER, :].copy_(shard.view(self.n_chunks, self.chunk_elems))
+        self.sharded.take_master(self.rank)
         self._resume()  # --resume: start from a persistent checkpoint
         self._gather_rank_state(self.step_count)  # rank 0's buffers (resumed ones too) are everyone's
         if job.protection and self.plan is not None:
-            self._protect(0, self.step_count)
+            self.protect(0, self.step_count)
 
-    def _protect(self, generation: int, base_step: int, state: torch.Tensor | None = None, wait: bool = True) -> None:
+    def enter(self, generation: int, plan: Plan) -> None:
+        """Become `plan`'s member (a recovery or resize): its rank and world size, and a new
+        process group; the old one is parked."""
+        rank = plan.rank_of(self.job.proc_id)
+        if rank is None:
+            raise RecoveryError(f"process {self.job.proc_id} is not part of generation {generation}")
+        self.watch.advance(generation)
+        self.generation, self.plan = generation, plan
+        self.job.rank, self.job.world_size = rank, len(plan.proc_of_rank)
+        if self.comm is not None:
+            self.comm.close(abandon=True)
+            if self.sharded.grad_step is None:  # its reduction of the step in flight may still be running
+                self.sharded.fresh_grads()
+        self.comm = Comm(self.job.store, generation, rank, self.world_size, self.job.timeout_s, self.watch.reason,
+                         self.job.device)
+
+    def protect(self, generation: int, base_step: int, state: torch.Tensor | None = None, wait: bool = True) -> None:
         """Start protection of this generation: encode the full state at `base_step` (this
         rank's current shard, or `state` when the generation shards differently). With
         `wait=False` the commit is awaited by the next step, before its update (every-step
@@ -220,7 +166,7 @@ class Trainer:
             self.protector.close()
             self.protector = None
         if self.rank == 0:
-            geometry = Geometry(state.shape[0], self.chunk_elems)
+            geometry = Geometry(state.shape[0], self.sharded.chunk_elems)
             layout = Layout(generation, base_step, geometry, self.plan.node_of_rank, self.job.ec,
                             protect_every=self.job.protect_every, replicated_grads=self.replicated_grads)
             self.job.store.set(keys.layout(generation), layout.to_json())
@@ -230,9 +176,9 @@ class Trainer:
         self.protector.stage_deltas(base_step, None, state)
         if wait or layout.protect_every > 1:
             self.protector.wait_delta_commit(base_step)
-            self._kept.clear()
+            self.sharded.release_kept()
         if layout.protect_every > 1:  # the next protected step's deltas start from here
-            self.snap, self.snap_step = state.clone(), base_step
+            self.sharded.snapshot(base_step, state)
 
     # ----- the training loop
     def steps(self, total: int) -> Iterator[int]:
@@ -285,7 +231,6 @@ class Trainer:
             return None
 
     def _recover(self, why: str) -> None:
-        from leto.recovery.inplace import join, latest_generation
         while True:
             gen = latest_generation(self.job.store, self.generation)
             if gen == self.generation:  # the failure was seen here first: wait for the controller's plan
@@ -304,91 +249,11 @@ class Trainer:
                 self.job.store.set(keys.FATAL, f"rank {self.rank}: {e}")
                 raise
 
-    def _fault(self, phase: str, step: int, chunk: int | None = None) -> None:
+    def fault(self, phase: str, step: int, chunk: int | None = None) -> None:
         """A fault injection point (--inject)."""
         if self.injector is not None:
-            self.injector.at(phase, step, self.rank, self.plan.node_of_rank if self.plan else (), chunk, self.n_chunks)
-
-    def chunk_at(self, step: int, c: int) -> torch.Tensor:
-        """This rank's state chunk `c` at `step` (one of the two it keeps; in place: the one it
-        holds, or the one a recovery replaced while the tables may still name it)."""
-        if self.inplace:
-            if self.chunk_step[c] == step:
-                return self.bufs[0][c]
-            kept = self._kept.get(c)
-            if kept is not None and kept[0] == step:
-                return kept[1]
-            raise RecoveryError(f"rank {self.rank} does not hold chunk {c} at step {step} "
-                                f"(it holds step {self.chunk_step[c]})")
-        i = step % len(self.bufs)
-        if self.buf_step[i] != step:
-            raise RecoveryError(f"rank {self.rank} does not hold step {step} (it holds {self.buf_step})")
-        return self.bufs[i][c]
-
-    def grads_of(self, step: int) -> torch.Tensor:
-        """This rank's gradient shard of `step` ([n_chunks, chunk_elems]): a view of the whole
-        reduced gradient where every rank holds it, else one of its own gradient shards."""
-        if self.replicated_grads:
-            if self.grad_step != step:
-                raise RecoveryError(f"rank {self.rank} does not hold gradients of step {step} (it holds {self.grad_step})")
-            lo = self.rank * self.shard_elems
-            return self.flat_grad[lo:lo + self.shard_elems].view(self.n_chunks, self.chunk_elems)
-        i = step % len(self.gbufs)
-        if self.gbuf_step[i] != step:
-            raise RecoveryError(f"rank {self.rank} does not hold gradients of step {step} (it holds {self.gbuf_step})")
-        return self.gbufs[i]
-
-    def grad_at(self, step: int, c: int) -> torch.Tensor:
-        return self.grads_of(step)[c]
-
-    def update_chunk(self, old: torch.Tensor, grad: torch.Tensor, dst: torch.Tensor, step: int, offset: int) -> None:
-        """The optimizer update to `step` of the chunk whose first element is flat element
-        `offset` (also used to replay a decoded chunk): each parameter group's range with its own
-        hyper-parameters."""
-        for lo, hi, opt in self.groups.segments(offset, self.chunk_elems):
-            if hi - lo == self.chunk_elems:
-                opt.update(old, grad, dst, step, self._scratch)
-            else:
-                opt.update(old[:, lo:hi], grad[lo:hi], dst[:, lo:hi], step, self._scratch[:hi - lo])
-
-    def offset_of(self, c: int, rank: int | None = None) -> int:
-        """The flat element index of chunk `c` of `rank`'s shard (default: this rank's)."""
-        return ((self.rank if rank is None else rank) * self.n_chunks + c) * self.chunk_elems
-
-    def bring_to(self, step: int) -> None:
-        """A survivor's own state at `step`: it holds it, rolls back to its snapshot of the last
-        protected step (--protect-every > 1), or finishes the update of `step`."""
-        n = len(self.bufs)
-        if self.inplace:
-            self._bring_in_place(step)
-            return
-        if self.buf_step[step % n] == step:
-            return
-        if self.snap_step == step:
-            self.bufs[step % n].copy_(self.snap)
-            self.buf_step[step % n] = step
-            return
-        self.chunk_at(step - 1, 0)  # raises unless step-1 is held
-        old, grads, dst = self.bufs[(step - 1) % n], self.grads_of(step), self.bufs[step % n]
-        for c in range(self.n_chunks):
-            self.update_chunk(old[c], grads[c], dst[c], step, self.offset_of(c))
-        self.buf_step[step % n] = step
-
-    def _bring_in_place(self, step: int) -> None:
-        """Finish the update of `step` in place. A replaced chunk is kept until the next
-        generation's protection commits: until then a second failure decodes from the previous
-        tables, which may name it."""
-        behind = [c for c in range(self.n_chunks) if self.chunk_step[c] != step]
-        if not behind:
-            return
-        grads, s = self.grads_of(step), self.bufs[0]
-        for c in behind:
-            if self.chunk_step[c] != step - 1:
-                raise RecoveryError(f"rank {self.rank} chunk {c} is at step {self.chunk_step[c]}, cannot reach {step}")
-            self._kept[c] = (step - 1, s[c].clone())
-            self.update_chunk(s[c], grads[c], s[c], step, self.offset_of(c))
-            self.chunk_step[c] = step
-        self.buf_step[0] = step
+            self.injector.at(phase, step, self.rank, self.plan.node_of_rank if self.plan else (), chunk,
+                             self.sharded.n_chunks)
 
     def _forward(self, loss_fn: Callable[[], torch.Tensor]) -> torch.Tensor:
         if self.autocast is None:
@@ -400,12 +265,13 @@ class Trainer:
         """Scale the reduced gradients of `step` to a global norm of at most `max_grad_norm`
         (`clip_grad_norm_` semantics). The norm is the same bits on every rank and in both
         reduction paths: per-shard sums of squares, added in rank order."""
-        W, e = self.world_size, self.shard_elems
+        s = self.sharded
+        W, e = self.world_size, s.shard_elems
         if self.replicated_grads:
-            parts = self.flat_grad.view(W, e).double().pow(2).sum(dim=1)
+            parts = s.flat_grad.view(W, e).double().pow(2).sum(dim=1)
         else:
-            parts = torch.zeros(W, dtype=torch.float64, device=self.flat_grad.device)
-            mine = self.grads_of(step).double().pow(2).sum().reshape(1)
+            parts = torch.zeros(W, dtype=torch.float64, device=s.flat_grad.device)
+            mine = s.grads_of(step).double().pow(2).sum().reshape(1)
             self.comm.all_gather(parts, mine)
         total = 0.0
         for x in parts.tolist():
@@ -413,7 +279,7 @@ class Trainer:
         self.grad_norm = total ** 0.5
         coef = min(1.0, self.max_grad_norm / (self.grad_norm + 1e-6))
         if coef < 1.0:
-            (self.flat_grad if self.replicated_grads else self.grads_of(step)).mul_(coef)
+            (s.flat_grad if self.replicated_grads else s.grads_of(step)).mul_(coef)
 
     def _step(self, loss_fn: Callable[[], torch.Tensor] | Sequence[Callable[[], torch.Tensor]],
               weight: float | None, tokens: int) -> float:
@@ -423,24 +289,25 @@ class Trainer:
         micro = [loss_fn] if callable(loss_fn) else list(loss_fn)
         if not micro:
             raise ValueError("step() needs a loss function or a non-empty list of them")
-        t, n = self.step_count, len(self.bufs)
-        prot, fault = self.protector, self._fault
+        s = self.sharded
+        t, n = s.step, len(s.bufs)
+        prot, fault = self.protector, self.fault
         every = prot.layout.protect_every if prot is not None else 1
         grads_protected = prot is not None and prot.layout.protects_grads
         fault("forward", t + 1)
-        if prot is not None and t > prot.base and every == 1 and not self.inplace:  # protect the update of step t
+        if prot is not None and t > prot.base and every == 1 and not s.inplace:  # protect the update of step t
             if grads_protected:
                 prot.wait_grad_commit(t)
-            prot.stage_deltas(t, self.bufs[(t - 1) % n], self.bufs[t % n], lambda c: fault("parity", t + 1, c))
+            prot.stage_deltas(t, s.bufs[(t - 1) % n], s.bufs[t % n], lambda c: fault("parity", t + 1, c))
         elif prot is not None and t > prot.base and every > 1 and prot.layout.protects(t):  # "Protection interval"
-            prot.stage_deltas(t, self.snap, self.bufs[t % n], lambda c: fault("parity", t + 1, c))
+            prot.stage_deltas(t, s.snap, s.bufs[t % n], lambda c: fault("parity", t + 1, c))
         loss = self._forward(micro[0])
         fault("backward", t + 1)
         if prot is not None and every == 1 and not grads_protected:
             prot.wait_delta_commit(t)  # until then a replay of step t takes its gradients from flat_grad
-            self._kept.clear()  # the tables name nothing older than t any more
-        self.grad_step = None
-        self.flat_grad.zero_()
+            s.release_kept()
+        s.grad_step = None
+        s.flat_grad.zero_()
         wm = w / len(micro)
         (loss * wm).backward()
         total = loss.item()
@@ -450,15 +317,15 @@ class Trainer:
             total += more.item()
         fault("reduce-scatter", t + 1)
         if self.replicated_grads:
-            self.comm.all_reduce(self.flat_grad)
+            self.comm.all_reduce(s.flat_grad)
         else:
-            self.comm.reduce_scatter(self.gbufs[(t + 1) % len(self.gbufs)].view(-1), self.flat_grad)
-            self.gbuf_step[(t + 1) % len(self.gbufs)] = t + 1
+            self.comm.reduce_scatter(s.gbufs[(t + 1) % len(s.gbufs)].view(-1), s.flat_grad)
+            s.gbuf_step[(t + 1) % len(s.gbufs)] = t + 1
         self._gather_rank_state(t + 1)  # held with the gradients: a replay of t+1 finds both
         if self.max_grad_norm is not None:
             self._clip(t + 1)  # in place, before they count as held: a replay reads them clipped
-        self.grad_step = t + 1
-        grads = self.grads_of(t + 1)
+        s.grad_step = t + 1
+        grads = s.grads_of(t + 1)
         self._loss.fill_(total / len(micro) * w)
         self.comm.all_reduce(self._loss)  # after the gradients: done anywhere, every rank holds them
         if grads_protected:
@@ -466,26 +333,26 @@ class Trainer:
             prot.wait_delta_commit(t)  # nobody needs step t-1 any more: its buffer may be overwritten
         elif prot is not None and t - 1 > prot.base and prot.layout.protects(t - 1) and every > 1:
             prot.wait_delta_commit(t - 1)  # the update overwrites protected step t-1: keep it
-            self.snap.copy_(self.bufs[(t - 1) % n])
-            self.snap_step = t - 1
-        src, dst = self.bufs[t % n], self.bufs[(t + 1) % n]
-        for c in range(self.n_chunks):
+            s.snap.copy_(s.bufs[(t - 1) % n])
+            s.snap_step = t - 1
+        src, dst = s.bufs[t % n], s.bufs[(t + 1) % n]
+        for c in range(s.n_chunks):
             fault("update", t + 1, c)
-            if prot is None or not self.inplace:
-                self.update_chunk(src[c], grads[c], dst[c], t + 1, self.offset_of(c))
+            if prot is None or not s.inplace:
+                s.update_chunk(src[c], grads[c], dst[c], t + 1, s.offset_of(c))
                 continue
-            self.update_chunk(src[c], grads[c], self._next, t + 1, self.offset_of(c))  # in place: the chunk's delta is handed
-            fault("parity", t + 1, c)                               # over before the chunk is replaced
-            prot.stage_delta(t + 1, c, src[c], self._next, c == self.n_chunks - 1)
-            dst[c].copy_(self._next)
-            self.chunk_step[c] = t + 1
-        self.buf_step[(t + 1) % n] = t + 1
-        self.param_shard.copy_(dst[:, MASTER, :].reshape(-1))
+            s.update_chunk(src[c], grads[c], s.next, t + 1, s.offset_of(c))  # in place: the chunk's delta is handed
+            fault("parity", t + 1, c)                                          # over before the chunk is replaced
+            prot.stage_delta(t + 1, c, src[c], s.next, c == s.n_chunks - 1)
+            dst[c].copy_(s.next)
+            s.chunk_step[c] = t + 1
+        s.buf_step[(t + 1) % n] = t + 1
+        s.param_shard.copy_(dst[:, MASTER, :].reshape(-1))
         fault("all-gather", t + 1)
-        self.comm.all_gather(self.flat_param, self.param_shard)
+        self.comm.all_gather(s.flat_param, s.param_shard)
         if grads_protected:  # a step completes once its gradients are protected everywhere,
             prot.wait_grad_commit(t + 1)  # so a later failure loses at most the step in flight
-        self.step_count = t + 1
+        s.step = t + 1
         self.last_loss = float(self._loss.item())
         self._record(tokens)
         self._persist()
@@ -539,13 +406,7 @@ class Trainer:
         """Every parameter and optimizer tensor, unsharded, in canonical order (a collective)."""
         if self.comm is None:
             raise RuntimeError("not connected")
-        gathered = torch.empty(self.world_size, *self.state.shape, device=self.state.device)
-        self.comm.all_gather(gathered.view(-1), self.state.view(-1))
-        rows = gathered.transpose(1, 2).reshape(self.world_size, _STATE_ROWS, -1)
-        full = {"params": self.flat_param[:self.numel]}
-        for i, name in enumerate(("master", "exp_avg", "exp_avg_sq")):
-            full[name] = rows[:, i, :].reshape(-1)[:self.numel]
-        return full
+        return self.sharded.full_state(self.comm, self.world_size)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The model's plain PyTorch state dict (CPU copies): parameters are replicated on every
@@ -556,13 +417,8 @@ class Trainer:
     def digest(self) -> str:
         """sha256 of the step, all parameters, all optimizer state and the module buffers;
         independent of sharding."""
-        h = hashlib.sha256(b"leto-state-v1")
-        h.update(self.step_count.to_bytes(8, "little"))
-        for name, t in self.full_state().items():
-            h.update(name.encode())
-            h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
-        self.rank_state.update_digest(h)  # buffers are the same on every rank
-        return h.hexdigest()
+        # buffers are the same on every rank
+        return state_digest(self.step_count, self.full_state(), self.rank_state.update_digest)
 
     def finish(self) -> str:
         """Compute the final digest and publish the result to the controller (rank 0)."""
@@ -581,19 +437,16 @@ class Trainer:
 
     def _resume(self) -> None:
         """At the start of a `--resume` job: load this rank's state from the checkpoint."""
-        from leto.persistence.loader import load, resume_target
-        target = resume_target()
+        target = loader.resume_target()
         if target is None:
             return
-        got = load(*target, self.rank, self.world_size, self.numel, self.n_chunks, self.chunk_elems)
-        self.install(got.shard, got.step)
-        self.flat_param[:self.numel].copy_(got.params)
-        self.step_count = got.step
+        s = self.sharded
+        got = loader.load(*target, self.rank, self.world_size, s.numel, s.n_chunks, s.chunk_elems)
+        s.load(got.shard, got.params, got.step, self.rank)
         self.load_extra_state(got.extra)
 
     def _wait_for_adoption(self) -> bool:
         """A shadow waits, fully initialized, until a generation names it; False at shutdown."""
-        from leto.recovery.inplace import join
         gen = 1
         self.job.store.set(keys.warm(self.job.proc_id), "1")
         while not self.job.shutdown_requested():
@@ -616,7 +469,6 @@ class Trainer:
                     self.job.store.set(keys.FATAL, f"rank {self.rank}: {e}")
                     raise
                 except PeerFailure:
-                    from leto.recovery.inplace import latest_generation
                     gen = latest_generation(self.job.store, gen)
                     if read_plan(self.job.store, gen).rank_of(self.job.proc_id) is None:
                         return False  # replaced again before it finished adopting

@@ -1,0 +1,75 @@
+"""What in-place recovery needs from a process that joins a generation, and from its state.
+
+Implemented by `leto.training.trainer.Trainer` and `leto.training.shard.ShardedState`;
+recovery sits below training and knows them only through these protocols.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from leto.protection.layout import Geometry
+from leto.protocol.messages import Plan, RecoveryRecord
+from leto.runtime.comm import Comm
+from leto.runtime.env import Job
+from leto.runtime.membership import GenerationWatch
+
+
+class Shard(Protocol):
+    """A rank's sharded state: parameters, its optimizer shard at `step`, its gradients."""
+
+    numel: int
+    step: int                 # optimizer steps applied
+    inplace: bool             # one shard updated in place (a step per chunk in `chunk_step`)
+    chunk_step: list[int]
+    grad_step: int | None     # the step whose whole reduced gradient is held (replicated gradients)
+
+    @property
+    def geometry(self) -> Geometry: ...
+    @property
+    def resharding(self) -> bool: ...
+    def geometry_for(self, shards: int) -> Geometry: ...
+    def allocate(self, shards: int) -> None: ...
+    def chunk_at(self, step: int, c: int) -> torch.Tensor: ...
+    def grad_at(self, step: int, c: int) -> torch.Tensor: ...
+    def state_at(self, step: int) -> torch.Tensor: ...
+    def reachable_steps(self) -> set[int]: ...
+    def update_chunk(self, old: torch.Tensor, grad: torch.Tensor, dst: torch.Tensor, step: int,
+                     offset: int) -> None: ...
+    def bring_to(self, step: int) -> None: ...
+    def install(self, shard: torch.Tensor, step: int, rank: int) -> None: ...
+    def cut(self, full: torch.Tensor, shards: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def stage_reshard(self, generation: int, shards: int, rank: int, shard: torch.Tensor, params: torch.Tensor,
+                      step: int) -> None: ...
+    def settle_reshard(self, committed: int) -> None: ...
+    def receive_grads(self, comm: Comm, geometry: Geometry, shards: int, step: int,
+                      source: int) -> torch.Tensor: ...
+    def gather_params(self, comm: Comm) -> None: ...
+
+
+class Member(Protocol):
+    """A worker (or an adopting shadow) of the job."""
+
+    job: Job
+    watch: GenerationWatch | None
+    comm: Comm | None
+    recoveries: list[RecoveryRecord]   # the generations it joined, oldest first
+
+    @property
+    def sharded(self) -> Shard: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+
+    def enter(self, generation: int, plan: Plan) -> None:
+        """Become `plan`'s member: its rank and world size, a new process group (the old one
+        parked); RecoveryError if the plan does not name this process."""
+    def fault(self, phase: str, step: int) -> None:
+        """A fault injection point (tests)."""
+    def restore_rank_state(self, step: int, lineage: list[str]) -> None:
+        """Module buffers and registered state as at the end of `step` (a collective)."""
+    def protect(self, generation: int, base_step: int, state: torch.Tensor | None = None,
+                wait: bool = True) -> None:
+        """Start `generation`'s protection from the state at `base_step`."""
