@@ -1,7 +1,7 @@
 """Checkpoint-restart baselines: a SIGKILLed worker, a restart with fresh processes, the same digest.
 
 Real processes throughout: the restart supervisor (`python -m leto.baselines.restart`) runs as a
-subprocess, and the test kills a worker from outside, by PID, with `leto.bench.faults`.
+subprocess, and the test kills a worker from outside, by PID, with `leto.baselines.faults`.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import pytest
 
 from conftest import REPO, Launcher, alive, read_procs, summary, wait_for
 from leto.baselines.ckpt_job import MemoryCheckpointer, steps_between, young_daly_interval
-from leto.bench.faults import Injector, kill_at_step, poisson_schedule
+from leto.baselines.faults import ExternalInjector, kill_at_step, poisson_schedule
 
 STEPS = 12
 CONFIG = ("--workers", "2", "--nodes", "1", "--steps", str(STEPS), "--seed", "5")
@@ -205,7 +205,7 @@ def test_kill_at_step_signals_only_its_target_by_pid(tmp_path: Path) -> None:
     run_dir, procs = _fake_job(tmp_path)
     try:
         metrics = run_dir / "metrics.jsonl"
-        with Injector(run_dir, [{"kind": "kill", "rank": 1, "step": 3},
+        with ExternalInjector(run_dir, [{"kind": "kill", "rank": 1, "step": 3},
                                 {"kind": "node-kill", "node": 1, "step": 5}]) as inj:
             for step in range(1, 7):
                 with open(metrics, "a") as f:

@@ -22,7 +22,7 @@ from leto.protection.client import Protector
 from leto.protection.layout import Geometry, Layout
 from leto.protocol import keys
 from leto.protocol.messages import Plan
-from leto.recovery.inject import Injector
+from leto.recovery.inject import InProcessInjector
 from leto.recovery.rebuild import RecoveryError
 from leto.runtime import env as rt
 from leto.runtime.comm import Comm, PeerFailure, reduction_replicates
@@ -83,7 +83,7 @@ class Trainer:
         self._pending_reshard: tuple[int, int, torch.Tensor, torch.Tensor, int] | None = None
         self.recoveries: list[dict] = []
         specs = json.loads(os.environ.get(rt.ENV_INJECT, "[]"))
-        self.injector = Injector(job.store, specs, job.run_dir, job.proc_id) if specs else None
+        self.injector = InProcessInjector(job.store, specs, job.run_dir, job.proc_id) if specs else None
         self._scratch = torch.zeros(self.chunk_elems, device=job.device)
         self._loss = torch.zeros(1, device=job.device)
         self.step_count = 0  # optimizer steps applied
