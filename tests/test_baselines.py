@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, Launcher, alive, read_procs, summary, wait_for
-from leto.baselines.ckpt_job import MemoryCheckpointer, steps_between, young_daly_interval
+from leto.baselines.ckpt_job import MemoryCheckpointer, steps_between
 from leto.baselines.faults import ExternalInjector, kill_at_step, poisson_schedule
 
 STEPS = 12
@@ -172,14 +172,8 @@ def test_memory_commit_markers_guard_every_slot(tmp_path: Path) -> None:
     assert MemoryCheckpointer.committed(tmp_path, 3, fp, nbytes) == {}
 
 
-def test_young_daly_interval() -> None:
-    # Young: sqrt(2 C M); Daly adds higher-order terms and subtracts C
-    assert young_daly_interval(1.0, 1800.0) == pytest.approx(60.0 * (1 + (1 / 3600) ** 0.5 / 3 + 1 / 3600 / 9) - 1)
-    assert young_daly_interval(10.0, 4.0) == 4.0  # a checkpoint costlier than 2 MTBF: once per MTBF
-    assert young_daly_interval(0.0, 100.0) == 0.0
+def test_steps_between() -> None:
     assert steps_between(6.0, 0.1) == 60 and steps_between(0.0, 0.1) == 1
-    with pytest.raises(ValueError):
-        young_daly_interval(1.0, 0.0)
 
 
 def test_poisson_schedule_is_seeded_and_has_the_right_rate() -> None:

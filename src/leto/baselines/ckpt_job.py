@@ -32,11 +32,12 @@ import torch
 import torch.distributed as dist
 
 import leto
-from leto.persistence.files import append_event
 from leto.persistence.files import read_json as _read_json
 from leto.persistence.files import write_json_atomic as _write_json_atomic
-from leto.persistence.interval import steps_between, young_daly_interval
+from leto.persistence.interval import steps_between
+from leto.runtime import runlog
 from leto.runtime.env import Job
+from leto.simulation.model import daly_interval_s
 from leto.training import job as base_job
 from leto.training.optim import MASTER
 from leto.training.trainer import Trainer
@@ -62,7 +63,7 @@ class CheckpointMismatch(RuntimeError):
 # ----- events (rank 0 appends them to the run's metrics.jsonl, like the controller's)
 def emit(job: Job, kind: str, **fields: object) -> None:
     if job.rank == 0 and job.run_dir is not None:
-        append_event(job.run_dir, kind, **fields)
+        runlog.event(job.run_dir, kind, **fields)
 
 
 def _max_over_ranks(trainer: Trainer, *values: float) -> list[float]:
@@ -345,7 +346,7 @@ class Schedule:
         if self.every is not None or self.mtbf_s is None:
             return
         cost_s, step_s = _max_over_ranks(trainer, save_s, statistics.median(self.step_times[1:]))
-        interval_s = young_daly_interval(cost_s, self.mtbf_s)
+        interval_s = daly_interval_s(cost_s, self.mtbf_s)
         self.every = steps_between(interval_s, step_s)
         rec = {"every": self.every, "ckpt_cost_s": round(cost_s, 6), "step_s": round(step_s, 6),
                "mtbf_s": self.mtbf_s, "interval_s": round(interval_s, 3)}

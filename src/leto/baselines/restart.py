@@ -20,12 +20,12 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from leto.baselines.ckpt_job import DEFAULT_SHM, young_daly_interval
+from leto.baselines.ckpt_job import DEFAULT_SHM
 from leto.baselines.faults import ExternalInjector, Kill
 from leto.console import read_jsonl
 from leto.control.controller import Controller, JobSpec
 
-__all__ = ["SYSTEMS", "BaselineSpec", "RestartSupervisor", "main", "run_baseline", "young_daly_interval"]
+__all__ = ["SYSTEMS", "BaselineSpec", "RestartSupervisor", "main", "run_baseline"]
 
 SYSTEMS = ("checkpoint-restart", "memory-restart", "torchft", "nvrx")
 DEFAULT_MTBF_S = 600.0   # disk K from Young/Daly when neither K nor an MTBF is given

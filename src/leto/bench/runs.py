@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from leto.baselines.restart import run_baseline
 from leto.baselines.faults import ExternalInjector, Kill, poisson_schedule
+from leto.baselines.restart import run_baseline
 from leto.bench.throughput import steady_step_s
 from leto.console import read_jsonl
 from leto.control.controller import Controller, JobSpec
