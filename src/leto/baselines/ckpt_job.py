@@ -35,6 +35,7 @@ import leto
 from leto.persistence.files import read_json as _read_json
 from leto.persistence.files import write_json_atomic as _write_json_atomic
 from leto.persistence.interval import steps_between
+from leto.protocol import keys
 from leto.runtime import runlog
 from leto.runtime.env import Job
 from leto.simulation.model import daly_interval_s
@@ -121,7 +122,7 @@ class DiskCheckpointer:
         self.pending: tuple[int, float, Future] | None = None   # (step, t0, future) of an async save
         root.mkdir(parents=True, exist_ok=True)
         if not dist.is_initialized():
-            dist.init_process_group("gloo", store=dist.PrefixStore("leto-dcp/", job.store), rank=job.rank,
+            dist.init_process_group("gloo", store=dist.PrefixStore(keys.CKPT_PG, job.store), rank=job.rank,
                                     world_size=job.world_size, timeout=timedelta(seconds=job.timeout_s))
 
     def _state_dict(self, trainer: Trainer, step: int) -> dict[str, torch.Tensor]:
