@@ -126,7 +126,7 @@ def worker_main(argv: list[str]) -> None:
                       rank=0, world_size=1, lighthouse_addr=ours.lighthouse, timeout=timeout,
                       quorum_timeout=timeout, init_sync=False)
     run_dir = ours.run_dir
-    runlog.append(run_dir, {"event": "replica_up", "replica": ours.replica, "startup_s": round(time.time() - t_start, 3)})
+    runlog.event(run_dir, "replica_up", replica=ours.replica, startup_s=round(time.time() - t_start, 3))
     _barrier(run_dir, ours.replica, ours.expect, ours.timeout)
     tokens = cfg.batch_size * cfg.block_size
     t_last = time.perf_counter()
@@ -136,13 +136,13 @@ def worker_main(argv: list[str]) -> None:
             if done.exists():
                 # the survivors finished without us: a quorum now would be ours alone, from whatever
                 # step we are at, and would train a second, different model; the job's state is theirs
-                runlog.append(run_dir, {"event": "abandoned", "replica": ours.replica, "step": manager.current_step()})
+                runlog.event(run_dir, "abandoned", replica=ours.replica, step=manager.current_step())
                 return
             t_q = time.perf_counter()
             manager.start_quorum()
             if heal_s:
-                runlog.append(run_dir, {"event": "heal", "replica": ours.replica, "step": manager.current_step(),
-                                "restore_s": round(heal_s.pop(), 6), "quorum_s": round(time.perf_counter() - t_q, 6)})
+                runlog.event(run_dir, "heal", replica=ours.replica, step=manager.current_step(),
+                             restore_s=round(heal_s.pop(), 6), quorum_s=round(time.perf_counter() - t_q, 6))
             step = manager.current_step()
             if step >= args.steps:
                 break
@@ -165,7 +165,7 @@ def worker_main(argv: list[str]) -> None:
                                     "tokens_per_s": round(tokens / (now - t_last), 1), "participants": world})
                 t_last = now
             elif rank == 0:
-                runlog.append(run_dir, {"event": "step_failed", "step": step + 1, "participants": world})
+                runlog.event(run_dir, "step_failed", step=step + 1, participants=world)
         result = {"steps": manager.current_step(), "final_loss": float(loss_t.item()),
                   "digest": digest(manager.current_step(), flat, state)}
         (run_dir / f"result-{ours.replica}.json").write_text(json.dumps(result))
