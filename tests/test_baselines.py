@@ -1,7 +1,7 @@
 """Checkpoint-restart baselines: a SIGKILLed worker, a restart with fresh processes, the same digest.
 
 Real processes throughout: the restart supervisor (`python -m leto.baselines.restart`) runs as a
-subprocess, and the test kills a worker from outside, by PID, with `leto.bench.faults`.
+subprocess, and the test kills a worker from outside, by PID, with `leto.baselines.faults`.
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, Launcher, alive, read_procs, summary, wait_for
-from leto.baselines.ckpt_job import MemoryCheckpointer, steps_between, young_daly_interval
-from leto.bench.faults import Injector, kill_at_step, poisson_schedule
+from leto.baselines.ckpt_job import MemoryCheckpointer, steps_between
+from leto.baselines.faults import ExternalInjector, kill_at_step, poisson_schedule
 
 STEPS = 12
 CONFIG = ("--workers", "2", "--nodes", "1", "--steps", str(STEPS), "--seed", "5")
@@ -172,14 +172,8 @@ def test_memory_commit_markers_guard_every_slot(tmp_path: Path) -> None:
     assert MemoryCheckpointer.committed(tmp_path, 3, fp, nbytes) == {}
 
 
-def test_young_daly_interval() -> None:
-    # Young: sqrt(2 C M); Daly adds higher-order terms and subtracts C
-    assert young_daly_interval(1.0, 1800.0) == pytest.approx(60.0 * (1 + (1 / 3600) ** 0.5 / 3 + 1 / 3600 / 9) - 1)
-    assert young_daly_interval(10.0, 4.0) == 4.0  # a checkpoint costlier than 2 MTBF: once per MTBF
-    assert young_daly_interval(0.0, 100.0) == 0.0
+def test_steps_between() -> None:
     assert steps_between(6.0, 0.1) == 60 and steps_between(0.0, 0.1) == 1
-    with pytest.raises(ValueError):
-        young_daly_interval(1.0, 0.0)
 
 
 def test_poisson_schedule_is_seeded_and_has_the_right_rate() -> None:
@@ -205,7 +199,7 @@ def test_kill_at_step_signals_only_its_target_by_pid(tmp_path: Path) -> None:
     run_dir, procs = _fake_job(tmp_path)
     try:
         metrics = run_dir / "metrics.jsonl"
-        with Injector(run_dir, [{"kind": "kill", "rank": 1, "step": 3},
+        with ExternalInjector(run_dir, [{"kind": "kill", "rank": 1, "step": 3},
                                 {"kind": "node-kill", "node": 1, "step": 5}]) as inj:
             for step in range(1, 7):
                 with open(metrics, "a") as f:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from leto.bench import productivity, runs
-from leto.bench.faults import Kill
+from leto.baselines.faults import Kill
 from leto.bench.productivity import HEADLINE, IN_RUN, OWN, RATIO, WORK_RATIO, build_report, summarize_trial
 from leto.bench.runs import (Run, ScheduledKill, System, failure_schedule, kill_steps, productive_fraction,
                              work_time_s)

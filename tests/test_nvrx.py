@@ -1,7 +1,7 @@
 """The NVRx baseline (NVIDIA's in-process restart with a warm spare): a worker SIGKILLed from
 outside by PID, the spare promoted inside the running job, the failure-free digest at the end.
 
-Real processes: `run_baseline` starts the harness's ranks; the fault injector (`leto.bench.faults`)
+Real processes: `run_baseline` starts the harness's ranks; the fault injector (`leto.baselines.faults`)
 kills a worker by the PID procs.json names. Skipped where nvidia-resiliency-ext 0.7.0 is not
 installed (docs/baselines.md says how it is installed).
 """

@@ -18,7 +18,8 @@ import torch
 from conftest import (JOB, Launcher, alive, no_process_left, read_procs, reference_digest, step_records, train,
                       wait_for)
 from leto.persistence import loader, resume, store
-from leto.persistence.interval import parse_duration, steps_between, young_daly_interval
+from leto.persistence.interval import parse_duration, steps_between
+from leto.simulation.model import daly_interval_s
 
 SMALL = ("--workers", "2", "--nodes", "1", "--spares", "0", "--steps", "8", "--seed", "0", "--persist-every", "2")
 
@@ -255,7 +256,7 @@ def test_interval_helpers() -> None:
     for bad in ("", "soon", "-1m", "0s"):
         with pytest.raises(ValueError):
             parse_duration(bad)
-    assert steps_between(young_daly_interval(0.5, 300.0), 0.1) == round(young_daly_interval(0.5, 300.0) / 0.1)
+    assert steps_between(daly_interval_s(0.5, 300.0), 0.1) == round(daly_interval_s(0.5, 300.0) / 0.1)
 
 
 def test_young_daly_k_is_chosen_from_measured_costs_and_shared(launcher, tmp_path: Path) -> None:
@@ -264,7 +265,7 @@ def test_young_daly_k_is_chosen_from_measured_costs_and_shared(launcher, tmp_pat
     res, s = train(launcher, run_dir, *SMALL[:-2], "--steps", "14", "--mtbf", "3s", "--protection", "off")
     assert res.returncode == 0, res.stderr[-3000:]
     (plan,) = events(run_dir, "persist_interval")
-    k = max(steps_between(young_daly_interval(plan["write_s"], 3.0), plan["step_s"]),
+    k = max(steps_between(daly_interval_s(plan["write_s"], 3.0), plan["step_s"]),
             -(-plan["write_s"] // plan["step_s"]) + 1)
     assert abs(plan["every"] - k) <= 1 and plan["mtbf_s"] == 3.0  # the event's times are rounded
     k = plan["every"]

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from conftest import no_process_left, read_procs, reference_digest, step_records, train, wait_for
 from leto.protection.layout import Layout
 from leto.protection.shm import Region
+from leto.protocol import keys
 
 CHUNK_BYTES = str(12 * 65536)  # 4 chunks per rank for the tiny model on 4 ranks
 SMALL = ("--workers", "4", "--nodes", "2", "--spares", "1", "--steps", "6", "--seed", "1",
@@ -48,7 +49,7 @@ def _corrupt_tier1_parity(run_dir: Path, node: int) -> None:
     ctl = next(p for p in read_procs(run_dir) if p["role"] == "controller")
     job_id, port = ctl["job"], ctl["store_port"]
     store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
-    layout = Layout.from_json(store.get("prot/g0/layout"))
+    layout = Layout.from_json(store.get(keys.layout(0)))
     region = Region(layout, job_id, node, create=False)
     region["p1"][0, 100] ^= np.uint8(0x5A)
     region.close()

@@ -54,8 +54,18 @@ def test_checkpoint_interval_is_daly_optimal() -> None:
     pc = build_costs("checkpoint-restart", sc, CAL)
     delta = checkpoint_write_s(sc.assumptions, CAL, sc.gpus)
     assert pc.commit_s == delta
-    assert pc.work_s == pytest.approx(math.sqrt(2 * delta * sc.job_mtbf_s) - delta)
+    x = delta / (2 * sc.job_mtbf_s)
+    assert pc.work_s == pytest.approx(math.sqrt(2 * delta * sc.job_mtbf_s) * (1 + math.sqrt(x) / 3 + x / 9) - delta)
     assert daly_interval_s(1.0, math.inf) == math.inf
+
+
+def test_daly_interval() -> None:
+    # Young: sqrt(2 C M); Daly adds higher-order terms and subtracts C
+    assert daly_interval_s(1.0, 1800.0) == pytest.approx(60.0 * (1 + (1 / 3600) ** 0.5 / 3 + 1 / 3600 / 9) - 1)
+    assert daly_interval_s(10.0, 4.0) == 4.0  # a checkpoint costlier than 2 MTBF: once per MTBF
+    assert daly_interval_s(0.0, 100.0) == 0.0
+    with pytest.raises(ValueError):
+        daly_interval_s(1.0, 0.0)
 
 
 # ---------------------------------------------------------------- reproducibility, invariants

@@ -32,11 +32,13 @@ import torch
 import torch.distributed as dist
 
 import leto
-from leto.persistence.files import append_event
 from leto.persistence.files import read_json as _read_json
 from leto.persistence.files import write_json_atomic as _write_json_atomic
-from leto.persistence.interval import steps_between, young_daly_interval
+from leto.persistence.interval import steps_between
+from leto.protocol import keys
+from leto.runtime import runlog
 from leto.runtime.env import Job
+from leto.simulation.model import daly_interval_s
 from leto.training import job as base_job
 from leto.training.optim import MASTER
 from leto.training.trainer import Trainer
@@ -62,7 +64,7 @@ class CheckpointMismatch(RuntimeError):
 # ----- events (rank 0 appends them to the run's metrics.jsonl, like the controller's)
 def emit(job: Job, kind: str, **fields: object) -> None:
     if job.rank == 0 and job.run_dir is not None:
-        append_event(job.run_dir, kind, **fields)
+        runlog.event(job.run_dir, kind, **fields)
 
 
 def _max_over_ranks(trainer: Trainer, *values: float) -> list[float]:
@@ -120,7 +122,7 @@ class DiskCheckpointer:
         self.pending: tuple[int, float, Future] | None = None   # (step, t0, future) of an async save
         root.mkdir(parents=True, exist_ok=True)
         if not dist.is_initialized():
-            dist.init_process_group("gloo", store=dist.PrefixStore("leto-dcp/", job.store), rank=job.rank,
+            dist.init_process_group("gloo", store=dist.PrefixStore(keys.CKPT_PG, job.store), rank=job.rank,
                                     world_size=job.world_size, timeout=timedelta(seconds=job.timeout_s))
 
     def _state_dict(self, trainer: Trainer, step: int) -> dict[str, torch.Tensor]:
@@ -345,7 +347,7 @@ class Schedule:
         if self.every is not None or self.mtbf_s is None:
             return
         cost_s, step_s = _max_over_ranks(trainer, save_s, statistics.median(self.step_times[1:]))
-        interval_s = young_daly_interval(cost_s, self.mtbf_s)
+        interval_s = daly_interval_s(cost_s, self.mtbf_s)
         self.every = steps_between(interval_s, step_s)
         rec = {"every": self.every, "ckpt_cost_s": round(cost_s, 6), "step_s": round(step_s, 6),
                "mtbf_s": self.mtbf_s, "interval_s": round(interval_s, 3)}

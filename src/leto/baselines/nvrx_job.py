@@ -43,6 +43,7 @@ import torch.distributed as dist
 from leto.baselines.ckpt_job import write_whole
 from leto.baselines.torchft_job import stop_processes
 from leto.control.controller import describe_exit, node_of_rank
+from leto.runtime import runlog
 from leto.runtime.env import Job
 from leto.runtime.linux import die_with_parent, proc_stat
 from leto.training import job as base_job
@@ -81,10 +82,6 @@ def nvrx_status() -> Optional[str]:
         return f"not importable ({type(e).__name__}: {e})"
     return None
 
-
-def _emit(run_dir: Path, rec: dict) -> None:
-    with open(run_dir / "metrics.jsonl", "a") as f:
-        f.write(json.dumps({**rec, "time": rec.get("time", time.time())}) + "\n")
 
 
 # ----- the in-memory checkpoint: one copy of each rank's shard per step, in tmpfs
@@ -263,19 +260,19 @@ def _train(ctx: _Ctx, call_wrapper) -> dict:
             seq = ctx.store.add(f"{STORE_PREFIX}assignments", 1) - 1
             ctx.store.set(f"{STORE_PREFIX}assignment/{seq}", json.dumps(assign))
             ctx.store.wait([f"{STORE_PREFIX}procs/{seq}"], timedelta(seconds=ctx.timeout_s))
-            _emit(ctx.run_dir, {"event": "job_up", "iteration": it, "world_size": world,
-                                "assignment": {str(k): v for k, v in assign.items()},
-                                "build_s": round(t_connect - t_call, 4),         # model reset, Trainer
-                                "connect_s": round(t_connected - t_connect, 4),  # gloo group + broadcast
-                                "call_s": round(time.perf_counter() - t_call, 4)})
+            runlog.event(ctx.run_dir, "job_up", iteration=it, world_size=world,
+                         assignment={str(k): v for k, v in assign.items()},
+                         build_s=round(t_connect - t_call, 4),         # model reset, Trainer
+                         connect_s=round(t_connected - t_connect, 4),  # gloo group + broadcast
+                         call_s=round(time.perf_counter() - t_call, 4))
         t0 = time.perf_counter()
         restored = ctx.ckpt.restore(trainer)
         restore_s = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
         trainer.comm.all_reduce(restore_s, dist.ReduceOp.MAX)
         if restored is not None and rank == 0:
-            _emit(ctx.run_dir, {"event": "restore", "iteration": it, "step": restored[0],
-                                "restore_s": round(float(restore_s), 6), "from_world_size": restored[1],
-                                "world_size": world, "resharded": restored[1] != world})
+            runlog.event(ctx.run_dir, "restore", iteration=it, step=restored[0],
+                         restore_s=round(float(restore_s), 6), from_world_size=restored[1],
+                         world_size=world, resharded=restored[1] != world)
         for step in trainer.steps(args.steps):
             x, y, weight = ctx.sampler.batch(step, trainer.rank, trainer.world_size)
             trainer.step(lambda: ctx.model(x, y), weight=weight, tokens=ctx.tokens)
@@ -325,8 +322,8 @@ def _wrapper(ctx: _Ctx, host: str, port: int, workers: int, max_iterations: int 
         def __call__(self, state):
             try:
                 if failure_store.add(f"{STORE_PREFIX}failure/{state.iteration}", 1) == 1:
-                    _emit(ctx.run_dir, {"event": "failure", "iteration": state.iteration,
-                                        "seen_by_initial_rank": state.initial_rank, "cause": "nvrx restart"})
+                    runlog.event(ctx.run_dir, "failure", iteration=state.iteration,
+                                 seen_by_initial_rank=state.initial_rank, cause="nvrx restart")
             except Exception:  # the record is evidence, never a reason to fail the abort
                 pass
             return state
@@ -453,9 +450,7 @@ class _Harness:
                 if mon is not None and _alive(mon):
                     recs.append({"role": "monitor", "rank": None, "node": self.node[r], "pid": mon,
                                  "id": f"monitor{r}"})
-        tmp = self.run_dir / "procs.json.tmp"
-        tmp.write_text(json.dumps(recs, indent=1))
-        os.replace(tmp, self.run_dir / "procs.json")
+        runlog.write_procs(self.run_dir, recs)
 
     def _follow(self) -> None:
         """Each restart iteration, rank 0 publishes initial rank -> rank; procs.json follows before
@@ -477,7 +472,7 @@ class _Harness:
 
     def spawn(self, cmd: list[str]) -> None:
         (self.run_dir / "nvrx").mkdir(exist_ok=True)
-        _emit(self.run_dir, {"event": "launch", "workers": self.workers, "spares": self.spares})
+        runlog.event(self.run_dir, "launch", workers=self.workers, spares=self.spares)
         for r in range(self.world):
             env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(self.world), MASTER_ADDR="127.0.0.1",
                        MASTER_PORT=str(self.store.port))
@@ -505,8 +500,8 @@ class _Harness:
                         cur = self.active.get(r)
                     changed = True
                     if rc != 0:
-                        _emit(self.run_dir, {"event": "exit", "initial_rank": r, "rank": cur, "node": self.node[r],
-                                             "pid": popen.pid, "code": rc, "cause": describe_exit(rc)})
+                        runlog.event(self.run_dir, "exit", initial_rank=r, rank=cur, node=self.node[r],
+                                     pid=popen.pid, code=rc, cause=describe_exit(rc))
                 if r not in monitors_listed and self.monitor_pid(r) is not None:
                     monitors_listed.add(r)
                     changed = True

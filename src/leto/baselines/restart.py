@@ -20,12 +20,12 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from leto.baselines.ckpt_job import DEFAULT_SHM, young_daly_interval
-from leto.bench.faults import Injector, Kill
+from leto.baselines.ckpt_job import DEFAULT_SHM
+from leto.baselines.faults import ExternalInjector, Kill
 from leto.console import read_jsonl
 from leto.control.controller import Controller, JobSpec
 
-__all__ = ["SYSTEMS", "BaselineSpec", "RestartSupervisor", "main", "run_baseline", "young_daly_interval"]
+__all__ = ["SYSTEMS", "BaselineSpec", "RestartSupervisor", "main", "run_baseline"]
 
 SYSTEMS = ("checkpoint-restart", "memory-restart", "torchft", "nvrx")
 DEFAULT_MTBF_S = 600.0   # disk K from Young/Daly when neither K nor an MTBF is given
@@ -82,7 +82,7 @@ class Attempt:
 class RestartSupervisor:
     """Runs the checkpointing job, restarting it from scratch processes after each failure."""
 
-    def __init__(self, spec: BaselineSpec, injector: Injector | None = None) -> None:
+    def __init__(self, spec: BaselineSpec, injector: ExternalInjector | None = None) -> None:
         if spec.system not in ("checkpoint-restart", "memory-restart"):
             raise ValueError(f"the restart supervisor runs checkpoint-restart or memory-restart, not {spec.system!r}")
         self.spec, self.injector = spec, injector
@@ -244,14 +244,14 @@ def run_baseline(system: str, *, workers: int, nodes: int, steps: int, seed: int
     """Run one baseline on the built-in GPT job and return its summary (with `recoveries`).
 
     `inject`: `[{"kind": "kill"|"node-kill", "rank": R|None, "node": N|None, "step": S}]`, executed
-    by `leto.bench.faults` from background threads. `options`: more `BaselineSpec` fields
+    by `leto.baselines.faults` from background threads. `options`: more `BaselineSpec` fields
     (async_save, ckpt_dir, max_restarts, timeout_s, job_args; nvrx: spares).
     """
     if system not in SYSTEMS:
         raise ValueError(f"unknown baseline {system!r}; choose from {', '.join(SYSTEMS)}")
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    injector = Injector(run_dir, inject or []).start() if inject else None
+    injector = ExternalInjector(run_dir, inject or []).start() if inject else None
     if system in ("torchft", "nvrx"):
         if system == "torchft":
             from leto.baselines.torchft_job import run

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from leto.control.controller import describe_exit, node_of_rank
+from leto.runtime import runlog
 from leto.training import job as base_job
 from leto.training.corpus import load_tokens
 from leto.training.data import Sampler
@@ -63,10 +64,6 @@ def digest(step: int, flat: torch.Tensor, state: torch.Tensor) -> str:
     """The same digest as `Trainer.digest` (step, params, master, exp_avg, exp_avg_sq)."""
     return state_digest(step, {"params": flat, **dict(zip(STATE_NAMES, state, strict=True))})
 
-
-def _emit(run_dir: Path, rec: dict) -> None:
-    with open(run_dir / "metrics.jsonl", "a") as f:
-        f.write(json.dumps({**rec, "time": time.time()}) + "\n")
 
 
 def _barrier(run_dir: Path, replica: int, expect: int, timeout_s: float) -> None:
@@ -119,7 +116,7 @@ def worker_main(argv: list[str]) -> None:
                       rank=0, world_size=1, lighthouse_addr=ours.lighthouse, timeout=timeout,
                       quorum_timeout=timeout, init_sync=False)
     run_dir = ours.run_dir
-    _emit(run_dir, {"event": "replica_up", "replica": ours.replica, "startup_s": round(time.time() - t_start, 3)})
+    runlog.event(run_dir, "replica_up", replica=ours.replica, startup_s=round(time.time() - t_start, 3))
     _barrier(run_dir, ours.replica, ours.expect, ours.timeout)
     tokens = cfg.batch_size * cfg.block_size
     t_last = time.perf_counter()
@@ -129,13 +126,13 @@ def worker_main(argv: list[str]) -> None:
             if done.exists():
                 # the survivors finished without us: a quorum now would be ours alone, from whatever
                 # step we are at, and would train a second, different model; the job's state is theirs
-                _emit(run_dir, {"event": "abandoned", "replica": ours.replica, "step": manager.current_step()})
+                runlog.event(run_dir, "abandoned", replica=ours.replica, step=manager.current_step())
                 return
             t_q = time.perf_counter()
             manager.start_quorum()
             if heal_s:
-                _emit(run_dir, {"event": "heal", "replica": ours.replica, "step": manager.current_step(),
-                                "restore_s": round(heal_s.pop(), 6), "quorum_s": round(time.perf_counter() - t_q, 6)})
+                runlog.event(run_dir, "heal", replica=ours.replica, step=manager.current_step(),
+                             restore_s=round(heal_s.pop(), 6), quorum_s=round(time.perf_counter() - t_q, 6))
             step = manager.current_step()
             if step >= args.steps:
                 break
@@ -154,11 +151,11 @@ def worker_main(argv: list[str]) -> None:
                 flat.copy_(state[MASTER])
                 now = time.perf_counter()
                 if rank == 0:
-                    _emit(run_dir, {"step": step + 1, "loss": float(loss_t.item()), "step_s": round(now - t_last, 6),
+                    runlog.append(run_dir, {"step": step + 1, "loss": float(loss_t.item()), "step_s": round(now - t_last, 6),
                                     "tokens_per_s": round(tokens / (now - t_last), 1), "participants": world})
                 t_last = now
             elif rank == 0:
-                _emit(run_dir, {"event": "step_failed", "step": step + 1, "participants": world})
+                runlog.event(run_dir, "step_failed", step=step + 1, participants=world)
         result = {"steps": manager.current_step(), "final_loss": float(loss_t.item()),
                   "digest": digest(manager.current_step(), flat, state)}
         (run_dir / f"result-{ours.replica}.json").write_text(json.dumps(result))
@@ -180,9 +177,7 @@ def _write_procs(run_dir: Path, procs: dict[int, subprocess.Popen], lighthouse: 
             {"role": "lighthouse", "rank": None, "node": None, "pid": lighthouse.pid, "id": "lighthouse"}]
     recs += [{"role": "worker", "rank": r, "node": node_of_rank(r, workers, nodes), "pid": p.pid, "id": f"replica{r}"}
              for r, p in procs.items() if p.poll() is None]
-    tmp = run_dir / "procs.json.tmp"
-    tmp.write_text(json.dumps(recs, indent=1))
-    os.replace(tmp, run_dir / "procs.json")
+    runlog.write_procs(run_dir, recs)
 
 
 def stop_processes(popens: list[subprocess.Popen]) -> None:
@@ -266,8 +261,7 @@ def run(*, workers: int, steps: int, seed: int, model: str, run_dir: Path, injec
                     continue
                 failures.append({"event": "failure", "time": time.time(), "role": "worker", "rank": r,
                                  "node": node_of_rank(r, workers, nodes), "pid": p.pid, "code": rc})
-                with open(run_dir / "metrics.jsonl", "a") as f:
-                    f.write(json.dumps(failures[-1]) + "\n")
+                runlog.append(run_dir, failures[-1])
                 if (run_dir / DONE).exists():   # nothing to rejoin: the survivors have finished
                     del procs[r]
                     continue

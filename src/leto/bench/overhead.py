@@ -339,8 +339,14 @@ def targets(out: dict) -> dict[str, dict]:
 
 
 # ----- the benchmark
+def _usage_error(message: str) -> int:
+    """Bad flags: one line on stderr and exit code 2, as `leto`'s own usage errors (the
+    benchmark sits below the CLI and does not import it)."""
+    print(f"leto bench overhead: error: {message}", file=sys.stderr)
+    return 2
+
+
 def main(args: argparse.Namespace) -> int:
-    from leto.cli import UsageError
     steps = args.steps or 40
     def flag(name: str, default: object) -> object:  # None: not given
         value = getattr(args, name, None)
@@ -349,11 +355,11 @@ def main(args: argparse.Namespace) -> int:
         flag("curve_steps", CURVE_STEPS)
     curve_spec, rss = flag("curve", "default"), flag("rss", "on") == "on"
     if rounds < 1 or curve_rounds < 1 or curve_steps < 2:
-        raise UsageError("leto bench overhead: error: --rounds and --curve-rounds must be >= 1, --curve-steps >= 2")
+        return _usage_error("--rounds and --curve-rounds must be >= 1, --curve-steps >= 2")
     try:
         points = parse_curve(curve_spec, args.model, args.workers)
     except ValueError as e:
-        raise UsageError(f"leto bench overhead: error: {e}") from e
+        return _usage_error(str(e))
     ec = default_code(NODES)
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.json else (lambda msg: print(msg, flush=True))
     default = Point(args.model)

@@ -2,7 +2,7 @@
 
 Work: `steps` steps of the built-in GPT job. Failures: a Poisson process (MTBF in seconds of
 failure-free training, time compressed), seeded, each a SIGKILL of a seeded random worker,
-injected from outside by PID (`leto.bench.faults`). The failure times are mapped onto training
+injected from outside by PID (`leto.baselines.faults`). The failure times are mapped onto training
 progress once - the step the first failure-free run of the first trial (Leto's) had completed that
 many seconds after its start - and every system, in every trial, loses the same workers at the
 same steps: on a shared machine a time-based schedule gives a system that happens to run in a
@@ -45,7 +45,7 @@ from pathlib import Path
 
 from leto.baselines.nvrx_job import nvrx_status
 from leto.bench import plots
-from leto.bench.faults import Injector
+from leto.baselines.faults import ExternalInjector
 from leto.bench.runs import (DEFAULT_MTBF_S, LETO, BenchInterrupted, JobConfig, NoInjector, Run, ScheduledKill,
                              System, default_out, failure_schedule, in_run_failure_free_s, kill_steps, log, machine,
                              median, median_index, productive_fraction, run_system, stdout_to_stderr, torchft_status,
@@ -118,7 +118,7 @@ def run_all(cfg: JobConfig, out: Path, systems: list[System], schedule: list[Sch
             trials: int) -> tuple[list[dict[str, dict[str, Run]]], list[dict], list[list[str]], dict | None]:
     """Every trial: per system in turn (rotated per trial), the failure-free run, then the run with
     the kills. The kill steps come from the first failure-free run that finished the work (Leto's in
-    trial 1) and are the same in every trial. Returns per trial the runs, the kills (faults.Injector
+    trial 1) and are the same in every trial. Returns per trial the runs, the kills (faults.ExternalInjector
     specs), the order of every trial and which run the kill steps came from."""
     all_runs: list[dict[str, dict[str, Run]]] = []
     orders: list[list[str]] = []
@@ -146,7 +146,7 @@ def run_all(cfg: JobConfig, out: Path, systems: list[System], schedule: list[Sch
                 reference = {"trial": trial + 1, "system": system.name, "work_s": ff_s}
             run_dir = out / "runs" / f"trial{trial + 1}-failures-{system.name}"
             run = run_system(system, replace(cfg, max_restarts=len(specs) + 3), run_dir,
-                             Injector(run_dir, [dict(s) for s in specs], timeout_s=timeout_s),
+                             ExternalInjector(run_dir, [dict(s) for s in specs], timeout_s=timeout_s),
                              limit_s=120.0 + 4.0 * (ff_s or 2.0 * cfg.steps) + 30.0 * len(specs))
             runs["failures"][system.name] = run
             _log_run(tag, system.name, "failures", run, cfg.steps)

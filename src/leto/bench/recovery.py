@@ -1,7 +1,7 @@
 """`leto bench recovery`: the same failure in every system, on the same job, in one run.
 
 For each trial, for each failure (a worker SIGKILL; a whole-node loss) and for each system
-(interleaved: A, B, C, A, B, C ...), the built-in GPT job runs while `leto.bench.faults` kills the
+(interleaved: A, B, C, A, B, C ...), the built-in GPT job runs while `leto.baselines.faults` kills the
 process(es) by PID once step `kill_step` is recorded, i.e. at the start of step `kill_step + 1`.
 Every number comes from the run's metrics.jsonl (see `runs.analyze_recovery`); medians over
 trials are reported, raw values are in the JSON.

@@ -1,7 +1,7 @@
 """Shared machinery of `leto bench recovery` and `leto bench productivity`.
 
 Runs one system (Leto, or a baseline through `run_baseline`) on the built-in GPT job while an
-injector outside the job kills processes by PID (`leto.bench.faults`), and reads the run's
+injector outside the job kills processes by PID (`leto.baselines.faults`), and reads the run's
 timeline back from the evidence every system writes: `metrics.jsonl` step records (rank 0, one per
 completed step) and the supervisor's events (`failure`, `restore`, `recovery`, `heal`).
 """
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from leto.baselines.faults import ExternalInjector, Kill, poisson_schedule
 from leto.baselines.restart import run_baseline
-from leto.bench.faults import Injector, Kill, poisson_schedule
 from leto.bench.throughput import steady_step_s
 from leto.console import read_jsonl
 from leto.control.controller import Controller, JobSpec
@@ -71,7 +71,7 @@ class JobConfig:
 
 
 class InjectorLike(Protocol):
-    """`faults.Injector` or `NoInjector`: started before the run, stopped after it."""
+    """`faults.ExternalInjector` or `NoInjector`: started before the run, stopped after it."""
 
     kills: list[Kill]
     errors: list[str]
@@ -208,12 +208,12 @@ def run_system(system: System, cfg: JobConfig, run_dir: Path, injector: Injector
                sorted(injector.kills, key=lambda k: k.time), list(injector.errors))
 
 
-def step_injector(run_dir: Path, kind: str, who: int, step: int, timeout_s: float) -> Injector:
+def step_injector(run_dir: Path, kind: str, who: int, step: int, timeout_s: float) -> ExternalInjector:
     """The same external SIGKILL for every system: worker `who` (kind "kill") or every process of
     node `who` ("node-kill"), once step `step` is recorded."""
     spec = {"kind": kind, "rank": who if kind == "kill" else None, "node": who if kind == "node-kill" else None,
             "step": step}
-    return Injector(run_dir, [spec], timeout_s=timeout_s)
+    return ExternalInjector(run_dir, [spec], timeout_s=timeout_s)
 
 
 @dataclass(frozen=True)
@@ -232,7 +232,7 @@ def kill_steps(schedule: list[ScheduledKill], reference: list[dict], t_start: fl
     """Map failure times onto training progress: failure i comes once the step is recorded that
     the failure-free `reference` run (its step records, started at `t_start`) had completed
     `at_s` seconds after its start (at least step 1; strictly increasing; only before the last
-    step of the work). Returns `faults.Injector` specs."""
+    step of the work). Returns `faults.ExternalInjector` specs."""
     done = sorted((r["time"] - t_start, r["step"]) for r in reference if "event" not in r and "step" in r)
     out: list[dict] = []
     last = 0

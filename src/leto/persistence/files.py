@@ -5,8 +5,6 @@ import json
 import os
 from pathlib import Path
 
-from leto.runtime import runlog
-
 
 def write_json_atomic(path: Path, obj: dict) -> None:
     """Write `obj` to `path` so that a reader sees the old file or the whole new one."""
@@ -22,8 +20,3 @@ def read_json(path: Path) -> dict | None:
     except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError, UnicodeDecodeError):
         return None
     return obj if isinstance(obj, dict) else None
-
-
-def append_event(run_dir: Path, kind: str, **fields: object) -> None:
-    """Append one event record to the run's metrics.jsonl."""
-    runlog.event(run_dir, kind, **fields)

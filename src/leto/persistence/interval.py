@@ -1,20 +1,8 @@
-"""How often to checkpoint: the Young/Daly interval (used by persistence and the baselines)."""
+"""How often to checkpoint: K from the Young/Daly interval (`simulation.model.daly_interval_s`,
+the one Daly formula), used by persistence and the baselines."""
 from __future__ import annotations
 
 import math
-
-
-def young_daly_interval(ckpt_cost_s: float, mtbf_s: float) -> float:
-    """Seconds of training between checkpoints that minimise the expected waste.
-
-    Daly's higher-order estimate (2006), which refines Young's sqrt(2·C·M); M itself when C >= 2M.
-    """
-    if ckpt_cost_s < 0 or mtbf_s <= 0:
-        raise ValueError(f"need checkpoint cost >= 0 and MTBF > 0, got {ckpt_cost_s}, {mtbf_s}")
-    if ckpt_cost_s >= 2 * mtbf_s:
-        return mtbf_s
-    x = ckpt_cost_s / (2 * mtbf_s)
-    return math.sqrt(2 * ckpt_cost_s * mtbf_s) * (1 + math.sqrt(x) / 3 + x / 9) - ckpt_cost_s
 
 
 def steps_between(interval_s: float, step_s: float) -> int:

@@ -32,9 +32,10 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from leto.persistence import store
-from leto.persistence.files import append_event
-from leto.persistence.interval import steps_between, young_daly_interval
+from leto.persistence.interval import steps_between
 from leto.protocol import keys
+from leto.runtime import runlog
+from leto.simulation.model import daly_interval_s
 
 if TYPE_CHECKING:
     from leto.runtime.env import Job
@@ -122,7 +123,7 @@ class Persister:
         """Rank 0, after the calibration write: K from Young/Daly, published for every rank."""
         times = self.step_times[1:] or self.step_times  # the first step after a start is slow
         step_s = statistics.median(times[-20:]) if times else 0.0
-        interval_s = young_daly_interval(write_s, self.cfg.mtbf_s)
+        interval_s = daly_interval_s(write_s, self.cfg.mtbf_s)
         # never two writes in flight: K steps must outlast a write
         every = max(steps_between(interval_s, step_s), math.ceil(write_s / step_s) + 1 if step_s > 0 else 1)
         first = step + max(every, 2)  # every rank reads the plan before that step (lock-step)
@@ -220,7 +221,7 @@ class Persister:
 
     def _event(self, kind: str, **fields: object) -> None:
         if self.job.run_dir is not None:
-            append_event(self.job.run_dir, kind, **fields)
+            runlog.event(self.job.run_dir, kind, **fields)
 
 
 # ----- what a part holds, and loading it back

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import xxhash
 
-__all__ = ["CorruptionError", "checksum", "verify"]
+__all__ = ["checksum"]
 
 Buffer = np.ndarray | memoryview | bytes | bytearray
 _SIGN = 1 << 63
@@ -35,53 +35,3 @@ def checksum(buf: Buffer) -> int:
         data = buf
     h = xxhash.xxh3_64_intdigest(data)  # type: ignore[arg-type]
     return h - (1 << 64) if h & _SIGN else h
-
-
-class CorruptionError(Exception):
-    """Stored data does not match its checksum.
-
-    Attributes:
-        what: description of the corrupt data (e.g. "tier-1 parity").
-        expected: checksum recorded when the data was written.
-        actual: checksum of the data as found.
-        owner: rank or node owning the data, if known.
-        chunk: chunk index, if known.
-        step: training step the data belongs to, if known.
-    """
-
-    def __init__(
-        self,
-        what: str,
-        expected: int,
-        actual: int,
-        *,
-        owner: int | None = None,
-        chunk: int | None = None,
-        step: int | None = None,
-    ) -> None:
-        self.what, self.expected, self.actual = what, expected, actual
-        self.owner, self.chunk, self.step = owner, chunk, step
-        where = ", ".join(
-            f"{name} {value}"
-            for name, value in (("owner", owner), ("chunk", chunk), ("step", step))
-            if value is not None
-        )
-        super().__init__(
-            f"corrupt {what}{f' ({where})' if where else ''}: "
-            f"checksum {actual & 0xFFFFFFFFFFFFFFFF:#018x}, expected {expected & 0xFFFFFFFFFFFFFFFF:#018x}"
-        )
-
-
-def verify(
-    buf: Buffer,
-    expected: int,
-    what: str,
-    *,
-    owner: int | None = None,
-    chunk: int | None = None,
-    step: int | None = None,
-) -> None:
-    """Raise :class:`CorruptionError` if ``checksum(buf) != expected``."""
-    actual = checksum(buf)
-    if actual != expected:
-        raise CorruptionError(what, expected, actual, owner=owner, chunk=chunk, step=step)

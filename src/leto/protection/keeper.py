@@ -7,13 +7,13 @@ is committed (see docs/protection.md).
 """
 from __future__ import annotations
 
-import json
 import os
 import queue
 import signal
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 
 import numpy as np
@@ -45,6 +45,19 @@ from leto.protection.shm import (
     check_store_order,
 )
 from leto.protocol import keys
+from leto.protocol.protection import (
+    DONE,
+    FAILED,
+    IN_FLIGHT,
+    NOT_ENTERED,
+    BarrierState,
+    BaseCommitted,
+    Drain,
+    KeeperReady,
+    KeeperReport,
+    SentCounts,
+    StripeReport,
+)
 from leto.runtime import env as rt
 from leto.runtime import linux
 from leto.runtime.membership import Heartbeat
@@ -226,7 +239,7 @@ class Keeper:
         self.broken = False
         self.dirty = True
         h[H_STATE] = STATE_RUNNING
-        store.set(keys.ready(self.gen, node), str(os.getpid()))
+        store.set(keys.ready(self.gen, node), KeeperReady(os.getpid()).to_json())
 
     def record_bytes(self, kind: int) -> int:
         return HDR * 8 + self.nbytes[kind]
@@ -388,7 +401,7 @@ class Keeper:
             if kind == KIND_DELTA:
                 h[H_DCOMMIT] = step
                 if step == self.layout.base_step:
-                    self.store.set(keys.committed(self.gen, self.node), "1")
+                    self.store.set(keys.committed(self.gen, self.node), BaseCommitted().to_json())
                 self.next_barrier = (KIND_GRAD, step + 1) if self.grads \
                     else (KIND_DELTA, self.layout.next_protected(step))
             else:
@@ -419,20 +432,26 @@ class Keeper:
         kind, step = self.next_barrier
         in_flight = self.barrier_work is not None
         mine = keys.barrier_state(self.gen, self.node)
-        self.store.set(mine, json.dumps([kind, step, in_flight]))
+        self.store.set(mine, BarrierState(kind, step, IN_FLIGHT if in_flight else NOT_ENTERED).to_json())
         if not in_flight:
             return
         deadline = time.monotonic() + timeout_s
         peers = [keys.barrier_state(self.gen, n) for n in sorted(live_nodes)
                  if n != self.node and n in self.layout.nodes]
-        hopeless = ([kind, step, False], [kind, step, "failed"])
         while not self.barrier_done.wait(1e-3):
             if time.monotonic() > deadline or abandoned():
                 return
-            if any(self.store.check([key]) and json.loads(self.store.get(key)) in hopeless for key in peers):
+            if any(self._peer_hopeless(key, kind, step) for key in peers):
                 return
         self._advance_barrier()  # record the completion (or the failure) like the main loop does
-        self.store.set(mine, json.dumps([kind, step, "failed" if self.broken else "done"]))
+        self.store.set(mine, BarrierState(kind, step, FAILED if self.broken else DONE).to_json())
+
+    def _peer_hopeless(self, key: str, kind: int, step: int) -> bool:
+        """Whether the peer that publishes at `key` says barrier (kind, step) cannot complete."""
+        if not self.store.check([key]):
+            return False
+        peer = BarrierState.from_json(self.store.get(key))
+        return (peer.kind, peer.step) == (kind, step) and peer.hopeless()
 
     def _await_barrier(self, work: dist.Work) -> None:
         """Wait for the barrier in a thread (gloo work cannot be polled cheaply) and ring."""
@@ -463,29 +482,30 @@ class Keeper:
             if not progress:
                 asked = doorbell.wait(idle) == doorbell.CONTROL
 
-    def report(self) -> dict:
+    def report(self) -> KeeperReport:
         """What recovery needs from this keeper (after draining)."""
         r, h = self.region, self.region.header
         g = int(h[H_GCOMMIT])
+        base = {"node": self.node, "generation": self.gen, "d_commit": int(h[H_DCOMMIT]),
+                "v1": r["v1"].tolist(), "crc1": r["crc1"].tolist()}
         if not self.grads:  # the step every delta is folded at (and an interval's pre-images)
-            out = {"node": self.node, "generation": self.gen, "d_commit": int(h[H_DCOMMIT]),
-                   "applied": self.applied_step(), "v1": r["v1"].tolist(), "crc1": r["crc1"].tolist(), "stripes": {}}
-            if self.interval:
-                out.update({"crc_pre": r["crc1_pre"].tolist(), "pre_step": r["p1_pre_step"].tolist()})
-            for si in self.parity:
-                st = out["stripes"][str(si)] = {"v2": r[f"v2_{si}"].tolist(), "crc2": r[f"crc2_{si}"].tolist()}
-                if self.interval:
-                    st.update({"crc_pre": r[f"crc2_{si}_pre"].tolist(), "pre_step": r[f"p2_{si}_pre_step"].tolist()})
-            return out
-        out = {"node": self.node, "generation": self.gen, "g_commit": g, "d_commit": int(h[H_DCOMMIT]),
-               "grads_complete": [s for s in (g, g + 1) if self.grads_complete(s)],
-               "v1": r["v1"].tolist(), "crc1": r["crc1"].tolist(), "gcrc1": r["gcrc1"].tolist(),
-               "g1_step": r["g1_step"].tolist(), "stripes": {}}
-        for si in self.parity:
-            out["stripes"][str(si)] = {k: r[f"{k}_{si}"].tolist() for k in ("v2", "crc2", "gcrc2", "g2_step")}
-        return out
+            pre = {"crc_pre": r["crc1_pre"].tolist(), "pre_step": r["p1_pre_step"].tolist()} if self.interval else {}
+            return KeeperReport(**base, **pre, applied=self.applied_step(),
+                                stripes={si: self._stripe_report(si) for si in self.parity})
+        return KeeperReport(**base, g_commit=g, grads_complete=[s for s in (g, g + 1) if self.grads_complete(s)],
+                            gcrc1=r["gcrc1"].tolist(), g1_step=r["g1_step"].tolist(),
+                            stripes={si: self._stripe_report(si) for si in self.parity})
 
-    def drain(self, live_nodes: set[int], timeout_s: float, abandoned: Callable[[], bool] = lambda: False) -> dict:
+    def _stripe_report(self, si: int) -> StripeReport:
+        r = self.region
+        if self.grads:
+            return StripeReport(**{k: r[f"{k}_{si}"].tolist() for k in ("v2", "crc2", "gcrc2", "g2_step")})
+        pre = {"crc_pre": r[f"crc2_{si}_pre"].tolist(), "pre_step": r[f"p2_{si}_pre_step"].tolist()} \
+            if self.interval else {}
+        return StripeReport(r[f"v2_{si}"].tolist(), r[f"crc2_{si}"].tolist(), **pre)
+
+    def drain(self, live_nodes: set[int], timeout_s: float,
+              abandoned: Callable[[], bool] = lambda: False) -> KeeperReport:
         """Apply everything staged and everything live peers sent, then report. Waits for peers
         end early once `abandoned()`: a later membership change (a peer died meanwhile) makes
         this report moot, and the next drain must not sit out the timeout on a dead peer."""
@@ -500,13 +520,13 @@ class Keeper:
             while n in live_nodes and not link.idle() and link.error is None and time.monotonic() < deadline \
                     and not abandoned():
                 time.sleep(1e-3)
-            self.store.set(keys.sent(self.gen, self.node, n), json.dumps(link.sent))
+            self.store.set(keys.sent(self.gen, self.node, n), SentCounts(dict(link.sent)).to_json())
         for n, link in self.links.items():  # wait for what live senders sent us
             key = keys.sent(self.gen, n, self.node)
             while n in live_nodes and n in self.layout.senders_to(self.node) and link.error is None \
                     and time.monotonic() < deadline and not abandoned():
                 if self.store.check([key]):
-                    want = {int(k): v for k, v in json.loads(self.store.get(key)).items()}
+                    want = SentCounts.from_json(self.store.get(key)).messages
                     if all(link.received[k] >= v for k, v in want.items()):
                         break
                 time.sleep(1e-3)
@@ -523,20 +543,23 @@ class Keeper:
             self.region.unlink()
 
 
-def _superseded(plan: dict, job: rt.Job) -> Callable[[], bool]:
+def _superseded(plan: Drain, job: rt.Job) -> Callable[[], bool]:
     """Whether the drain `plan` became moot: the job shuts down or a later drain was announced."""
-    later = keys.drain(int(plan["next_generation"]))
+    later = keys.drain(plan.next_generation)
     return lambda: job.shutdown_requested() or job.store.check([later])
 
 
-def _report(committed: Keeper | None, plan: dict, job: rt.Job) -> dict:
+def _report(committed: Keeper | None, plan: Drain, job: rt.Job) -> KeeperReport:
     """Drain and describe the last committed generation for the drain `plan`; a keeper with none
     says so."""
     if committed is None:
-        return {"node": job.node, "empty": True}
-    report = committed.drain(set(plan["live_nodes"]), job.timeout_s, _superseded(plan, job))
-    report["generation_used"] = committed.gen
-    return report
+        return KeeperReport(job.node, empty=True)
+    report = committed.drain(set(plan.live_nodes), job.timeout_s, _superseded(plan, job))
+    return replace(report, generation_used=committed.gen)
+
+
+def _read_drain(job: rt.Job, gen: int) -> Drain:
+    return Drain.from_json(job.store.get(keys.drain(gen)))
 
 
 def main() -> None:
@@ -554,9 +577,9 @@ def main() -> None:
     gen = 0
     while not job.shutdown_requested():
         if job.store.check([keys.drain(gen)]):  # abandoned before it started: report the committed one
-            plan = json.loads(job.store.get(keys.drain(gen)))
-            job.store.set(keys.report(gen, node), json.dumps(_report(committed, plan, job)))
-            gen = int(plan["next_generation"])
+            plan = _read_drain(job, gen)
+            job.store.set(keys.report(gen, node), _report(committed, plan, job).to_json())
+            gen = plan.next_generation
             continue
         if not job.store.check([keys.layout(gen)]):
             time.sleep(0.001)
@@ -574,19 +597,19 @@ def main() -> None:
 
         reason = current.run(should_stop)
         if reason == "drain":
-            plan = json.loads(job.store.get(keys.drain(gen)))
-            current.settle_barrier(set(plan["live_nodes"]), job.timeout_s, _superseded(plan, job))
+            plan = _read_drain(job, gen)
+            current.settle_barrier(set(plan.live_nodes), job.timeout_s, _superseded(plan, job))
         if current.region.header[H_DCOMMIT] >= layout.base_step:
             if committed is not None:
                 committed.close(unlink=True)
             committed = current
         if reason == "shutdown":
             break
-        plan = json.loads(job.store.get(keys.drain(gen)))
-        job.store.set(keys.report(gen, node), json.dumps(_report(committed, plan, job)))
+        plan = _read_drain(job, gen)
+        job.store.set(keys.report(gen, node), _report(committed, plan, job).to_json())
         if current is not committed:
             current.close(unlink=True)
-        gen = int(plan["next_generation"])
+        gen = plan.next_generation
     if committed is not None:
         committed.close(unlink=True)
 

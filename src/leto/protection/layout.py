@@ -6,7 +6,7 @@ geometry and `--ec k+m`; every worker and keeper computes the same one.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 
 from leto.protection.codec import ErasureCode, make_code
@@ -52,7 +52,6 @@ class Layout:
     node_of_rank: tuple[int, ...]
     ec: tuple[int, int] | None          # requested tier-2 code
     ring_slots: int = 8
-    notes: tuple[str, ...] = field(default=())
     protect_every: int = 1              # --protect-every: only every N-th step's state is protected
     replicated_grads: bool = False      # every rank holds the whole reduced gradient (gloo's all-reduce):
     #                                     gradients are not staged, a replay takes them from a survivor
@@ -152,7 +151,7 @@ class Layout:
         return json.dumps({"generation": self.generation, "base_step": self.base_step,
                            "n_chunks": self.geometry.n_chunks, "chunk_elems": self.geometry.chunk_elems,
                            "node_of_rank": list(self.node_of_rank), "ec": list(self.ec) if self.ec else None,
-                           "ring_slots": self.ring_slots, "notes": list(self.notes),
+                           "ring_slots": self.ring_slots,
                            "protect_every": self.protect_every, "replicated_grads": self.replicated_grads})
 
     @staticmethod
@@ -160,4 +159,4 @@ class Layout:
         d = json.loads(text)
         return Layout(d["generation"], d["base_step"], Geometry(d["n_chunks"], d["chunk_elems"]),
                       tuple(d["node_of_rank"]), tuple(d["ec"]) if d["ec"] else None, d["ring_slots"],
-                      tuple(d["notes"]), d["protect_every"], d["replicated_grads"])
+                      d["protect_every"], d["replicated_grads"])

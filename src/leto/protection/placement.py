@@ -31,7 +31,6 @@ __all__ = [
     "padded_size",
     "plan_stripes",
     "segment_bounds",
-    "survivable",
     "valid_specs",
 ]
 
@@ -74,13 +73,6 @@ class Stripe:
             return self.segments[self.data_nodes.index(node)]
         except ValueError:
             raise ValueError(f"node {node} is not a data node of stripe {self.index}") from None
-
-    def block_of(self, node: int) -> int:
-        """Code block index (0..k+m-1) held by ``node`` in this stripe."""
-        try:
-            return self.nodes.index(node)
-        except ValueError:
-            raise ValueError(f"node {node} is not part of stripe {self.index}") from None
 
 
 def default_code(num_nodes: int) -> tuple[int, int] | None:
@@ -190,11 +182,6 @@ def _overloaded(stripes: Iterable[Stripe], lost_nodes: set[int]) -> list[tuple[S
         if len(lost) > stripe.m:
             bad.append((stripe, lost))
     return bad
-
-
-def survivable(stripes: Sequence[Stripe], lost_nodes: set[int]) -> bool:
-    """True if every stripe lost at most m of its k + m nodes."""
-    return not _overloaded(stripes, lost_nodes)
 
 
 def lost_summary(stripes: Sequence[Stripe], lost_nodes: set[int]) -> str:

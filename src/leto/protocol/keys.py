@@ -80,3 +80,7 @@ def report(gen: int, node: int) -> str:
 def barrier_state(gen: int, node: int) -> str:
     """A draining keeper's barrier state: the next barrier and whether it entered it."""
     return f"prot/g{gen}/barrier/{node}"
+
+
+# ----- baselines (on the job's store; the torchft and NVRx baselines' own stores keep their keys)
+CKPT_PG = "leto-dcp/"  # prefix of the checkpoint baselines' own gloo group (torch.distributed.checkpoint)

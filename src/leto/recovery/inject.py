@@ -72,7 +72,7 @@ def parse(spec: str, index: int = 0) -> Injection:
     return Injection(index, kind, step, phase, rank, node, chunk)
 
 
-class Injector:
+class InProcessInjector:
     """Fires this process's injections at the matching (step, phase)."""
 
     def __init__(self, store, specs: list[str], run_dir: Path | None, proc_id: str) -> None:

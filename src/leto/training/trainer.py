@@ -22,7 +22,7 @@ from leto.protection.client import Protector
 from leto.protection.layout import STATE_ROWS, Geometry, Layout
 from leto.protocol import keys
 from leto.protocol.messages import Plan, RecoveryRecord
-from leto.recovery.inject import Injector
+from leto.recovery.inject import InProcessInjector
 from leto.recovery.inplace import join, latest_generation
 from leto.recovery.rebuild import RecoveryError
 from leto.runtime import env as rt
@@ -82,7 +82,7 @@ class Trainer:
         self.generation = 0
         self.recoveries: list[RecoveryRecord] = []
         specs = json.loads(os.environ.get(rt.ENV_INJECT, "[]"))
-        self.injector = Injector(job.store, specs, job.run_dir, job.proc_id) if specs else None
+        self.injector = InProcessInjector(job.store, specs, job.run_dir, job.proc_id) if specs else None
         self._loss = torch.zeros(1, device=job.device)
         self.last_loss = float("nan")
         self.comm: Comm | None = None

@@ -144,7 +144,7 @@ def poisson_schedule(mtbf_s: float, horizon_s: float, seed: int) -> list[float]:
     return out
 
 
-class Injector:
+class ExternalInjector:
     """Runs injections `[{"kind": "kill"|"node-kill", "rank", "node", "step"}, ...]` against a
     run folder, each from its own background thread; `stop()` cancels what has not fired."""
 
@@ -171,7 +171,7 @@ class Injector:
         return {"kind": kind, "rank": spec.get("rank") if kind == "kill" else None,
                 "node": spec.get("node") if kind == "node-kill" else None, "step": spec["step"]}
 
-    def start(self) -> Injector:
+    def start(self) -> ExternalInjector:
         since = time.time()
         for spec in self.specs:
             t = threading.Thread(target=self._run, args=(spec, since), daemon=True,
@@ -199,7 +199,7 @@ class Injector:
         for t in self._threads:
             t.join(timeout=timeout_s)
 
-    def __enter__(self) -> Injector:
+    def __enter__(self) -> ExternalInjector:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
