@@ -67,14 +67,15 @@ def test_parity_blocks_that_folded_different_versions_are_not_decoded_together()
     """An update that reached one parity node of a 2+2 stripe and not the other makes that offset
     undecodable from the two together; the decode names it instead of trusting a checksum."""
     from leto.protection.layout import Geometry, Layout
+    from leto.protocol.protection import StripeReport
     from leto.recovery.rebuild import torn_offsets
     layout = Layout(0, 0, Geometry(2, 4), (0, 0, 1, 1, 2, 2, 3, 3), (2, 2))
     s = layout.tier2[1][0]
     L = layout.segment_len
     v2 = [[5] * L for _ in range(s.k)]
-    reports = {s.k + j: {"v2": [row[:] for row in v2]} for j in range(s.m)}
+    reports = {s.k + j: StripeReport(v2=[row[:] for row in v2], crc2=[]) for j in range(s.m)}
     assert torn_offsets(layout, s, reports) == set()
-    reports[s.k + 1]["v2"][1][L - 1] = 4
+    reports[s.k + 1].v2[1][L - 1] = 4
     assert torn_offsets(layout, s, reports) == {L - 1}
     assert torn_offsets(layout, s, {s.k: reports[s.k]}) == set()  # one parity block agrees with itself
 

@@ -8,7 +8,6 @@ processes, re-protect and record the recovery. The member and its state are know
 """
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -17,6 +16,7 @@ import torch
 
 from leto.protection.layout import Layout
 from leto.protocol import keys
+from leto.protocol.protection import Drain, KeeperReport
 from leto.protocol.messages import Plan, RecoveryRecord
 from leto.recovery.member import Member
 from leto.recovery.rebuild import (
@@ -39,7 +39,7 @@ class Source:
     """The protection data a generation rebuilds from."""
 
     layout: Layout
-    reports: dict[int, dict]   # node -> its keeper's drained report
+    reports: dict[int, KeeperReport]   # node -> its keeper's drained report
     roles: Roles
     me: int | None             # the old rank whose shard this process wrote (None: an adopter)
 
@@ -96,25 +96,25 @@ def enter(m: Member, gen: int) -> Plan:
     return plan
 
 
-def read_reports(m: Member, gen: int) -> dict[int, dict]:
+def read_reports(m: Member, gen: int) -> dict[int, KeeperReport]:
     """The drained reports of the keepers of generation `gen - 1` that hold protection data
     (a new keeper holds nothing yet), by node."""
     store = m.job.store
-    drain = json.loads(store.get(keys.drain(gen - 1))) if store.check([keys.drain(gen - 1)]) else None
+    drain = Drain.from_json(store.get(keys.drain(gen - 1))) if store.check([keys.drain(gen - 1)]) else None
     if drain is None:
         raise RecoveryError(f"generation {gen} has no protection to rebuild from (protection off?)")
-    live = drain["live_nodes"]
+    live = drain.live_nodes
     _wait_keys(m, [keys.report(gen - 1, n) for n in live], f"keeper reports of generation {gen - 1}")
-    reports = {n: json.loads(store.get(keys.report(gen - 1, n))) for n in live}
-    return {n: r for n, r in reports.items() if not r.get("empty")}
+    reports = {n: KeeperReport.from_json(store.get(keys.report(gen - 1, n))) for n in live}
+    return {n: r for n, r in reports.items() if not r.empty}
 
 
-def protection_source(m: Member, plan: Plan, reports: dict[int, dict]) -> Source:
+def protection_source(m: Member, plan: Plan, reports: dict[int, KeeperReport]) -> Source:
     """The generation whose protection the keepers hold, its layout and who wrote what; the
     state is laid out to match it (a staged reshard settles, a shadow built for another world
     size reallocates)."""
     store = m.job.store
-    used = {r["generation_used"] for r in reports.values()}
+    used = {r.generation_used for r in reports.values()}
     if len(used) != 1:
         raise RecoveryError(f"keepers report different protection generations {sorted(used)}")
     used_gen = used.pop()
@@ -285,7 +285,7 @@ def _agree_on_own_step(m: Member, plan: Plan) -> int:
         return _common_step(m, int(agree[3]), reach)
     # the replicated-gradient rule of `recovery_step`, from the members' own chunk versions
     held, holder = _held_gradients(m, layout)
-    T = recovery_step({-1: {"applied": int(agree[3])}}, layout, held)
+    T = recovery_step({-1: KeeperReport(-1, applied=int(agree[3]))}, layout, held)
     if T == held >= 0:
         s.receive_grads(m.comm, layout.geometry, layout.world_size, T, holder)
     return T

@@ -21,6 +21,7 @@ from leto.protection.layout import Layout
 from leto.protection.placement import Stripe, lost_summary
 from leto.protection.shm import Region
 from leto.protocol.messages import Plan
+from leto.protocol.protection import KeeperReport, StripeReport
 from leto.runtime.comm import Comm
 
 
@@ -28,7 +29,7 @@ class RecoveryError(RuntimeError):
     """The lost state cannot be rebuilt exactly; the job must stop rather than go on wrong."""
 
 
-def recovery_step(reports: dict[int, dict], layout: Layout, held: int = -1) -> int:
+def recovery_step(reports: dict[int, KeeperReport], layout: Layout, held: int = -1) -> int:
     """The one step every rank is rebuilt at (docs/protection.md, "Recovery point"; with
     `protect_every` > 1, "Protection interval": the last step every surviving keeper holds whole).
     `held`: the latest step whose whole reduced gradient a member of the new generation holds
@@ -36,27 +37,27 @@ def recovery_step(reports: dict[int, dict], layout: Layout, held: int = -1) -> i
     if not reports:
         raise RecoveryError("no keeper survived: there is no protection data to rebuild from")
     if layout.protect_every > 1:
-        return min(r["applied"] for r in reports.values())
+        return min(r.applied for r in reports.values())
     if not layout.protects_grads:  # replicated gradients ("Recovery point")
-        applied = min(r["applied"] for r in reports.values())
+        applied = min(r.applied for r in reports.values())
         if held < applied and held != -1 or held > applied + 1:
             raise RecoveryError(f"inconsistent recovery point: gradients of step {held} held, every delta of "
                                 f"step {applied} applied")
         return max(held, applied)
-    c = max(r["g_commit"] for r in reports.values())
-    if all(c + 1 in r["grads_complete"] for r in reports.values()):
+    c = max(r.g_commit for r in reports.values())
+    if all(c + 1 in r.grads_complete for r in reports.values()):
         return c + 1
     return c
 
 
-def _replay_needed(reports: dict[int, dict], step: int) -> bool:
+def _replay_needed(reports: dict[int, KeeperReport], step: int) -> bool:
     """Does any recorded chunk version lag the recovery step (so its update must be replayed)?"""
     if step < 1:  # nothing before step 0 to replay (and -1 marks chunks never written)
         return False
     for r in reports.values():
-        rows = list(r.get("v1", []))
-        for st in r.get("stripes", {}).values():
-            rows += st.get("v2", [])
+        rows = list(r.v1 or [])
+        for st in (r.stripes or {}).values():
+            rows += st.v2 or []
         if any(v == step - 1 for row in rows for v in row):
             return True
     return False
@@ -130,7 +131,7 @@ class RebuildPlan:
         return "tier2" if self.tier2 else ("tier1" if self.tier1 else "none")
 
 
-def make_plan(layout: Layout, new: Plan, reports: dict[int, dict], roles: Roles,
+def make_plan(layout: Layout, new: Plan, reports: dict[int, KeeperReport], roles: Roles,
               force_tier2: frozenset[int] = frozenset(), held: int = -1) -> RebuildPlan:
     """Which tier rebuilds which lost rank, and who contributes. Nodes in `force_tier2` are
     rebuilt from tier 2 (their tier-1 data failed its checksums); `held` as in `recovery_step`."""
@@ -151,7 +152,7 @@ def make_plan(layout: Layout, new: Plan, reports: dict[int, dict], roles: Roles,
     return RebuildPlan(step, roles, tier1, tier2, force_tier2)
 
 
-def _tier2_jobs(layout: Layout, new: Plan, reports: dict[int, dict], lost_nodes: set[int],
+def _tier2_jobs(layout: Layout, new: Plan, reports: dict[int, KeeperReport], lost_nodes: set[int],
                 lost: tuple[int, ...]) -> list[Tier2Job]:
     if layout.tier2 is None:
         names = ", ".join(f"node {n}" for n in sorted(lost_nodes))
@@ -189,7 +190,7 @@ def _tier2_jobs(layout: Layout, new: Plan, reports: dict[int, dict], lost_nodes:
     return jobs
 
 
-def torn_offsets(layout: Layout, s: Stripe, reports: dict[int, dict]) -> set[int]:
+def torn_offsets(layout: Layout, s: Stripe, reports: dict[int, StripeReport]) -> set[int]:
     """Offsets of stripe `s` where the parity blocks in `reports` (block -> that parity node's
     stripe report) folded different versions of some data block (an update reached one parity
     node and not the other): decoding them together there would be garbage, so those chunks
@@ -200,7 +201,7 @@ def torn_offsets(layout: Layout, s: Stripe, reports: dict[int, dict]) -> set[int
         for d, dn in enumerate(s.data_nodes):
             if layout.source_of(layout.nodes[dn], s.segment_of(dn) * L + i) is None:
                 continue
-            if len({r["v2"][d][i] for r in reports.values()}) > 1:
+            if len({r.v2[d][i] for r in reports.values()}) > 1:
                 torn.add(i)
     return torn
 
@@ -208,7 +209,7 @@ def torn_offsets(layout: Layout, s: Stripe, reports: dict[int, dict]) -> set[int
 class Rebuilder:
     """Runs a `RebuildPlan` in one process of the new generation."""
 
-    def __init__(self, layout: Layout, plan: RebuildPlan, reports: dict[int, dict], rank: int, job_id: str,
+    def __init__(self, layout: Layout, plan: RebuildPlan, reports: dict[int, KeeperReport], rank: int, job_id: str,
                  chunk: Callable[[int, int], torch.Tensor], grad: Callable[[int, int], torch.Tensor],
                  comm: Comm, subgroup: Callable[[str, tuple[int, ...]], Comm]) -> None:
         self.layout, self.plan, self.reports, self.rank, self.job_id = layout, plan, reports, rank, job_id
@@ -249,7 +250,7 @@ class Rebuilder:
         rep = self.reports[job.node]
         w_lost = lay.local_index(job.lost_rank)
         b = T % 2
-        pre = [self._from_preimage([v[c] for v in rep["v1"]], rep["pre_step"][c], f"node {job.node} chunk {c}")
+        pre = [self._from_preimage([v[c] for v in rep.v1], rep.pre_step[c], f"node {job.node} chunk {c}")
                for c in range(n)] if self.interval else [False] * n
         buf = torch.zeros(n, self.sb + self.gb, dtype=torch.uint8)
         acc = buf.numpy()
@@ -267,7 +268,7 @@ class Rebuilder:
         if self.me is not None and lay.node_of_rank[self.me] == job.node:
             w = lay.local_index(self.me)
             for c in range(n):
-                v = T if self.interval else rep["v1"][w][c]
+                v = T if self.interval else rep.v1[w][c]
                 xor_into(acc[c, :self.sb], as_bytes(self.chunk(v, c)))
                 if self.grads:
                     xor_into(acc[c, self.sb:], as_bytes(self.grad(T, c)))
@@ -276,10 +277,10 @@ class Rebuilder:
         if self.rank == job.holder:
             for c in range(n):
                 if self.interval:
-                    version, crc, gcrc = T, rep["crc_pre" if pre[c] else "crc1"][w_lost][c], 0
+                    version, crc, gcrc = T, (rep.crc_pre if pre[c] else rep.crc1)[w_lost][c], 0
                 else:
-                    version, crc = rep["v1"][w_lost][c], rep["crc1"][w_lost][c]
-                    gcrc = rep["gcrc1"][w_lost][b][c] if self.grads else 0
+                    version, crc = rep.v1[w_lost][c], rep.crc1[w_lost][c]
+                    gcrc = rep.gcrc1[w_lost][b][c] if self.grads else 0
                 if not self._keep(job.lost_rank, c, acc[c, :self.sb], version, crc, acc[c, self.sb:], gcrc):
                     self.corrupt.add(("tier1", job.node))
 
@@ -288,7 +289,7 @@ class Rebuilder:
         lay, T = self.layout, self.plan.step
         L, k = lay.segment_len, lay.tier2[0].k
         s, b = job.stripe, T % 2
-        reps = {k + j: self.reports[lay.nodes[pn]]["stripes"][str(s.index)]
+        reps = {k + j: self.reports[lay.nodes[pn]].stripes[s.index]
                 for j, pn in enumerate(s.parity_nodes) if k + j in job.readers}
         first = next(iter(reps))
         rep = reps[first]
@@ -306,7 +307,7 @@ class Rebuilder:
                     src = lay.source_of(node, seg * L + i)
                     if src is None or src[0] != self.me:
                         continue
-                    v = T if self.interval else rep["v2"][blk][i]
+                    v = T if self.interval else rep.v2[blk][i]
                     data = as_bytes(self.chunk(v, src[1]))
                     grad = as_bytes(self.grad(T, src[1])) if self.grads else None
                     for mi, e in enumerate(missing):
@@ -337,10 +338,10 @@ class Rebuilder:
                     self.corrupt.add(("tier2", s.index))
                     continue
                 if self.interval:
-                    version, crc, gcrc = T, rep["crc_pre" if pre[first][i] else "crc2"][e][i], 0
+                    version, crc, gcrc = T, (rep.crc_pre if pre[first][i] else rep.crc2)[e][i], 0
                 else:
-                    version, crc = rep["v2"][e][i], rep["crc2"][e][i]
-                    gcrc = rep["gcrc2"][e][b][i] if self.grads else 0
+                    version, crc = rep.v2[e][i], rep.crc2[e][i]
+                    gcrc = rep.gcrc2[e][b][i] if self.grads else 0
                 if not self._keep(src[0], src[1], acc[mi, i, :self.sb], version, crc, acc[mi, i, self.sb:], gcrc):
                     self.corrupt.add(("tier2", s.index))
 
@@ -360,9 +361,9 @@ class Rebuilder:
         lay, L = self.layout, self.layout.segment_len
         out = []
         for i in range(L):
-            versions = [rep["v2"][p][i] for p, dn in enumerate(s.data_nodes)
+            versions = [rep.v2[p][i] for p, dn in enumerate(s.data_nodes)
                         if lay.source_of(lay.nodes[dn], s.segment_of(dn) * L + i) is not None]
-            out.append(self._from_preimage(versions, rep["pre_step"][i], f"stripe {s.index} offset {i}"))
+            out.append(self._from_preimage(versions, rep.pre_step[i], f"stripe {s.index} offset {i}"))
         return out
 
     def _keep(self, r: int, c: int, state: np.ndarray, version: int, crc: int, grad: np.ndarray, gcrc: int) -> bool:
