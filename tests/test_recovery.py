@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import JOB, no_process_left, read_procs, reference_digest, step_records, train, wait_for
+from leto.protocol import keys
 
 RECORD_KEYS = {"generation", "failed_ranks", "failed_nodes", "cause", "tier", "detect_s", "restore_s",
                "total_s", "lost_steps"}
@@ -246,7 +247,7 @@ def test_replacement_shadows_are_forked_from_the_nodes_warm_zygote(launcher, tmp
     store = _store(run_dir)
     zygotes = [p["id"] for p in read_procs(run_dir) if p["role"] == "zygote"]
     assert len(zygotes) == 2
-    wait_for(lambda: store.check([f"control/warm/{z}" for z in zygotes]), 120, "warm zygotes")
+    wait_for(lambda: store.check([keys.warm(z) for z in zygotes]), 120, "warm zygotes")
     forked = None
     for n, rank in enumerate((1, 2), start=1):
         before = {p["pid"] for p in read_procs(run_dir)}
@@ -257,7 +258,7 @@ def test_replacement_shadows_are_forked_from_the_nodes_warm_zygote(launcher, tmp
             assert _recoveries(run_dir)[-1]["adopted_by"] == {str(rank): forked["id"]}
         forked = wait_for(lambda: next((p for p in read_procs(run_dir) if p["role"] == "shadow"
                                         and p["pid"] not in before), None), 60, "a replacement shadow")
-        assert store.check([f"control/forked/{forked['id']}"])  # made by a zygote, not started afresh
+        assert store.check([keys.forked(forked['id'])])  # made by a zygote, not started afresh
         with open(f"/proc/{forked['pid']}/stat") as f:
             assert int(f.read().rsplit(")", 1)[1].split()[1]) == ctl.pid  # its parent: the controller
     ctl.send_signal(signal.SIGTERM)
@@ -275,13 +276,13 @@ def test_a_node_loss_beyond_the_warm_shadows_is_covered_by_a_fork(launcher, tmp_
     wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(step_records(run_dir)) >= 3, 120, "step 3")
     store = _store(run_dir)
     zygotes = [p["id"] for p in read_procs(run_dir) if p["role"] == "zygote"]
-    wait_for(lambda: store.check([f"control/warm/{z}" for z in zygotes]), 120, "warm zygotes")
+    wait_for(lambda: store.check([keys.warm(z) for z in zygotes]), 120, "warm zygotes")
     for p in read_procs(run_dir):
         if p["node"] == 1:
             os.kill(p["pid"], signal.SIGKILL)
     rec = wait_for(lambda: next(iter(_recoveries(run_dir)), None), 60, "the recovery")
     assert rec["failed_nodes"] == [1] and rec["failed_ranks"] == [2, 3] and rec["world_size"] == 4
-    assert any(store.check([f"control/forked/{pid}"]) for pid in rec["adopted_by"].values())
+    assert any(store.check([keys.forked(pid)]) for pid in rec["adopted_by"].values())
     out, err = ctl.communicate(timeout=240)
     assert ctl.returncode == 0, err[-3000:]
     s = json.loads((run_dir / "summary.json").read_text())

@@ -366,7 +366,7 @@ def main(argv: list[str] | None = None) -> None:
             pass
         return
     ckpt = make_checkpointer(ck, job, fingerprint(args, job.world_size))
-    trainer._connect()  # join the process group now, so a checkpoint can be loaded before step 0
+    trainer.connect()  # join the process group now, so a checkpoint can be loaded before step 0
     emit(job, "job_up", mode=ck.ckpt_mode)
     t0 = time.perf_counter()
     restored = ckpt.restore(trainer)

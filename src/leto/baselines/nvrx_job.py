@@ -244,7 +244,7 @@ def _train(ctx: _Ctx, call_wrapper) -> dict:
         for p, v in zip(ctx.model.parameters(), ctx.init):
             p.copy_(v)
     job = Job(role="worker", rank=rank, world_size=world, node=ctx.node, num_nodes=ctx.nodes, run_dir=ctx.run_dir,
-              store=store, proc_id="solo",  # "solo": no Leto membership plan or heartbeat (Trainer._connect)
+              store=store, proc_id="solo",  # "solo": no Leto membership plan or heartbeat (Trainer.connect)
               timeout_s=ctx.timeout_s, device=torch.device("cpu"))
     args = ctx.args
     optimizer = AdamW(lr=warmup_cosine(args.lr, warmup=min(20, args.steps // 10), total=args.steps))
@@ -253,7 +253,7 @@ def _train(ctx: _Ctx, call_wrapper) -> dict:
         # the harness names this process by its new rank in procs.json before any step is recorded
         store.set(f"assign/{rank}", json.dumps({"initial_rank": ctx.initial_rank, "pid": os.getpid()}))
         t_connect = time.perf_counter()
-        trainer._connect()
+        trainer.connect()
         t_connected = time.perf_counter()
         if rank == 0:  # numbered in order of publication: an iteration cut short publishes nothing
             assign = {json.loads(store.get(f"assign/{r}"))["initial_rank"]: r for r in range(world)}

@@ -125,7 +125,9 @@ class Trainer:
     def world_size(self) -> int:
         return self.job.world_size
 
-    def _connect(self) -> None:
+    def connect(self) -> None:
+        """Join generation 0: its plan, the generation watch, the process group, rank 0's
+        initial parameters (a collective; `steps()` does it, a harness may do it earlier)."""
         job = self.job
         if job.proc_id != "solo":
             self.plan = read_plan(job.store, 0)
@@ -193,7 +195,7 @@ class Trainer:
             if not self._wait_for_adoption():
                 return
         elif self.comm is None:
-            self._connect()
+            self.connect()
         while self.step_count < total:
             if self.seed is not None:
                 reseed(self.seed, self.step_count, self.rank)
