@@ -92,7 +92,7 @@ def _region_part(name: str) -> str:
 
 
 def worker_copy_bytes(layout: Layout) -> dict[str, int]:
-    """What one worker holds only because its state is protected (trainer._allocate, with
+    """What one worker holds only because its state is protected (`ShardedState.allocate`, with
     protection on). Where gradients are replicated and every step is protected (gloo), the shard
     is updated in place, chunk by chunk through one scratch chunk (`_next`), each chunk's delta
     handed over before the chunk is replaced; otherwise it keeps a second version of its shard
