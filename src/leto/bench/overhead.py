@@ -24,7 +24,6 @@ import numpy as np
 
 from leto.bench.floor import floor
 from leto.bench.throughput import WARMUP_STEPS, run_job, steady_step_s, wall_step_s
-from leto.control.controller import node_of_rank
 from leto.persistence.resume import DEFAULT_MTBF
 from leto.protection.accounting import bytes_per_element_per_step
 from leto.protection.codec_bench import measure_codec
@@ -32,6 +31,7 @@ from leto.protection.keeper import batch_buffer_bytes
 from leto.protection.layout import Geometry, Layout
 from leto.protection.placement import default_code
 from leto.protection.shm import specs
+from leto.protocol.messages import node_of_rank
 from leto.training.model import GPT, PRESETS
 from leto.training.trainer import DEFAULT_CHUNK_BYTES
 
@@ -340,7 +340,7 @@ def targets(out: dict) -> dict[str, dict]:
 
 # ----- the benchmark
 def main(args: argparse.Namespace) -> int:
-    from leto.cli import UsageError
+    from leto.errors import UsageError
     steps = args.steps or 40
     def flag(name: str, default: object) -> object:  # None: not given
         value = getattr(args, name, None)

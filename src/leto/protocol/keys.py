@@ -48,6 +48,27 @@ def inject_time(proc_id: str) -> str:
     return f"control/inject/time/{proc_id}"
 
 
+# ----- control: supervisor <-> coordinator (docs/design.md, "Supervisor and coordinator")
+# Two streams, each a store counter (`store.add`) and one key per entry: the supervisor's reports
+# (process events) and the coordinator's commands (spawn, fork, boost, wake, stop).
+REPORTS = "control/sup/reports"        # counter: reports the supervisor has written
+COMMANDS = "control/coord/commands"    # counter: commands the coordinator has written
+PROC_SEQ = "control/proc-seq"          # counter: numbers the process ids of the job
+JOB_STATE = "control/state"            # `messages.JobState`: the generation and whether it is recovering
+PROGRESS = "control/progress"          # `messages.StepProgress`: rank 0's latest completed step
+STOPPED = "control/sup/stopped"        # set by the supervisor once every process of its host is stopped
+
+
+def sup_report(seq: int) -> str:
+    """The supervisor's `seq`-th `messages.SupervisorReport`."""
+    return f"control/sup/report/{seq}"
+
+
+def command(seq: int) -> str:
+    """The coordinator's `seq`-th `messages.Command`."""
+    return f"control/coord/cmd/{seq}"
+
+
 # ----- protection
 def layout(gen: int) -> str:
     return f"prot/g{gen}/layout"

@@ -82,7 +82,7 @@ class Trainer:
         self.generation = 0
         self._pending_reshard: tuple[int, int, torch.Tensor, torch.Tensor, int] | None = None
         self.recoveries: list[dict] = []
-        specs = json.loads(os.environ.get(rt.ENV_INJECT, "[]"))
+        specs = list(job.inject)
         self.injector = Injector(job.store, specs, job.run_dir, job.proc_id) if specs else None
         self._scratch = torch.zeros(self.chunk_elems, device=job.device)
         self._loss = torch.zeros(1, device=job.device)
@@ -533,6 +533,7 @@ class Trainer:
                 self.protector.spent = dict.fromkeys(self.protector.spent, 0.0)
             with open(self.job.run_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(rec) + "\n")
+            self.job.store.set(keys.PROGRESS, json.dumps(rec))  # the coordinator's view of progress
 
     # ----- state
     def full_state(self) -> dict[str, torch.Tensor]:
