@@ -75,6 +75,7 @@ class Coordinator:
         self._signal: int | None = None
         self._next_report = 0
         self._last_step: tuple[int, float] | None = None
+        self._progress_set = False  # rank 0 has set keys.PROGRESS (it stays set)
         self._last_grow_check = 0.0
         self._exit = ExitStack()
 
@@ -88,6 +89,7 @@ class Coordinator:
     def start(self) -> None:
         """Ask for generation 0's workers, the shadows, zygotes and keepers, and announce plan 0."""
         self._exit.enter_context(self.display)
+        self.store.add(keys.REPORTS, 0)  # the counter exists from now on: `_poll` reads it
         t = self.cfg.training
         nodes = [node_of_rank(r, t.workers, t.nodes) for r in range(t.workers)]
         workers = [self._spawn("worker", r, nodes[r]) for r in range(t.workers)]
@@ -117,8 +119,7 @@ class Coordinator:
     # ----- one round
     def tick(self) -> int | None:
         """Show progress, decide on what the supervisors reported; the job's exit code once it ends."""
-        self._read_progress()
-        self._read_reports()
+        self._poll()
         if self._signal is not None:
             self.display.message(f"leto: received {signal.Signals(self._signal).name}, stopping all processes")
             return 128 + self._signal
@@ -130,15 +131,24 @@ class Coordinator:
         self._maybe_grow()
         members = [self.members[r] for r in sorted(self.members)]
         if members and all(p.code == 0 for p in members):
-            self._read_progress()
+            self._poll()
             return 0
         return None
 
-    def _read_progress(self) -> None:
-        """Rank 0's latest step (keys.PROGRESS): the display, and closing recoveries."""
-        if not self.store.check([keys.PROGRESS]):
-            return
-        rec = StepProgress.from_json(self.store.get(keys.PROGRESS))
+    def _poll(self) -> None:
+        """Rank 0's latest step and the supervisors' new reports: one store round trip a round
+        once rank 0 has set its first step (the report counter and the progress together)."""
+        self._progress_set = self._progress_set or self.store.check([keys.PROGRESS])
+        if self._progress_set:
+            count, progress = self.store.multi_get([keys.REPORTS, keys.PROGRESS])
+            self._on_progress(StepProgress.from_json(progress))
+        else:
+            count = self.store.add(keys.REPORTS, 0)
+        if int(count) > self._next_report:
+            self._read_reports()
+
+    def _on_progress(self, rec: StepProgress) -> None:
+        """A step record: the display, and closing recoveries (once per step seen)."""
         if (rec.step, rec.time) == self._last_step:
             return
         self._last_step = (rec.step, rec.time)

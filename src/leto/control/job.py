@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from leto.config import JobConfig
 from leto.control.coordinator import POLL_S, Coordinator
-from leto.control.supervisor import Supervisor
+from leto.control.supervisor import HEARTBEAT_CHECK_S, Supervisor
 from leto.runtime.env import connect
 
 
@@ -24,7 +24,8 @@ def run_job(config: JobConfig, summary_extra: dict | None = None) -> int:
     timeout = timedelta(seconds=config.timeouts.collective_s)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
     addr = f"127.0.0.1:{store.port}"
-    supervisor = Supervisor(store, config, addr, f"{os.getpid()}-{store.port}")
+    # the coordinator has the supervisor serve each command at once: its own look is a fallback
+    supervisor = Supervisor(store, config, addr, f"{os.getpid()}-{store.port}", command_poll_s=HEARTBEAT_CHECK_S)
     coordinator = Coordinator(connect(addr, config.timeouts.collective_s), config,
                               serve=supervisor.serve_commands, summary_extra=summary_extra)
     coordinator.prepare()

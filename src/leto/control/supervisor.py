@@ -19,6 +19,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from leto.config import ENV_CONFIG, JobConfig
+from leto.control.latest import Latest
 from leto.control.progress import ProgressCheck
 from leto.protection import doorbell, shm
 from leto.protocol import keys
@@ -100,8 +101,13 @@ def _start_shadow() -> None:
 class Supervisor:
     """Supervises the processes of one host of a job (today: the only one)."""
 
-    def __init__(self, store: dist.Store, config: JobConfig, store_addr: str, job_id: str) -> None:
+    def __init__(self, store: dist.Store, config: JobConfig, store_addr: str, job_id: str,
+                 command_poll_s: float = POLL_S) -> None:
+        """`command_poll_s`: how often `tick` looks for commands; longer where the coordinator
+        has this supervisor serve its commands at once (`serve_commands`), as a fallback."""
         self.store, self.cfg, self.store_addr, self.job_id = store, config, store_addr, job_id
+        self.command_poll_s = command_poll_s
+        self._last_command_check = 0.0
         self.run_dir = Path(config.run_dir)
         self.procs: list[Proc] = []
         self.handled: set[str] = set()         # processes whose exit was reported
@@ -113,6 +119,8 @@ class Supervisor:
         self._forks: dict[str, int] = {}       # zygote -> fork requests sent
         self._last_beat_check = 0.0
         self._last_step: tuple[int, float] | None = None
+        self._state = Latest(store, keys.JOB_STATE)
+        self._progress = Latest(store, keys.PROGRESS)
         self._signal: int | None = None
         self._signal_reported = False
         self._old_handlers: dict = {}
@@ -148,8 +156,7 @@ class Supervisor:
             try:
                 p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                _signal_quietly(p.popen, signal.SIGKILL)
-                p.popen.wait()
+                _kill(p.popen, self.cfg.timeouts.stop_grace_s)
         self._write_procs()
         for f in Path("/dev/shm").glob(f"leto-{self.job_id}-*"):
             f.unlink(missing_ok=True)
@@ -162,7 +169,8 @@ class Supervisor:
     # ----- one round of supervision
     def tick(self) -> None:
         """Serve the coordinator's commands, then report exits and fence hung processes."""
-        self.serve_commands()
+        if time.monotonic() - self._last_command_check >= self.command_poll_s:
+            self.serve_commands()
         if self._signal is not None and not self._signal_reported:
             self._signal_reported = True
             self._report(SupervisorReport(signal=self._signal))
@@ -175,6 +183,7 @@ class Supervisor:
 
     def serve_commands(self) -> None:
         """Carry out every command the coordinator has written so far, in order."""
+        self._last_command_check = time.monotonic()
         while not self.stopped and self.store.check([keys.command(self._next_command)]):
             cmd = Command.from_json(self.store.get(keys.command(self._next_command)))
             self._next_command += 1
@@ -281,8 +290,7 @@ class Supervisor:
                 continue
             why = self._hung(p, now) if check_beats and p.role in ("worker", "keeper") else None
             if why is not None:
-                _signal_quietly(p.popen, signal.SIGKILL)  # fence: a stopped process must never come back
-                code = p.popen.wait()
+                code = _kill(p.popen, self.cfg.timeouts.stop_grace_s)  # fence: a stopped process must never come back
                 out.append(p.event("fenced", code, f"{why}; fenced with SIGKILL"))
         self.handled |= {e.proc_id for e in out}
         return out
@@ -290,15 +298,17 @@ class Supervisor:
     def _read_job_state(self) -> None:
         """The coordinator's generation and recovery flag, and rank 0's step times (for the
         progress timeout): what the hang checks need."""
-        if self.store.check([keys.JOB_STATE]):
-            state = JobState.from_json(self.store.get(keys.JOB_STATE))
+        text = self._state.read()
+        if text is not None:
+            state = JobState.from_json(text)
             if state.generation != self.state.generation or not self.members:
                 self._adopt_plan(state.generation)
             self.state = state
         if self.state.recovering:  # a recovery or resize runs: its phases are no steps
             self.progress.reset()
-        if self.store.check([keys.PROGRESS]):
-            rec = StepProgress.from_json(self.store.get(keys.PROGRESS))
+        text = self._progress.read()
+        if text is not None:
+            rec = StepProgress.from_json(text)
             if (rec.step, rec.time) != self._last_step and rec.step_s is not None:
                 self.progress.record_step(float(rec.step_s))
             self._last_step = (rec.step, rec.time)
@@ -358,6 +368,15 @@ def _dying(pid: int) -> bool:
                        for line in f)
     except (OSError, ValueError, IndexError):
         return False
+
+
+def _kill(popen: subprocess.Popen | Forked, timeout_s: float) -> int:
+    """SIGKILL and reap; the status (-SIGKILL if it is not reaped in time: stuck in the kernel)."""
+    _signal_quietly(popen, signal.SIGKILL)
+    try:
+        return popen.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return -signal.SIGKILL
 
 
 def _signal_quietly(popen: subprocess.Popen | Forked, sig: int) -> None:

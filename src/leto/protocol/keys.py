@@ -1,5 +1,6 @@
-"""Every store key of the job, in one place. Control keys are written by the controller (plans,
-fork requests) or to it (heartbeats, results); protection keys carry their generation."""
+"""Every store key of the job, in one place. Control keys are written by the coordinator (plans,
+commands), a supervisor (reports, fork requests) or the job's processes (heartbeats, progress,
+results); protection keys carry their generation."""
 
 # ----- control: membership, liveness, the job's end
 SHUTDOWN = "control/shutdown"          # set once the job stops: every wait gives up
@@ -25,7 +26,7 @@ def heartbeat(proc_id: str) -> str:
 
 
 def fork(zygote_id: str, seq: int) -> str:
-    """The controller's `seq`-th fork request to a zygote."""
+    """A supervisor's `seq`-th fork request to its zygote (`messages.ForkRequest`)."""
     return f"control/fork/{zygote_id}/{seq}"
 
 

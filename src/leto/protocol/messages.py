@@ -28,7 +28,7 @@ def node_of_rank(rank: int, workers: int, nodes: int) -> int:
 
 @dataclass(frozen=True)
 class Plan:
-    """Who is rank what in one generation (written by the controller)."""
+    """Who is rank what in one generation (written by the coordinator)."""
 
     generation: int
     node_of_rank: tuple[int, ...]

@@ -1,4 +1,4 @@
-"""`leto.init()`: how a worker or shadow process joins the job the controller started."""
+"""`leto.init()`: how a worker or shadow process joins the job that `leto run` started."""
 from __future__ import annotations
 
 import os
@@ -57,7 +57,7 @@ class Job:
 
 
 def connect(addr: str, timeout_s: float) -> dist.TCPStore:
-    """A client of the controller's store at host:port."""
+    """A client of the job's store at host:port."""
     host, port = addr.rsplit(":", 1)
     return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
                          wait_for_workers=False)
