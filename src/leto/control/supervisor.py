@@ -124,6 +124,7 @@ class Supervisor:
         self._signal: int | None = None
         self._signal_reported = False
         self._old_handlers: dict = {}
+        self._procs_stale = False
 
     # ----- start and end
     def start(self) -> None:
@@ -169,6 +170,8 @@ class Supervisor:
     # ----- one round of supervision
     def tick(self) -> None:
         """Serve the coordinator's commands, then report exits and fence hung processes."""
+        if self._procs_stale:
+            self._write_procs()
         if time.monotonic() - self._last_command_check >= self.command_poll_s:
             self.serve_commands()
         if self._signal is not None and not self._signal_reported:
@@ -179,7 +182,7 @@ class Supervisor:
             events += self._await_dying()  # processes of one node die within moments of each other
         if events:
             self._report(SupervisorReport(events=tuple(events)))
-            self._write_procs()
+            self._procs_stale = True  # written next round: the coordinator decides on the report first
 
     def serve_commands(self) -> None:
         """Carry out every command the coordinator has written so far, in order."""
@@ -195,7 +198,7 @@ class Supervisor:
             if cmd.boost:
                 linux.normal_priority(proc.popen.pid)
             self._report(SupervisorReport(events=(proc.event("started"),)))
-            self._write_procs()
+            self._procs_stale = True
         elif cmd.kind == "fork":
             self._fork_shadow(cmd.node, cmd.proc_id)
         elif cmd.kind == "boost":
@@ -240,7 +243,7 @@ class Supervisor:
         proc = Proc("shadow", None, node, proc_id, Forked(pid))
         self.procs.append(proc)
         self._report(SupervisorReport(events=(proc.event("started"),)))
-        self._write_procs()
+        self._procs_stale = True
 
     def _await_fork(self, zygote: Proc, request: ForkRequest) -> int | None:
         seq = self._forks.get(zygote.proc_id, 0)
@@ -258,6 +261,7 @@ class Supervisor:
         records = [{"role": "controller", "rank": None, "node": None, "pid": os.getpid(), "id": "controller",
                     "job": self.job_id, "store_port": port}]
         write_procs(self.run_dir, records + [p.record() for p in self.procs if p.popen.returncode is None])
+        self._procs_stale = False
 
     # ----- exits and hangs
     def _await_dying(self) -> list[ProcEvent]:
