@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from leto.config import DEFAULT_TIMEOUT_S, JobConfig, ProtectionConfig, RecoveryConfig, Timeouts, TrainingConfig
+from leto.errors import UsageError
 from leto.training.model import PRESETS
 from leto.training.trainer import DEFAULT_CHUNK_BYTES
 
@@ -16,10 +18,6 @@ ENV_PERSIST_DEFAULT = "LETO_PERSIST_DEFAULT"  # the default of --persist (on | o
 
 if TYPE_CHECKING:
     from leto.persistence.resume import Start
-
-
-class UsageError(Exception):
-    """Bad input from the command line: reported in one line, exit code 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -32,7 +30,8 @@ def _add_job_flags(p: argparse.ArgumentParser, workers: int, spares: int, nodes:
     p.add_argument("--spares", type=int, default=spares, help=f"shadow trainers kept ready [{spares}]")
     p.add_argument("--nodes", type=int, default=nodes, help=f"failure domains the workers are split over [{nodes}]")
     p.add_argument("--run-dir", type=Path, default=None, help="output folder [a new one under ./runs]")
-    p.add_argument("--timeout", type=float, default=60.0, help="collective and store timeout in seconds [60]")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                   help=f"collective and store timeout in seconds [{DEFAULT_TIMEOUT_S:g}]")
     p.add_argument("--protection", choices=["on", "off"], default="on",
                    help="erasure-coded in-memory protection of every step [on]")
     p.add_argument("--no-spare", choices=["shrink", "wait"], default="shrink",
@@ -204,8 +203,23 @@ def make_run_dir(path: Path | None, prog: str) -> Path:
     return path.resolve()
 
 
+def _config(args: argparse.Namespace, command: list[str], run_dir: Path, child_env: dict[str, str],
+            steps: int | None = None) -> JobConfig:
+    """The job's one configuration, from the checked flags (`leto run` has no injections nor
+    hang-detection flags: their defaults)."""
+    t = Timeouts(collective_s=args.timeout)
+    recovery = RecoveryConfig(args.spares, args.no_spare, args.zygotes == "on")
+    if args.cmd == "train":
+        t = Timeouts(args.timeout, heartbeat_s=args.heartbeat_timeout, progress_floor_s=args.progress_floor)
+        recovery = RecoveryConfig(args.spares, args.no_spare, args.zygotes == "on", args.progress_factor,
+                                  tuple(args.inject))
+    return JobConfig(TrainingConfig(tuple(command), args.workers, args.nodes, steps),
+                     ProtectionConfig(args.protection == "on", args.ec, args.protect_every, args.protect_grads == "on"),
+                     recovery, t, run_dir=str(run_dir), child_env=dict(child_env))
+
+
 def _run(args: argparse.Namespace) -> int:
-    from leto.control.controller import Controller, JobSpec
+    from leto.control.job import run_job
     _check_job(args, "leto run")
     if args.module:
         import importlib.util
@@ -222,11 +236,7 @@ def _run(args: argparse.Namespace) -> int:
         command = [args.script, *args.script_args]
     ident = [str(Path(command[0]).resolve()), *command[1:]] if not args.module else command
     run_dir, start = _start(args, ident, "leto run")
-    spec = JobSpec(command, args.workers, args.spares, args.nodes, run_dir, args.timeout,
-                   protection=args.protection == "on", ec=args.ec, protect_every=args.protect_every,
-                   protect_grads=args.protect_grads == "on",
-                   no_spare=args.no_spare, zygotes=args.zygotes == "on", env=start.env, summary_extra=start.summary)
-    code = Controller(spec).run()
+    code = run_job(_config(args, command, run_dir, start.env), start.summary)
     if code != 0:
         from leto.persistence.resume import after_failure
         after_failure(run_dir, start.persist_dir, "leto run")
@@ -234,7 +244,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from leto.control.controller import Controller, JobSpec
+    from leto.control.job import run_job
     from leto.training.corpus import CorpusError, load_tokens
     _check_job(args, "leto train")
     if args.steps < 1:
@@ -274,14 +284,7 @@ def _train(args: argparse.Namespace) -> int:
                "--model", args.model, "--lr", str(args.lr), "--chunk-bytes", str(args.chunk_bytes),
                *(["--rows", str(args.rows)] if args.rows is not None else [])]
     run_dir, start = _start(args, command, "leto train")
-    spec = JobSpec(command, args.workers, args.spares, args.nodes, run_dir, args.timeout, total_steps=args.steps,
-                   protection=args.protection == "on", ec=args.ec, protect_every=args.protect_every,
-                   protect_grads=args.protect_grads == "on",
-                   heartbeat_timeout_s=args.heartbeat_timeout, progress_floor_s=args.progress_floor,
-                   progress_factor=args.progress_factor,
-                   inject=args.inject, no_spare=args.no_spare, zygotes=args.zygotes == "on",
-                   env=start.env, summary_extra=start.summary)
-    code = Controller(spec).run()
+    code = run_job(_config(args, command, run_dir, start.env, args.steps), start.summary)
     if code != 0:
         from leto.persistence.resume import after_failure
         after_failure(run_dir, start.persist_dir, "leto train")

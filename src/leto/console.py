@@ -1,4 +1,4 @@
-"""What the controller shows: a rich progress bar on a terminal, plain lines otherwise."""
+"""What the coordinator shows: a rich progress bar on a terminal, plain lines otherwise."""
 from __future__ import annotations
 
 import json
@@ -31,25 +31,6 @@ def read_jsonl(path: Path) -> list[dict]:
         return parse_records(path.read_text().splitlines())
     except FileNotFoundError:
         return []
-
-
-class MetricsTail:
-    """Reads the records appended to a metrics.jsonl since the last call."""
-
-    def __init__(self, path: Path) -> None:
-        self.path, self.offset, self.partial = path, 0, b""
-
-    def read(self) -> list[dict]:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except FileNotFoundError:
-            return []
-        self.offset += len(data)
-        lines = (self.partial + data).split(b"\n")
-        self.partial = lines.pop()
-        return parse_records(lines)
 
 
 class StepDisplay:

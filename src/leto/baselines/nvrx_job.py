@@ -42,10 +42,10 @@ import torch.distributed as dist
 
 from leto.baselines.ckpt_job import write_whole
 from leto.baselines.torchft_job import stop_processes
-from leto.control.controller import describe_exit, node_of_rank
+from leto.protocol.messages import node_of_rank
 from leto.runtime import runlog
 from leto.runtime.env import Job
-from leto.runtime.linux import die_with_parent, proc_stat
+from leto.runtime.linux import describe_exit, die_with_parent, proc_stat
 from leto.training import job as base_job
 from leto.training.corpus import load_tokens
 from leto.training.data import Sampler

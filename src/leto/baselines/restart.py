@@ -1,9 +1,10 @@
 """The restart supervisor of the checkpoint-restart baselines, as torchrun would do it.
 
-It runs a `Controller` for `leto.baselines.ckpt_job`; when the controller returns non-zero because
-a worker died (it has already reaped every process), it starts a fresh controller with fresh
-processes, which load the newest checkpoint, up to `max_restarts` times. Each failure gets a
-recovery record with its breakdown; the metrics of all attempts end up in one metrics.jsonl.
+It runs `leto.baselines.ckpt_job` as a Leto job without protection (`control.job.run_job`); when
+the job returns non-zero because a worker died (it has already reaped every process), it starts a
+fresh job with fresh processes, which load the newest checkpoint, up to `max_restarts` times.
+Each failure gets a recovery record with its breakdown; the metrics of all attempts end up in one
+metrics.jsonl.
 
     python -m leto.baselines.restart --system checkpoint-restart --workers 4 --nodes 2 \
         --steps 300 --mtbf-s 600 --kill 1@100 --run-dir runs/ckpt
@@ -23,7 +24,8 @@ from pathlib import Path
 from leto.baselines.ckpt_job import DEFAULT_SHM
 from leto.baselines.faults import ExternalInjector, Kill
 from leto.console import read_jsonl
-from leto.control.controller import Controller, JobSpec
+from leto.config import DEFAULT_TIMEOUT_S, JobConfig, ProtectionConfig, Timeouts, TrainingConfig
+from leto.control.job import run_job
 
 __all__ = ["SYSTEMS", "BaselineSpec", "RestartSupervisor", "main", "run_baseline"]
 
@@ -48,7 +50,7 @@ class BaselineSpec:
     async_save: bool = False
     ckpt_dir: Path | None = None      # default: run_dir/ckpt (disk), /dev/shm/leto-ckpt-... (memory)
     max_restarts: int = 3
-    timeout_s: float = 60.0
+    timeout_s: float = DEFAULT_TIMEOUT_S
     quiet: bool = True
     job_args: list[str] = field(default_factory=list)   # more flags for the job (--lr, --chunk-bytes)
 
@@ -57,10 +59,10 @@ class BaselineSpec:
         return {"checkpoint-restart": "disk", "memory-restart": "memory"}[self.system]
 
 
-def _job_spec(command: list[str], spec: BaselineSpec) -> JobSpec:
+def _job_config(command: list[str], spec: BaselineSpec) -> JobConfig:
     # a baseline runs without Leto's keepers and in-memory protection
-    return JobSpec(command, spec.workers, 0, spec.nodes, spec.run_dir, spec.timeout_s, total_steps=spec.steps,
-                   quiet=spec.quiet, protection=False)
+    return JobConfig(TrainingConfig(tuple(command), spec.workers, spec.nodes, spec.steps), ProtectionConfig(False),
+                     timeouts=Timeouts(collective_s=spec.timeout_s), run_dir=str(spec.run_dir), quiet=spec.quiet)
 
 
 @dataclass
@@ -130,7 +132,7 @@ class RestartSupervisor:
         s = self.spec
         attempt = Attempt(n, time.time())
         self.attempts.append(attempt)
-        code = Controller(_job_spec(self.command(), s)).run()
+        code = run_job(_job_config(self.command(), s))
         attempt.end, attempt.code = time.time(), code
         # the next controller starts a new metrics.jsonl: keep this attempt's
         for name in ("metrics.jsonl", "summary.json"):
@@ -294,7 +296,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--async-save", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--max-restarts", type=int, default=3)
     p.add_argument("--spares", type=int, default=1, help="nvrx: spare ranks beside the workers [1]")
-    p.add_argument("--timeout", type=float, default=60.0, help="collective and store timeout [60]")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                   help=f"collective and store timeout [{DEFAULT_TIMEOUT_S:g}]")
     p.add_argument("--kill", type=_at, action="append", default=[], metavar="RANK@STEP",
                    help="SIGKILL worker RANK once STEP is recorded (repeatable)")
     p.add_argument("--node-kill", type=_at, action="append", default=[], metavar="NODE@STEP",

@@ -29,8 +29,9 @@ from pathlib import Path
 
 import torch
 
-from leto.control.controller import describe_exit, node_of_rank
+from leto.protocol.messages import node_of_rank
 from leto.runtime import runlog
+from leto.runtime.linux import describe_exit
 from leto.training import job as base_job
 from leto.training.corpus import load_tokens
 from leto.training.data import Sampler

@@ -24,7 +24,7 @@ import numpy as np
 
 from leto.bench.floor import floor
 from leto.bench.throughput import WARMUP_STEPS, run_job, steady_step_s, wall_step_s
-from leto.control.controller import node_of_rank
+from leto.errors import UsageError
 from leto.persistence.resume import DEFAULT_MTBF
 from leto.protection.accounting import bytes_per_element_per_step
 from leto.protection.codec_bench import measure_codec
@@ -32,6 +32,7 @@ from leto.protection.keeper import batch_buffer_bytes
 from leto.protection.layout import Geometry, Layout
 from leto.protection.placement import default_code
 from leto.protection.shm import specs
+from leto.protocol.messages import node_of_rank
 from leto.training.model import GPT, PRESETS
 from leto.training.trainer import DEFAULT_CHUNK_BYTES
 
@@ -339,13 +340,6 @@ def targets(out: dict) -> dict[str, dict]:
 
 
 # ----- the benchmark
-def _usage_error(message: str) -> int:
-    """Bad flags: one line on stderr and exit code 2, as `leto`'s own usage errors (the
-    benchmark sits below the CLI and does not import it)."""
-    print(f"leto bench overhead: error: {message}", file=sys.stderr)
-    return 2
-
-
 def main(args: argparse.Namespace) -> int:
     steps = args.steps or 40
     def flag(name: str, default: object) -> object:  # None: not given
@@ -355,11 +349,11 @@ def main(args: argparse.Namespace) -> int:
         flag("curve_steps", CURVE_STEPS)
     curve_spec, rss = flag("curve", "default"), flag("rss", "on") == "on"
     if rounds < 1 or curve_rounds < 1 or curve_steps < 2:
-        return _usage_error("--rounds and --curve-rounds must be >= 1, --curve-steps >= 2")
+        raise UsageError("leto bench overhead: error: --rounds and --curve-rounds must be >= 1, --curve-steps >= 2")
     try:
         points = parse_curve(curve_spec, args.model, args.workers)
     except ValueError as e:
-        return _usage_error(str(e))
+        raise UsageError(f"leto bench overhead: error: {e}") from e
     ec = default_code(NODES)
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.json else (lambda msg: print(msg, flush=True))
     default = Point(args.model)

@@ -28,7 +28,8 @@ from leto.baselines.faults import ExternalInjector, Kill, poisson_schedule
 from leto.baselines.restart import run_baseline
 from leto.bench.throughput import steady_step_s
 from leto.console import read_jsonl
-from leto.control.controller import Controller, JobSpec
+from leto import config as job_config
+from leto.control.job import run_job
 from leto.protection.placement import default_code
 from leto.training.model import PRESETS
 from leto.training.trainer import DEFAULT_CHUNK_BYTES
@@ -66,7 +67,7 @@ class JobConfig:
     model: str = "tiny"
     seed: int = 0
     mtbf_s: float = DEFAULT_MTBF_S   # checkpoint-restart: K from Young/Daly for this MTBF
-    timeout_s: float = 60.0          # collective / store timeout inside the job
+    timeout_s: float = job_config.DEFAULT_TIMEOUT_S  # collective / store timeout inside the job
     max_restarts: int = 3
 
 
@@ -123,9 +124,10 @@ def torchft_status() -> str | None:
 def _run_leto(system: System, cfg: JobConfig, run_dir: Path) -> int:
     """The built-in job under Leto's controller, exactly as `leto train` builds it."""
     command = ["-m", "leto.training.job", "--steps", str(cfg.steps), "--seed", str(cfg.seed), "--model", cfg.model]
-    spec = JobSpec(command, cfg.workers, system.spares, cfg.nodes, run_dir, cfg.timeout_s, total_steps=cfg.steps,
-                   quiet=True, protection=True, ec=default_code(cfg.nodes))
-    return Controller(spec).run()
+    return run_job(job_config.JobConfig(
+        job_config.TrainingConfig(tuple(command), cfg.workers, cfg.nodes, cfg.steps),
+        job_config.ProtectionConfig(True, default_code(cfg.nodes)), job_config.RecoveryConfig(system.spares),
+        job_config.Timeouts(collective_s=cfg.timeout_s), run_dir=str(run_dir), quiet=True))
 
 
 class RunTimeout(Exception):

@@ -8,7 +8,8 @@ import tempfile
 from pathlib import Path
 
 from leto.bench.cpu import CpuSampler
-from leto.control.controller import Controller, JobSpec
+from leto.config import JobConfig, ProtectionConfig, RecoveryConfig, TrainingConfig
+from leto.control import job as leto_job
 from leto.training.model import PRESETS
 
 WARMUP_STEPS = 5
@@ -29,9 +30,10 @@ def run_job(workers: int, steps: int, model: str, run_dir: Path, extra: list[str
         from leto.persistence.interval import parse_duration
         from leto.persistence.resume import DEFAULT_MTBF, fresh
         env = fresh(run_dir, command, True, None, parse_duration(DEFAULT_MTBF), None).env
-    spec = JobSpec(command, workers, spares, nodes, run_dir, quiet=True, protection=protection, ec=ec, env=env)
+    config = JobConfig(TrainingConfig(tuple(command), workers, nodes), ProtectionConfig(protection, ec),
+                       RecoveryConfig(spares), run_dir=str(run_dir), quiet=True, child_env=env)
     with CpuSampler(run_dir, memory_every_s=memory_every_s) as cpu:
-        code = Controller(spec).run()
+        code = leto_job.run_job(config)
     if code != 0:
         raise RuntimeError(f"benchmark job failed with exit code {code}; see {run_dir}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -1,4 +1,4 @@
-"""Progress, not liveness: the controller's check that a worker's training thread advances.
+"""Progress, not liveness: the supervisor's check that a worker's training thread advances.
 
 A worker's heartbeat comes from its own thread, so it proves only that the process runs. Each
 heartbeat also carries a progress counter that the training thread advances at every step and

@@ -28,7 +28,7 @@ DEFAULT_MTBF = "5m"           # --mtbf: a failure every few minutes of training 
 
 @dataclass
 class Start:
-    """What one start of a job adds to its JobSpec."""
+    """What one start of a job adds to its configuration (env for the children, summary fields)."""
 
     persist_dir: Path | None
     env: dict[str, str] = field(default_factory=dict)

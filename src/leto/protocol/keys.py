@@ -1,5 +1,6 @@
-"""Every store key of the job, in one place. Control keys are written by the controller (plans,
-fork requests) or to it (heartbeats, results); protection keys carry their generation."""
+"""Every store key of the job, in one place. Control keys are written by the coordinator (plans,
+commands), a supervisor (reports, fork requests) or the job's processes (heartbeats, progress,
+results); protection keys carry their generation."""
 
 # ----- control: membership, liveness, the job's end
 SHUTDOWN = "control/shutdown"          # set once the job stops: every wait gives up
@@ -25,7 +26,7 @@ def heartbeat(proc_id: str) -> str:
 
 
 def fork(zygote_id: str, seq: int) -> str:
-    """The controller's `seq`-th fork request to a zygote."""
+    """A supervisor's `seq`-th fork request to its zygote (`messages.ForkRequest`)."""
     return f"control/fork/{zygote_id}/{seq}"
 
 
@@ -46,6 +47,27 @@ def inject_fired(index: int) -> str:
 def inject_time(proc_id: str) -> str:
     """When an injected fault hit `proc_id` (the failure time of its recovery)."""
     return f"control/inject/time/{proc_id}"
+
+
+# ----- control: supervisor <-> coordinator (docs/design.md, "Supervisor and coordinator")
+# Two streams, each a store counter (`store.add`) and one key per entry: the supervisor's reports
+# (process events) and the coordinator's commands (spawn, fork, boost, wake, stop).
+REPORTS = "control/sup/reports"        # counter: reports the supervisor has written
+COMMANDS = "control/coord/commands"    # counter: commands the coordinator has written
+PROC_SEQ = "control/proc-seq"          # counter: numbers the process ids of the job
+JOB_STATE = "control/state"            # `messages.JobState`: the generation and whether it is recovering
+PROGRESS = "control/progress"          # `messages.StepProgress`: rank 0's latest completed step
+STOPPED = "control/sup/stopped"        # set by the supervisor once every process of its host is stopped
+
+
+def sup_report(seq: int) -> str:
+    """The supervisor's `seq`-th `messages.SupervisorReport`."""
+    return f"control/sup/report/{seq}"
+
+
+def command(seq: int) -> str:
+    """The coordinator's `seq`-th `messages.Command`."""
+    return f"control/coord/cmd/{seq}"
 
 
 # ----- protection

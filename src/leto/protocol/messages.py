@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
+from typing import Self
 
 DONE = "done"  # the heartbeat of a process that left the job on purpose
 
@@ -20,9 +21,14 @@ def parse_beat(value: str) -> tuple[float, int] | None:
     return float(t), int(progress or 0)
 
 
+def node_of_rank(rank: int, workers: int, nodes: int) -> int:
+    """Ranks are split into `nodes` contiguous, balanced groups (failure domains)."""
+    return rank * nodes // workers
+
+
 @dataclass(frozen=True)
 class Plan:
-    """Who is rank what in one generation (written by the controller)."""
+    """Who is rank what in one generation (written by the coordinator)."""
 
     generation: int
     node_of_rank: tuple[int, ...]
@@ -75,3 +81,123 @@ class RecoveryRecord:
         for name in ("failed_ranks", "failed_nodes", "repaired"):
             d[name] = tuple(d.get(name, ()))
         return RecoveryRecord(**d)
+
+
+def _known(cls: type, d: dict) -> dict:
+    """The fields of `cls` in `d` (a newer writer's extra fields are ignored)."""
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in d.items() if k in names}
+
+
+class _Flat:
+    """to/from JSON for a message of plain fields (lists come back as they were written)."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))  # type: ignore[call-overload]  (subclasses are dataclasses)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Self:
+        return cls(**_known(cls, json.loads(text)))
+
+
+# ----- supervisor <-> coordinator (keys.sup_report, keys.command)
+PROC_EVENTS = ("started", "exited", "fenced", "fork_failed")
+
+
+@dataclass(frozen=True)
+class ProcEvent:
+    """What happened to one process of the supervisor's host."""
+
+    kind: str                # one of PROC_EVENTS
+    proc_id: str
+    role: str                # worker | shadow | zygote | keeper
+    rank: int | None
+    node: int
+    pid: int = 0
+    code: int | None = None  # the exit status (exited, fenced)
+    cause: str = ""          # in words: "was killed by SIGKILL", "stopped heartbeating ...; fenced with SIGKILL"
+
+    def __post_init__(self) -> None:
+        if self.kind not in PROC_EVENTS:
+            raise ValueError(f"unknown process event {self.kind!r}")
+
+
+@dataclass(frozen=True)
+class SupervisorReport:
+    """One entry of the supervisor's report stream. Processes that die together (a node) are
+    one report, so the coordinator decides on them as one failure."""
+
+    events: tuple[ProcEvent, ...] = ()
+    signal: int | None = None         # SIGINT or SIGTERM reached the supervisor: stop the job
+    shm_removed: tuple[str, ...] = ()  # dead jobs' /dev/shm segments removed at the start
+
+    def to_json(self) -> str:
+        return json.dumps({"events": [asdict(e) for e in self.events], "signal": self.signal,
+                           "shm_removed": list(self.shm_removed)})
+
+    @staticmethod
+    def from_json(text: str | bytes) -> SupervisorReport:
+        d = json.loads(text)
+        return SupervisorReport(tuple(ProcEvent(**_known(ProcEvent, e)) for e in d.get("events", ())),
+                                d.get("signal"), tuple(d.get("shm_removed", ())))
+
+
+COMMANDS = ("spawn", "fork", "boost", "wake_keepers", "stop")
+
+
+@dataclass(frozen=True)
+class Command(_Flat):
+    """The coordinator asks a supervisor: spawn a process, fork a shadow from the node's zygote
+    (answered by a `started` or `fork_failed` event), boost a shadow to normal priority, wake the
+    keepers (a drain was written), or stop every process (answered by keys.STOPPED)."""
+
+    kind: str                # one of COMMANDS
+    proc_id: str = ""
+    role: str = ""
+    rank: int | None = None
+    node: int = 0
+    boost: bool = False      # spawn at normal priority (a replacement keeper)
+
+    def __post_init__(self) -> None:
+        if self.kind not in COMMANDS:
+            raise ValueError(f"unknown command {self.kind!r}")
+
+
+@dataclass(frozen=True)
+class Drain(_Flat):
+    """The coordinator's request to generation g's keepers (keys.drain): apply and report what
+    the live nodes sent, for generation `next_generation`."""
+
+    live_nodes: tuple[int, ...]
+    next_generation: int
+
+
+@dataclass(frozen=True)
+class JobState(_Flat):
+    """The coordinator's view the supervisor needs for its hang checks (keys.JOB_STATE): the
+    current generation (its plan names the members) and whether a recovery or resize runs."""
+
+    generation: int
+    recovering: bool
+
+
+@dataclass(frozen=True)
+class StepProgress(_Flat):
+    """Rank 0's latest completed step (keys.PROGRESS, the step record of metrics.jsonl)."""
+
+    step: int
+    time: float
+    loss: float
+    step_s: float | None = None
+    tokens_per_s: float | None = None
+
+    def record(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ForkRequest(_Flat):
+    """A supervisor's request to its node's zygote (keys.fork): fork a shadow named `proc_id`."""
+
+    proc_id: str
+    node: int

@@ -58,3 +58,14 @@ def normal_priority(pid: int | str = "self") -> None:
             os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
         except (AttributeError, OSError):
             pass
+
+
+def describe_exit(code: int) -> str:
+    """A child's exit status in words ("was killed by SIGKILL", "exited with code 3")."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from leto.errors import UsageError
+
 from .engine import (
     LOSS_KEYS,
     POLICIES,
@@ -33,10 +35,6 @@ from .model import (
 )
 
 PROG = "leto simulate"
-
-
-class UsageError(Exception):
-    """Bad command-line input; reported as one line, exit code 2."""
 
 
 class _Parser(argparse.ArgumentParser):

@@ -81,7 +81,7 @@ class Trainer:
                                     replicated_grads=self.replicated_grads, protect_every=job.protect_every)
         self.generation = 0
         self.recoveries: list[RecoveryRecord] = []
-        specs = json.loads(os.environ.get(rt.ENV_INJECT, "[]"))
+        specs = list(job.inject)
         self.injector = InProcessInjector(job.store, specs, job.run_dir, job.proc_id) if specs else None
         self._loss = torch.zeros(1, device=job.device)
         self.last_loss = float("nan")
@@ -402,6 +402,7 @@ class Trainer:
                 self.protector.spent = dict.fromkeys(self.protector.spent, 0.0)
             with open(self.job.run_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(rec) + "\n")
+            self.job.store.set(keys.PROGRESS, json.dumps(rec))  # the coordinator's view of progress
 
     # ----- state
     def full_state(self) -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""The controller's decision after a failure: the next generation's membership."""
+"""The coordinator's decision after a failure: the next generation's membership."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,0 +1,101 @@
+"""One typed configuration of a job, built once by the CLI and handed whole to every child.
+
+A child reads it from one environment variable (`ENV_CONFIG`, the JSON of `JobConfig`); only
+what differs per process (role, rank, node, process id) and where the running job is (its store
+address and id, known once the store is up) travel in variables of their own (`runtime/env.py`).
+The whole configuration is also recorded as `RUN_DIR/config.json` and in `summary.json`.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields, replace
+
+ENV_CONFIG = "LETO_CONFIG"   # the JSON of the job's JobConfig
+DEFAULT_TIMEOUT_S = 60.0     # every collective and store wait of a job, unless --timeout says otherwise
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """What runs: the script and its processes."""
+
+    command: tuple[str, ...] = ()     # argv after the python interpreter
+    workers: int = 1                  # ranks
+    nodes: int = 1                    # failure domains the ranks are split over
+    steps: int | None = None          # for the progress bar only
+
+
+@dataclass(frozen=True)
+class ProtectionConfig:
+    """Erasure-coded in-memory protection (docs/protection.md)."""
+
+    enabled: bool = True              # start keepers and protect every step (--protection)
+    ec: tuple[int, int] | None = None  # tier-2 code (k, m); None: tier 1 only (--ec)
+    every: int = 1                    # protect the state every N steps (--protect-every)
+    grads: bool = False               # stage gradients even where every rank holds them (--protect-grads on)
+
+
+@dataclass(frozen=True)
+class RecoveryConfig:
+    """How lost ranks come back."""
+
+    spares: int = 0                   # shadow trainers kept ready (--spares)
+    no_spare: str = "shrink"          # lost ranks without a shadow: "shrink" the job, or "wait" for a cold one
+    zygotes: bool = True              # one zygote per node forks replacement shadows (--zygotes)
+    progress_factor: float = 20.0     # hung: no progress for max(floor, factor x median step time)
+    inject: tuple[str, ...] = ()      # fault injections (--inject, tests and demos)
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Every timeout of a job, in seconds."""
+
+    collective_s: float = DEFAULT_TIMEOUT_S  # every collective and store wait (--timeout)
+    heartbeat_s: float = 3.0          # a worker or keeper silent this long is hung and fenced (--heartbeat-timeout)
+    progress_floor_s: float = 30.0    # the floor of the progress timeout (--progress-floor)
+    fork_s: float = 2.0               # a zygote that delivers no shadow by then is passed over
+    stop_grace_s: float = 5.0         # SIGTERM to SIGKILL when the job stops
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """The resolved configuration of one job."""
+
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    protection: ProtectionConfig = field(default_factory=ProtectionConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    run_dir: str = "runs"
+    quiet: bool = False               # no progress output, nor the children's prints (benchmarks)
+    child_env: dict[str, str] = field(default_factory=dict)  # more environment for children (persistence's)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @staticmethod
+    def from_dict(d: dict) -> JobConfig:
+        return JobConfig(training=_section(TrainingConfig, d.get("training", {})),
+                         protection=_section(ProtectionConfig, d.get("protection", {})),
+                         recovery=_section(RecoveryConfig, d.get("recovery", {})),
+                         timeouts=_section(Timeouts, d.get("timeouts", {})),
+                         run_dir=str(d.get("run_dir", "runs")), quiet=bool(d.get("quiet", False)),
+                         child_env=dict(d.get("child_env", {})))
+
+    @staticmethod
+    def from_json(text: str | bytes) -> JobConfig:
+        return JobConfig.from_dict(json.loads(text))
+
+    def with_run_dir(self, run_dir: object) -> JobConfig:
+        return replace(self, run_dir=str(run_dir))
+
+
+def _section(cls: type, d: dict) -> object:
+    """A section from its JSON: lists become tuples again (command, ec, inject)."""
+    values = {}
+    for f in fields(cls):
+        if f.name in d:
+            v = d[f.name]
+            values[f.name] = tuple(v) if isinstance(v, list) else v
+    return cls(**values)

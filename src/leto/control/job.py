@@ -1,0 +1,47 @@
+"""`leto run` / `leto train` on one host: the job's store, one supervisor and one coordinator.
+
+The two share nothing but the store (each has its own client): this process hosts the store,
+and one loop gives each its round, the supervisor first, so that a failure it reports is decided
+on in the same round.
+"""
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from leto.config import JobConfig
+from leto.control.coordinator import POLL_S, Coordinator
+from leto.control.supervisor import HEARTBEAT_CHECK_S, Supervisor
+from leto.runtime.env import connect
+
+
+def run_job(config: JobConfig, summary_extra: dict | None = None) -> int:
+    """Run the job to its end; returns the exit code for `leto run`."""
+    t0 = time.monotonic()
+    timeout = timedelta(seconds=config.timeouts.collective_s)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
+    addr = f"127.0.0.1:{store.port}"
+    # the coordinator has the supervisor serve each command at once: its own look is a fallback
+    supervisor = Supervisor(store, config, addr, f"{os.getpid()}-{store.port}", command_poll_s=HEARTBEAT_CHECK_S)
+    coordinator = Coordinator(connect(addr, config.timeouts.collective_s), config,
+                              serve=supervisor.serve_commands, summary_extra=summary_extra)
+    coordinator.prepare()
+    supervisor.start()
+    try:
+        try:
+            coordinator.start()
+            while True:
+                supervisor.tick()
+                code = coordinator.tick()
+                if code is not None:
+                    break
+                time.sleep(POLL_S)
+        finally:
+            coordinator.stop()
+    finally:
+        supervisor.close()
+    coordinator.write_summary(time.monotonic() - t0, code)
+    return code

@@ -1,0 +1,390 @@
+"""The per-host supervisor: everything about the host's processes, nothing about membership.
+
+It starts processes (Popen with their pre-exec set-up, or forked by a node's zygote), reaps them,
+signals them, fences hung ones (SIGKILL by PID) and stops them at the end; it keeps `procs.json`
+and the job's `/dev/shm` owner record. It talks to the coordinator only through the store: it
+reads its commands (`keys.command`) and writes reports of what happened to its processes
+(`keys.sup_report`); docs/design.md, "Supervisor and coordinator".
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+
+from leto.config import ENV_CONFIG, JobConfig
+from leto.control.latest import Latest
+from leto.control.progress import ProgressCheck
+from leto.protection import doorbell, shm
+from leto.protocol import keys
+from leto.protocol.messages import Command, ForkRequest, JobState, Plan, ProcEvent, StepProgress, SupervisorReport, parse_beat
+from leto.runtime import env as rt
+from leto.runtime import linux
+from leto.runtime.runlog import write_procs
+
+POLL_S = 0.01
+FAILURE_SETTLE_S = 0.005  # after a death: signals sent in one burst (a node's processes) have landed
+DYING_GRACE_S = 0.5       # the longest wait for killed processes to be reaped, to decide one event
+HEARTBEAT_CHECK_S = 0.1
+_PF_EXITING = 0x4
+
+
+class Forked:
+    """The Popen-like handle of a shadow forked by a zygote and reparented to this process
+    (a child subreaper): poll, wait, signal and returncode like a Popen."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.returncode, self.args = pid, None, [f"<forked {pid}>"]
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere: it is gone, cause unknown
+                self.returncode = -signal.SIGKILL
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            time.sleep(1e-3)
+        return self.returncode  # type: ignore[return-value]
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+
+@dataclass
+class Proc:
+    role: str
+    rank: int | None
+    node: int
+    proc_id: str
+    popen: subprocess.Popen | Forked
+
+    def record(self) -> dict:
+        return {"role": self.role, "rank": self.rank, "node": self.node, "pid": self.popen.pid, "id": self.proc_id}
+
+    def event(self, kind: str, code: int | None = None, cause: str = "") -> ProcEvent:
+        return ProcEvent(kind, self.proc_id, self.role, self.rank, self.node, self.popen.pid, code, cause)
+
+
+def _start_keeper() -> None:
+    """A keeper starts with its doorbells blocked, so every thread it starts (torch starts one at
+    import) inherits the mask and leaves the rings to the thread that sleeps on them. It imports
+    torch at idle priority, so that it never slows the workers' own start, and takes normal
+    priority back once it is about to serve (`keeper.main`)."""
+    linux.die_with_parent()
+    doorbell.block()
+    linux.idle_priority()
+
+
+def _start_shadow() -> None:
+    """A shadow warms up (imports, builds its model) only on CPU time the job leaves idle:
+    SCHED_IDLE, undone by a `boost` command when it is needed."""
+    linux.die_with_parent()
+    linux.idle_priority()
+
+
+class Supervisor:
+    """Supervises the processes of one host of a job (today: the only one)."""
+
+    def __init__(self, store: dist.Store, config: JobConfig, store_addr: str, job_id: str,
+                 command_poll_s: float = POLL_S) -> None:
+        """`command_poll_s`: how often `tick` looks for commands; longer where the coordinator
+        has this supervisor serve its commands at once (`serve_commands`), as a fallback."""
+        self.store, self.cfg, self.store_addr, self.job_id = store, config, store_addr, job_id
+        self.command_poll_s = command_poll_s
+        self._last_command_check = 0.0
+        self.run_dir = Path(config.run_dir)
+        self.procs: list[Proc] = []
+        self.handled: set[str] = set()         # processes whose exit was reported
+        self.progress = ProgressCheck(config.timeouts.progress_floor_s, config.recovery.progress_factor)
+        self.state = JobState(0, False)
+        self.members: set[str] = set()         # the current generation's processes
+        self.stopped = False
+        self._next_command = 0
+        self._forks: dict[str, int] = {}       # zygote -> fork requests sent
+        self._last_beat_check = 0.0
+        self._last_step: tuple[int, float] | None = None
+        self._state = Latest(store, keys.JOB_STATE)
+        self._progress = Latest(store, keys.PROGRESS)
+        self._signal: int | None = None
+        self._signal_reported = False
+        self._old_handlers: dict = {}
+        self._procs_stale = False
+
+    # ----- start and end
+    def start(self) -> None:
+        """Catch SIGINT/SIGTERM (the coordinator is told, and stops the job), adopt the shadows
+        zygotes fork, remove dead jobs' /dev/shm leftovers and record this job's owner."""
+        self._old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        linux.become_subreaper()  # forked shadows are orphans: reparented here, supervised like children
+        removed = shm.remove_dead_segments()
+        if removed:
+            self._report(SupervisorReport(shm_removed=tuple(removed)))
+        shm.write_owner(self.job_id, os.getpid())
+        self._write_procs()
+
+    def close(self) -> None:
+        """Stop everything that still runs and give the signal handlers back."""
+        if not self.stopped:
+            self.stop_all()
+        for s, h in self._old_handlers.items():
+            signal.signal(s, h)
+
+    def stop_all(self) -> None:
+        """SIGTERM every live child, SIGKILL what is left after a grace period, reap all; the
+        keepers' shared memory dies with the job."""
+        self.store.set(keys.SHUTDOWN, "1")
+        live = [p for p in self.procs if p.popen.poll() is None]
+        for p in live:
+            _signal_quietly(p.popen, signal.SIGTERM)
+        deadline = time.monotonic() + self.cfg.timeouts.stop_grace_s
+        for p in live:
+            try:
+                p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _kill(p.popen, self.cfg.timeouts.stop_grace_s)
+        self._write_procs()
+        for f in Path("/dev/shm").glob(f"leto-{self.job_id}-*"):
+            f.unlink(missing_ok=True)
+        self.stopped = True
+        self.store.set(keys.STOPPED, "1")
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self._signal = signum
+
+    # ----- one round of supervision
+    def tick(self) -> None:
+        """Serve the coordinator's commands, then report exits and fence hung processes."""
+        if self._procs_stale:
+            self._write_procs()
+        if time.monotonic() - self._last_command_check >= self.command_poll_s:
+            self.serve_commands()
+        if self._signal is not None and not self._signal_reported:
+            self._signal_reported = True
+            self._report(SupervisorReport(signal=self._signal))
+        events = self._find_exits()
+        if any(e.kind == "fenced" or e.code != 0 or e.role == "keeper" for e in events):
+            events += self._await_dying()  # processes of one node die within moments of each other
+        if events:
+            self._report(SupervisorReport(events=tuple(events)))
+            self._procs_stale = True  # written next round: the coordinator decides on the report first
+
+    def serve_commands(self) -> None:
+        """Carry out every command the coordinator has written so far, in order."""
+        self._last_command_check = time.monotonic()
+        while not self.stopped and self.store.check([keys.command(self._next_command)]):
+            cmd = Command.from_json(self.store.get(keys.command(self._next_command)))
+            self._next_command += 1
+            self._do(cmd)
+
+    def _do(self, cmd: Command) -> None:
+        if cmd.kind == "spawn":
+            proc = self._spawn(cmd.role, cmd.rank, cmd.node, cmd.proc_id)
+            if cmd.boost:
+                linux.normal_priority(proc.popen.pid)
+            self._report(SupervisorReport(events=(proc.event("started"),)))
+            self._procs_stale = True
+        elif cmd.kind == "fork":
+            self._fork_shadow(cmd.node, cmd.proc_id)
+        elif cmd.kind == "boost":
+            for p in self.procs:
+                if p.proc_id == cmd.proc_id and p.popen.poll() is None:
+                    linux.normal_priority(p.popen.pid)
+        elif cmd.kind == "wake_keepers":  # keepers sleep between doorbells: wake them to read a drain
+            for p in self.procs:
+                if p.role == "keeper" and p.popen.poll() is None:
+                    _signal_quietly(p.popen, doorbell.CONTROL)
+        elif cmd.kind == "stop":
+            self.stop_all()
+
+    # ----- processes
+    def _spawn(self, role: str, rank: int | None, node: int, proc_id: str) -> Proc:
+        env = dict(os.environ, **self.cfg.child_env)
+        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # store waits that time out are routine here
+        env.update({ENV_CONFIG: self.cfg.to_json(), rt.ENV_STORE: self.store_addr, rt.ENV_JOB_ID: self.job_id,
+                    rt.ENV_ROLE: role, rt.ENV_NODE: str(node), rt.ENV_PROC_ID: proc_id})
+        if rank is not None:
+            env[rt.ENV_RANK] = str(rank)
+        command = ["-m", "leto.protection.keeper"] if role == "keeper" else list(self.cfg.training.command)
+        # every child dies with this process, even a SIGKILLed one (the preexec functions)
+        # quiet (benchmarks): the children's own prints go too; their errors still reach stderr
+        popen = subprocess.Popen([sys.executable, *command], env=env, start_new_session=True,
+                                 stdout=subprocess.DEVNULL if self.cfg.quiet else None,
+                                 preexec_fn=_start_shadow if role in ("shadow", "zygote") else
+                                 _start_keeper if role == "keeper" else linux.die_with_parent)
+        proc = Proc(role, rank, node, proc_id, popen)
+        self.procs.append(proc)
+        return proc
+
+    def _fork_shadow(self, node: int, proc_id: str) -> None:
+        """Ask the node's warm zygote for a shadow named `proc_id`; reports `started`, or
+        `fork_failed` when it has none ready in time."""
+        zygote = next((p for p in self.procs if p.role == "zygote" and p.node == node and p.popen.poll() is None
+                       and p.proc_id not in self.handled and self.store.check([keys.warm(p.proc_id)])), None)
+        pid = None if zygote is None else self._await_fork(zygote, ForkRequest(proc_id, node))
+        if pid is None:
+            self._report(SupervisorReport(events=(ProcEvent("fork_failed", proc_id, "shadow", None, node),)))
+            return
+        proc = Proc("shadow", None, node, proc_id, Forked(pid))
+        self.procs.append(proc)
+        self._report(SupervisorReport(events=(proc.event("started"),)))
+        self._procs_stale = True
+
+    def _await_fork(self, zygote: Proc, request: ForkRequest) -> int | None:
+        seq = self._forks.get(zygote.proc_id, 0)
+        self._forks[zygote.proc_id] = seq + 1
+        self.store.set(keys.fork(zygote.proc_id, seq), request.to_json())
+        deadline = time.monotonic() + self.cfg.timeouts.fork_s
+        while not self.store.check([keys.forked(request.proc_id)]):
+            if time.monotonic() > deadline or zygote.popen.poll() is not None:
+                return None
+            time.sleep(1e-3)
+        return int(self.store.get(keys.forked(request.proc_id)))
+
+    def _write_procs(self) -> None:
+        port = int(self.store_addr.rsplit(":", 1)[1])
+        records = [{"role": "controller", "rank": None, "node": None, "pid": os.getpid(), "id": "controller",
+                    "job": self.job_id, "store_port": port}]
+        write_procs(self.run_dir, records + [p.record() for p in self.procs if p.popen.returncode is None])
+        self._procs_stale = False
+
+    # ----- exits and hangs
+    def _await_dying(self) -> list[ProcEvent]:
+        """Processes killed together (a node) are reaped one by one, 10-100+ ms apart on a loaded
+        host: wait while any of ours is killed but not yet reaped, so they make one report. A
+        lone failure costs only FAILURE_SETTLE_S."""
+        time.sleep(FAILURE_SETTLE_S)
+        deadline = time.monotonic() + DYING_GRACE_S
+        while time.monotonic() < deadline and any(  # poll() first: it reaps the dead (zombies are dying)
+                _dying(p.popen.pid) for p in self.procs if p.proc_id not in self.handled and p.popen.poll() is None):
+            time.sleep(1e-3)
+        return self._find_exits(check_beats=False)
+
+    def _find_exits(self, check_beats: bool | None = None) -> list[ProcEvent]:
+        """Processes that exited (any code), stopped heartbeating or stopped making progress
+        (both fenced here)."""
+        out = []
+        now = time.time()
+        if check_beats is None:
+            check_beats = now - self._last_beat_check >= HEARTBEAT_CHECK_S
+        if check_beats:
+            self._last_beat_check = now
+            self._read_job_state()
+        for p in self.procs:
+            if p.proc_id in self.handled:
+                continue
+            code = p.popen.poll()
+            if code is not None:
+                out.append(p.event("exited", code, linux.describe_exit(code)))
+                continue
+            why = self._hung(p, now) if check_beats and p.role in ("worker", "keeper") else None
+            if why is not None:
+                code = _kill(p.popen, self.cfg.timeouts.stop_grace_s)  # fence: a stopped process must never come back
+                out.append(p.event("fenced", code, f"{why}; fenced with SIGKILL"))
+        self.handled |= {e.proc_id for e in out}
+        return out
+
+    def _read_job_state(self) -> None:
+        """The coordinator's generation and recovery flag, and rank 0's step times (for the
+        progress timeout): what the hang checks need."""
+        text = self._state.read()
+        if text is not None:
+            state = JobState.from_json(text)
+            if state.generation != self.state.generation or not self.members:
+                self._adopt_plan(state.generation)
+            self.state = state
+        if self.state.recovering:  # a recovery or resize runs: its phases are no steps
+            self.progress.reset()
+        text = self._progress.read()
+        if text is not None:
+            rec = StepProgress.from_json(text)
+            if (rec.step, rec.time) != self._last_step and rec.step_s is not None:
+                self.progress.record_step(float(rec.step_s))
+            self._last_step = (rec.step, rec.time)
+
+    def _adopt_plan(self, generation: int) -> None:
+        """A new generation: its members are workers of their new ranks (procs.json says so)."""
+        key = keys.plan(generation)
+        if not self.store.check([key]):
+            return
+        plan = Plan.from_json(self.store.get(key))
+        self.members = set(plan.proc_of_rank)
+        for p in self.procs:
+            if p.proc_id in self.members:
+                p.role, p.rank = "worker", plan.rank_of(p.proc_id)
+        self._write_procs()
+
+    def _hung(self, p: Proc, now: float) -> str | None:
+        """Why a live worker or keeper counts as hung: no heartbeat for the heartbeat timeout,
+        or (a worker of the current generation) a training thread that made no progress for
+        the progress timeout; None while it is fine."""
+        beat = self._beat(p)
+        if beat is None:
+            return None
+        last, progress = beat
+        if now - last > self.cfg.timeouts.heartbeat_s:
+            return f"stopped heartbeating for {now - last:.1f}s (hung)"
+        if p.role != "worker" or self.state.recovering or p.proc_id not in self.members:
+            return None
+        stalled = self.progress.stalled_for(p.proc_id, progress, now)
+        if stalled is None:
+            return None
+        return (f"made no progress for {stalled:.1f}s though its process heartbeats (training thread hung; "
+                f"timeout {self.progress.timeout_s():.1f}s)")
+
+    def _beat(self, p: Proc) -> tuple[float, int] | None:
+        """The last heartbeat (time, progress), or None (not started yet, or left on purpose)."""
+        key = keys.heartbeat(p.proc_id)
+        if not self.store.check([key]):
+            return None
+        return parse_beat(self.store.get(key).decode())
+
+    def _report(self, report: SupervisorReport) -> None:
+        seq = self.store.add(keys.REPORTS, 1) - 1
+        self.store.set(keys.sup_report(seq), report.to_json())
+
+
+def _dying(pid: int) -> bool:
+    """Killed but not yet reaped: SIGKILL pending, exiting (PF_EXITING), or a zombie."""
+    fields = linux.proc_stat(pid)
+    if fields is None:
+        return False
+    try:
+        if fields[0] in ("Z", "X") or int(fields[6]) & _PF_EXITING:
+            return True
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith(("SigPnd:", "ShdPnd:")) and int(line.split()[1], 16) & (1 << (signal.SIGKILL - 1))
+                       for line in f)
+    except (OSError, ValueError, IndexError):
+        return False
+
+
+def _kill(popen: subprocess.Popen | Forked, timeout_s: float) -> int:
+    """SIGKILL and reap; the status (-SIGKILL if it is not reaped in time: stuck in the kernel)."""
+    _signal_quietly(popen, signal.SIGKILL)
+    try:
+        return popen.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return -signal.SIGKILL
+
+
+def _signal_quietly(popen: subprocess.Popen | Forked, sig: int) -> None:
+    try:
+        popen.send_signal(sig)
+    except ProcessLookupError:
+        pass
