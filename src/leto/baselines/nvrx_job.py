@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from leto.baselines.ckpt_job import write_whole
 from leto.baselines.torchft_job import stop_processes
+from leto.config import DEFAULT_TIMEOUT_S
 from leto.protocol.messages import node_of_rank
 from leto.runtime import runlog
 from leto.runtime.env import Job
@@ -362,7 +363,7 @@ def worker_main(argv: list[str]) -> None:
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--node", type=int, default=0)
     p.add_argument("--ckpt-dir", type=Path, required=True)
-    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S)
     p.add_argument("--max-iterations", type=int, default=None)
     ours, rest = p.parse_known_args(argv)
     args = base_job.parse(rest)
@@ -531,7 +532,7 @@ class _Harness:
 
 def run(*, workers: int, steps: int, seed: int, model: str, run_dir: Path, injector: object = None,
         quiet: bool = True, nodes: int = 1, spares: int = DEFAULT_SPARES, max_restarts: int = 3,
-        timeout_s: float = 60.0, job_args: list[str] | None = None, ckpt_dir: Path | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S, job_args: list[str] | None = None, ckpt_dir: Path | None = None,
         **_: object) -> dict:
     """Run the NVRx baseline; returns the summary (same format as the other baselines)."""
     status = nvrx_status()

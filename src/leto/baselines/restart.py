@@ -23,9 +23,16 @@ from pathlib import Path
 
 from leto.baselines.ckpt_job import DEFAULT_SHM
 from leto.baselines.faults import ExternalInjector, Kill
+from leto.config import (
+    DEFAULT_TIMEOUT_S,
+    JobConfig,
+    ProtectionConfig,
+    Timeouts,
+    TrainingConfig,
+)
 from leto.console import read_jsonl
-from leto.config import DEFAULT_TIMEOUT_S, JobConfig, ProtectionConfig, Timeouts, TrainingConfig
 from leto.control.job import run_job
+from leto.runtime import runlog
 
 __all__ = ["SYSTEMS", "BaselineSpec", "RestartSupervisor", "main", "run_baseline"]
 
@@ -224,9 +231,7 @@ class RestartSupervisor:
         for r in self.recoveries():
             recs.append((r["time"], len(recs), {"event": "recovery", **r}))
         recs.sort(key=lambda x: (x[0], x[1]))
-        with open(self.spec.run_dir / "metrics.jsonl", "w") as f:
-            for _, _, rec in recs:
-                f.write(json.dumps(rec) + "\n")
+        runlog.rewrite(self.spec.run_dir, [rec for _, _, rec in recs])
 
 
 def _cause(failures: list[dict], first: dict) -> str:

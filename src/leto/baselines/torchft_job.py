@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from leto.config import DEFAULT_TIMEOUT_S
 from leto.protocol.messages import node_of_rank
 from leto.runtime import runlog
 from leto.runtime.linux import describe_exit
@@ -82,7 +83,7 @@ def worker_main(argv: list[str]) -> None:
     p.add_argument("--replica", type=int, required=True)
     p.add_argument("--lighthouse", required=True)
     p.add_argument("--run-dir", type=Path, required=True)
-    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S)
     p.add_argument("--expect", type=int, default=0, help="replicas to wait for before the first quorum")
     ours, rest = p.parse_known_args(argv)
     args = base_job.parse(rest)
@@ -226,7 +227,7 @@ def lighthouse_main(argv: list[str]) -> None:
 
 
 def run(*, workers: int, steps: int, seed: int, model: str, run_dir: Path, injector: object = None,
-        quiet: bool = True, nodes: int = 1, max_restarts: int = 3, timeout_s: float = 60.0,
+        quiet: bool = True, nodes: int = 1, max_restarts: int = 3, timeout_s: float = DEFAULT_TIMEOUT_S,
         job_args: list[str] | None = None, **_: object) -> dict:
     """Run the torchft baseline; returns the summary (same format as the other baselines)."""
     run_dir = Path(run_dir)

@@ -30,6 +30,13 @@ def event(run_dir: Path, kind: str, **fields: object) -> dict:
     return rec
 
 
+def rewrite(run_dir: Path, records: list[dict]) -> None:
+    """Replace `metrics.jsonl` with `records` (a harness that merges several attempts' logs)."""
+    tmp = run_dir / f".{METRICS}.{os.getpid()}.tmp"
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    os.replace(tmp, run_dir / METRICS)
+
+
 def write_procs(run_dir: Path, records: list[dict]) -> None:
     """Replace `procs.json` with `records` (one per live process) atomically."""
     tmp = run_dir / f".{PROCS}.{os.getpid()}.tmp"

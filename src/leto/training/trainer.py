@@ -26,6 +26,7 @@ from leto.recovery.inject import InProcessInjector
 from leto.recovery.inplace import join, latest_generation
 from leto.recovery.rebuild import RecoveryError
 from leto.runtime import env as rt
+from leto.runtime import runlog
 from leto.runtime.comm import Comm, PeerFailure, reduction_replicates
 from leto.runtime.env import Job
 from leto.runtime.membership import GenerationWatch, read_plan
@@ -400,8 +401,7 @@ class Trainer:
             if self.protector is not None:  # time the training thread spent on protection
                 rec.update({k: round(v, 6) for k, v in self.protector.spent.items()})
                 self.protector.spent = dict.fromkeys(self.protector.spent, 0.0)
-            with open(self.job.run_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(rec) + "\n")
+            runlog.append(self.job.run_dir, rec)
             self.job.store.set(keys.PROGRESS, json.dumps(rec))  # the coordinator's view of progress
 
     # ----- state
