@@ -8,11 +8,26 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from leto.config import DEFAULT_TIMEOUT_S, JobConfig, ProtectionConfig, RecoveryConfig, Timeouts, TrainingConfig
+from leto.config import (
+    DEFAULT_TIMEOUT_S,
+    JobConfig,
+    ProtectionConfig,
+    RecoveryConfig,
+    Timeouts,
+    TrainingConfig,
+)
 from leto.control.coordinator import Coordinator
 from leto.protocol import keys
-from leto.protocol.messages import (Command, Drain, JobState, Plan, ProcEvent, StepProgress, SupervisorReport,
-                                    node_of_rank)
+from leto.protocol.messages import (
+    Command,
+    JobState,
+    Plan,
+    ProcEvent,
+    StepProgress,
+    SupervisorReport,
+    node_of_rank,
+)
+from leto.protocol.protection import Drain
 
 
 def _config(run_dir: Path) -> JobConfig:
@@ -79,7 +94,7 @@ def test_the_coordinator_acts_only_through_the_store(tmp_path: Path) -> None:
     plan = Plan.from_json(store.get(keys.plan(1)))
     assert plan.proc_of_rank == ("worker0-1", "shadow-5", "worker2-3", "worker3-4")
     assert [(c.kind, c.proc_id) for c in _commands(store)[len(started):]] == [("boost", "shadow-5"), ("wake_keepers", "")]
-    assert Drain.from_json(store.get(keys.drain(0))) == Drain([0, 1], 1)
+    assert Drain.from_json(store.get(keys.drain(0))) == Drain((0, 1), 1)
     assert JobState.from_json(store.get(keys.JOB_STATE)) == JobState(1, True)
     failure = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(e["event"], e["rank"], e["cause"]) for e in failure] == [("failure", 1, "was killed by SIGKILL")]

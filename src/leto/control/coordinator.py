@@ -23,8 +23,18 @@ from leto.console import StepDisplay
 from leto.control.decision import Spare, grow_plan, next_plan
 from leto.protection.placement import degradation
 from leto.protocol import keys
-from leto.protocol.messages import (Command, Drain, JobState, Plan, ProcEvent, RecoveryRecord, StepProgress,
-                                    SupervisorReport, node_of_rank, parse_beat)
+from leto.protocol.messages import (
+    Command,
+    JobState,
+    Plan,
+    ProcEvent,
+    RecoveryRecord,
+    StepProgress,
+    SupervisorReport,
+    node_of_rank,
+    parse_beat,
+)
+from leto.protocol.protection import Drain
 from leto.runtime import runlog
 
 POLL_S = 0.01

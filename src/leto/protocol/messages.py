@@ -164,15 +164,6 @@ class Command(_Flat):
 
 
 @dataclass(frozen=True)
-class Drain(_Flat):
-    """The coordinator's request to generation g's keepers (keys.drain): apply and report what
-    the live nodes sent, for generation `next_generation`."""
-
-    live_nodes: tuple[int, ...]
-    next_generation: int
-
-
-@dataclass(frozen=True)
 class JobState(_Flat):
     """The coordinator's view the supervisor needs for its hang checks (keys.JOB_STATE): the
     current generation (its plan names the members) and whether a recovery or resize runs."""
