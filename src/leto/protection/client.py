@@ -23,21 +23,20 @@ from leto.protection.shm import (
     S_STEP,
     Region,
 )
+from leto.protection.staging import HostStaging
 from leto.protocol import keys
 from leto.runtime.comm import PeerFailure
-
-
-def as_bytes(t: torch.Tensor) -> np.ndarray:
-    """A uint8 view of a contiguous CPU tensor (no copy)."""
-    return t.detach().view(-1).numpy().view(np.uint8)
 
 
 class Protector:
     """Stages one rank's gradients and state deltas into its keeper's shared memory."""
 
     def __init__(self, store, layout: Layout, rank: int, job_id: str, timeout_s: float,
-                 abort_check: Callable[[], str | None]) -> None:
+                 abort_check: Callable[[], str | None], device: torch.device = torch.device("cpu"),
+                 staging: HostStaging | None = None) -> None:
         self.layout, self.rank, self.timeout_s, self.abort_check = layout, rank, timeout_s, abort_check
+        g = layout.geometry
+        self.staging = staging or HostStaging(max(g.state_bytes, g.grad_bytes), device)
         self.spent = {"stage_s": 0.0, "wait_s": 0.0}  # time on the training thread, for metrics
         self.node = layout.node_of_rank[rank]
         self.w = layout.local_index(rank)
@@ -94,7 +93,7 @@ class Protector:
         t0, w0 = time.perf_counter(), self.spent["wait_s"]
         for c in range(grads.shape[0]):
             before_chunk(c)
-            src = as_bytes(grads[c])
+            src = self.staging.host(grads[c])
             idx = self._slot()
             self.data[idx, :src.size] = src
             self._publish(idx, KIND_GRAD, step, c, checksum(src), c == grads.shape[0] - 1)
@@ -112,13 +111,13 @@ class Protector:
         the checksum of `new`; `last`: the step's last chunk. Returns once the slot is published; only a wait for a free slot
         can raise (PeerFailure), and then nothing of this chunk was handed over."""
         t0, w0 = time.perf_counter(), self.spent["wait_s"]
-        nb = as_bytes(new)
+        nb = self.staging.host(new, 0)
         idx = self._slot()
         dst = self.data[idx, :nb.size]
         if old is None:
             dst[...] = nb
         else:
-            np.bitwise_xor(as_bytes(old), nb, out=dst)
+            np.bitwise_xor(self.staging.host(old, 1), nb, out=dst)
         self._publish(idx, KIND_DELTA, step, c, checksum(nb), last)
         self.spent["stage_s"] += time.perf_counter() - t0 - (self.spent["wait_s"] - w0)
 

@@ -342,4 +342,4 @@ def _agree_on_corruption(m: Member, layout: Layout, corrupt: set[tuple[str, int]
 
 def _subgroup(m: Member, gen: int, name: str, members: tuple[int, ...]) -> Comm:
     return Comm(m.job.store, gen, members.index(m.rank), len(members), m.job.timeout_s, m.watch.reason,
-                m.job.device, name=name)
+                m.job.device, name=name, backend=m.comm.backend)

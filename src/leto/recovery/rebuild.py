@@ -14,12 +14,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from leto.protection.client import as_bytes
 from leto.protection.codec import UnrecoverableError, scale_into, xor_into
 from leto.protection.integrity import checksum
 from leto.protection.layout import Layout
 from leto.protection.placement import Stripe, lost_summary
 from leto.protection.shm import Region
+from leto.protection.staging import as_bytes
 from leto.protocol.messages import Plan
 from leto.protocol.protection import KeeperReport, StripeReport
 from leto.runtime.comm import Comm

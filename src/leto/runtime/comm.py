@@ -24,10 +24,17 @@ class PeerFailure(RuntimeError):
     """A collective failed or was aborted because the membership changed."""
 
 
-def reduction_replicates(device: torch.device) -> bool:
+def backend_for(device: torch.device, world_size: int) -> str:
+    """NCCL where every rank has a GPU of its own; gloo otherwise: on the CPU, and where ranks
+    share a GPU (NCCL cannot put two ranks on one device), with CUDA tensors through host copies.
+    `world_size` is the job's, so every generation and subgroup of a job uses one backend."""
+    return "nccl" if device.type == "cuda" and torch.cuda.device_count() >= world_size else "gloo"
+
+
+def reduction_replicates(backend: str) -> bool:
     """Whether the gradient reduction leaves every rank holding the whole reduced gradient: on
     gloo it is an all-reduce (see `Comm.reduce_scatter`), on NCCL a real reduce-scatter."""
-    return device.type != "cuda"
+    return backend != "nccl"
 
 
 class Comm:
@@ -35,14 +42,16 @@ class Comm:
 
     def __init__(self, store: dist.Store, generation: int, rank: int, world_size: int,
                  timeout_s: float, abort_check: Callable[[], str | None] = lambda: None,
-                 device: torch.device | None = None, name: str = "world") -> None:
+                 device: torch.device | None = None, name: str = "world", backend: str | None = None) -> None:
         self.rank, self.world_size, self.generation = rank, world_size, generation
         self.timeout_s = timeout_s
         self.abort_check = abort_check
         self.device = device or torch.device("cpu")
+        self.backend = backend or backend_for(self.device, world_size)
+        self.via_host = self.backend == "gloo" and self.device.type == "cuda"  # gloo collectives are CPU ones
         prefix = dist.PrefixStore(f"pg/g{generation}/{name}/", store)
         timeout = timedelta(seconds=timeout_s)
-        if self.device.type == "cuda":
+        if self.backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
             make = lambda: dist.ProcessGroupNCCL(prefix, rank, world_size, opts)  # noqa: E731
@@ -96,7 +105,7 @@ class Comm:
         gloo's reduce-scatter runs synchronously inside `wait()` (so it cannot be aborted) and
         measured 2x slower than its ring all-reduce on loopback, so on gloo it is an all-reduce.
         """
-        if self.device.type == "cuda":
+        if self.backend == "nccl":
             self._wait(self.pg._reduce_scatter_base(out, inp), "reduce-scatter")
             return
         self.all_reduce(inp)
@@ -105,18 +114,33 @@ class Comm:
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """out = the concatenation of every rank's `inp`."""
-        self._wait(self.pg._allgather_base(out, inp), "all-gather")
+        host_out, host_inp = self._host(out), self._host(inp)
+        self._wait(self.pg._allgather_base(host_out, host_inp), "all-gather")
+        self._back(out, host_out)
 
     def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
-        self._wait(self.pg.allreduce([t], opts), "all-reduce")
+        host = self._host(t)
+        self._wait(self.pg.allreduce([host], opts), "all-reduce")
+        self._back(t, host)
 
     def broadcast(self, t: torch.Tensor, root: int) -> None:
         opts = dist.BroadcastOptions()
         opts.rootRank = root
         opts.rootTensor = 0
-        self._wait(self.pg.broadcast([t], opts), "broadcast")
+        host = self._host(t)
+        self._wait(self.pg.broadcast([host], opts), "broadcast")
+        self._back(t, host)
+
+    def _host(self, t: torch.Tensor) -> torch.Tensor:
+        """The tensor a collective runs on: `t` itself, or its host copy where gloo carries a
+        GPU job's tensors (ranks sharing one GPU)."""
+        return t.cpu() if self.via_host else t
+
+    def _back(self, t: torch.Tensor, host: torch.Tensor) -> None:
+        if host is not t:
+            t.copy_(host)
 
     def barrier(self) -> None:
         self.all_reduce(torch.zeros(1, device=self.device))

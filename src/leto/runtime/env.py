@@ -63,6 +63,21 @@ def connect(addr: str, timeout_s: float) -> dist.TCPStore:
                          wait_for_workers=False)
 
 
+def _deterministic() -> None:
+    """Exact recovery replays a step bit for bit: on a GPU that needs deterministic kernels
+    (cuBLAS's workspace setting must be in place before its first use)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+
+
+def _nccl_never_kills() -> None:
+    """NCCL's watchdog tears a process down when a collective times out or errs, and its
+    monitor when the watchdog is stuck: a survivor whose peer died would be killed. Leto's own
+    waits time out, abort the communicator and join the next generation instead."""
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+    os.environ.setdefault("TORCH_NCCL_ENABLE_MONITORING", "0")
+
+
 def init(device: str | None = None) -> Job:
     """Join the job. Outside `leto run` this is a one-process job (rank 0 of 1)."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -77,6 +92,8 @@ def init(device: str | None = None) -> Job:
     rank = int(os.environ[ENV_RANK]) if role == "worker" else None
     if dev.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank or 0)) % torch.cuda.device_count())
+        _deterministic()
+        _nccl_never_kills()
     prot = cfg.protection
     return Job(role, rank, cfg.training.workers, int(os.environ[ENV_NODE]), cfg.training.nodes,
                Path(cfg.run_dir), store, os.environ[ENV_PROC_ID], timeout_s, dev,

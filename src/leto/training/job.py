@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     trainer, model, sampler, tokens = build(args, leto.init())
     for step in trainer.steps(args.steps):
         x, y, weight = sampler.batch(step, trainer.rank, trainer.world_size)
+        x, y = x.to(trainer.job.device, non_blocking=True), y.to(trainer.job.device, non_blocking=True)
         trainer.step(lambda: model(x, y), weight=weight, tokens=tokens)
     if trainer.job.rank == 0 and trainer.job.run_dir is not None:  # a shadow never adopted has no rank
         torch.save(trainer.state_dict(), trainer.job.run_dir / "model.pt")
@@ -55,7 +56,7 @@ PROMPT = "And God said"
 
 def sample(model: GPT, new_tokens: int = 80, seed: int = 0) -> str:
     """Text the model writes after PROMPT (bytes are tokens), the same for the same weights."""
-    idx = torch.tensor([list(PROMPT.encode())], dtype=torch.long)
+    idx = torch.tensor([list(PROMPT.encode())], dtype=torch.long, device=next(model.parameters()).device)
     out = model.eval().generate(idx, new_tokens, generator=torch.Generator().manual_seed(seed))
     model.train()
     return bytes(out[0].tolist()).decode("utf-8", errors="replace")

@@ -90,5 +90,6 @@ class GPT(nn.Module):
             logits = self(idx[:, -self.cfg.block_size:])[:, -1, :] / temperature
             kth = torch.topk(logits, top_k).values[:, -1:]
             probs = F.softmax(logits.masked_fill(logits < kth, float("-inf")), dim=-1)
-            idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator)], dim=1)
+            # drawn on the host: a CPU generator gives the same text on any device
+            idx = torch.cat([idx, torch.multinomial(probs.cpu(), 1, generator=generator).to(idx.device)], dim=1)
         return idx

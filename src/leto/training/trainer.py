@@ -27,7 +27,7 @@ from leto.recovery.inplace import join, latest_generation
 from leto.recovery.rebuild import RecoveryError
 from leto.runtime import env as rt
 from leto.runtime import runlog
-from leto.runtime.comm import Comm, PeerFailure, reduction_replicates
+from leto.runtime.comm import Comm, PeerFailure, backend_for, reduction_replicates
 from leto.runtime.env import Job
 from leto.runtime.membership import GenerationWatch, read_plan
 from leto.training.flat import state_digest
@@ -76,7 +76,8 @@ class Trainer:
         self.autocast = autocast
         self.rank_state = RankState(model)
         # on gloo every rank holds the whole reduced gradient: the keepers need no copy of it
-        self.replicated_grads = reduction_replicates(job.device) and not job.protect_grads
+        self.backend = backend_for(job.device, job.world_size)
+        self.replicated_grads = reduction_replicates(self.backend) and not job.protect_grads
         self.sharded = ShardedState(self.params, self.groups, chunk_bytes // (STATE_ROWS * 4), job.device,
                                     job.world_size, protection=job.protection,
                                     replicated_grads=self.replicated_grads, protect_every=job.protect_every)
@@ -134,7 +135,8 @@ class Trainer:
             self.plan = read_plan(job.store, 0)
             self.watch = GenerationWatch(os.environ[rt.ENV_STORE], job.proc_id, 0, job.timeout_s)
         abort = self.watch.reason if self.watch else (lambda: None)
-        self.comm = Comm(job.store, 0, self.rank, self.world_size, job.timeout_s, abort, job.device)
+        self.comm = Comm(job.store, 0, self.rank, self.world_size, job.timeout_s, abort, job.device,
+                         backend=self.backend)
         self.comm.broadcast(self.flat_param, 0)  # all ranks start from rank 0's initialization
         self.sharded.take_master(self.rank)
         self._resume()  # --resume: start from a persistent checkpoint
@@ -156,7 +158,7 @@ class Trainer:
             if self.sharded.grad_step is None:  # its reduction of the step in flight may still be running
                 self.sharded.fresh_grads()
         self.comm = Comm(self.job.store, generation, rank, self.world_size, self.job.timeout_s, self.watch.reason,
-                         self.job.device)
+                         self.job.device, backend=self.backend)
 
     def protect(self, generation: int, base_step: int, state: torch.Tensor | None = None, wait: bool = True) -> None:
         """Start protection of this generation: encode the full state at `base_step` (this
@@ -175,7 +177,7 @@ class Trainer:
             self.job.store.set(keys.layout(generation), layout.to_json())
         layout = Layout.from_json(self.job.store.get(keys.layout(generation)))
         self.protector = Protector(self.job.store, layout, self.rank, self.job.job_id, self.job.timeout_s,
-                                   self.watch.reason)
+                                   self.watch.reason, self.job.device)
         self.protector.stage_deltas(base_step, None, state)
         if wait or layout.protect_every > 1:
             self.protector.wait_delta_commit(base_step)

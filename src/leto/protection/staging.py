@@ -1,0 +1,55 @@
+"""How a rank's chunks reach host memory on their way to the keeper.
+
+On the CPU a chunk's bytes are a view (no copy). On a GPU each chunk is copied device-to-host
+into a pinned buffer on a side stream: the copy waits only for the work queued before it on
+the compute stream, and the compute stream never waits for the copy, so the next kernels run
+while the host XORs and checksums the bytes (docs/design.md, "The GPU path"). Two buffers, so
+a delta's old and new chunk can be on the host at once.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def as_bytes(t: torch.Tensor) -> np.ndarray:
+    """A uint8 view of a contiguous tensor's bytes: no copy on the CPU; a device tensor is
+    copied to the host first (recovery reads a chunk at a time; the step uses `HostStaging`)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return t.view(-1).view(torch.uint8).numpy()
+
+
+class HostStaging:
+    """Host bytes of device chunks of at most `nbytes` bytes, through `slots` pinned buffers.
+
+    `copy=True` on the CPU sends CPU tensors through the same (unpinned) buffers: the path a
+    GPU job takes, testable without one."""
+
+    def __init__(self, nbytes: int, device: torch.device, slots: int = 2, copy: bool | None = None) -> None:
+        self.device = device
+        self.copy = device.type == "cuda" if copy is None else copy
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        pinned = device.type == "cuda"
+        self.bufs = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned) for _ in range(slots)] \
+            if self.copy else []
+
+    def host(self, t: torch.Tensor, slot: int = 0) -> np.ndarray:
+        """The bytes of contiguous `t` on the host, valid until `slot` is used again."""
+        if not self.copy:
+            return as_bytes(t)
+        src = t.detach().reshape(-1).view(torch.uint8)
+        if src.numel() > self.bufs[slot].numel():
+            raise ValueError(f"a chunk of {src.numel()} bytes does not fit the {self.bufs[slot].numel()}-byte "
+                             f"staging buffer")
+        dst = self.bufs[slot][:src.numel()]
+        if self.stream is None:
+            dst.copy_(src)
+            return dst.numpy()
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the chunk's producers first
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+            src.record_stream(self.stream)  # the caching allocator must not reuse src before the copy
+        self.stream.synchronize()  # the host needs the bytes; the compute stream goes on
+        return dst.numpy()

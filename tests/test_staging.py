@@ -1,0 +1,42 @@
+"""Host staging: on the CPU a chunk's bytes are a view; through the staging buffers (the GPU
+path: device-to-host copies) they are the same bytes, and a delta's two chunks coexist."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from leto.protection.staging import HostStaging, as_bytes
+
+
+def test_cpu_chunks_are_views_not_copies() -> None:
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    b = HostStaging(t[0].numel() * 4, torch.device("cpu")).host(t[1])
+    assert np.shares_memory(b, t.numpy()) and b.tobytes() == t[1].numpy().tobytes()
+    assert as_bytes(t[2]).tobytes() == t[2].numpy().tobytes()
+
+
+def test_the_copying_path_gives_the_same_bytes_in_two_slots_at_once() -> None:
+    old, new = torch.randn(256), torch.randn(256)
+    st = HostStaging(256 * 4, torch.device("cpu"), copy=True)
+    a, b = st.host(old, 0), st.host(new, 1)
+    assert not np.shares_memory(a, old.numpy()) and not np.shares_memory(b, new.numpy())
+    assert a.tobytes() == old.numpy().tobytes() and b.tobytes() == new.numpy().tobytes()  # both still valid
+    delta = np.bitwise_xor(a, b)
+    assert np.array_equal(np.bitwise_xor(delta, a), as_bytes(new))  # what the keeper folds in is exact
+
+
+def test_a_chunk_larger_than_the_buffer_is_an_error_not_a_truncation() -> None:
+    st = HostStaging(16, torch.device("cpu"), copy=True)
+    with pytest.raises(ValueError, match="does not fit"):
+        st.host(torch.zeros(8))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (scripts/gpu-check.sh runs it)")
+def test_device_chunks_reach_the_host_through_pinned_buffers() -> None:
+    dev = torch.device("cuda")
+    t = torch.randn(4, 1024, device=dev)
+    st = HostStaging(1024 * 4, dev)
+    assert st.bufs[0].is_pinned()
+    assert st.host(t[2], 0).tobytes() == t[2].cpu().numpy().tobytes()
+    assert as_bytes(t[3]).tobytes() == t[3].cpu().numpy().tobytes()
