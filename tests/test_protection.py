@@ -27,10 +27,12 @@ SMALL = ("--workers", "4", "--nodes", "2", "--spares", "1", "--steps", "6", "--s
 MODES = {"replicated-grads": (), "protected-grads": ("--protect-grads", "on")}
 
 
-@pytest.mark.parametrize("mode, phase", [("replicated-grads", "update"), ("replicated-grads", "parity"),
-                                         ("protected-grads", "grads"), ("protected-grads", "update"),
-                                         ("protected-grads", "parity")])
-@pytest.mark.parametrize("chunk", [0, 3])  # the first and the last (which commits the step) of 4 chunks
+# every hand-off at the last of 4 chunks (which completes the step); the first chunk (nothing of
+# the step handed over yet) of the in-place update and of the gradient staging
+@pytest.mark.parametrize("chunk, mode, phase", [
+    (3, "replicated-grads", "update"), (3, "replicated-grads", "parity"), (3, "protected-grads", "grads"),
+    (3, "protected-grads", "update"), (3, "protected-grads", "parity"),
+    (0, "replicated-grads", "update"), (0, "protected-grads", "grads")])
 def test_kill_at_every_chunk_boundary_rebuilds_the_exact_state(launcher, tmp_path: Path, mode: str, phase: str,
                                                                chunk: int) -> None:
     digest = reference_digest(launcher, tmp_path, *SMALL)  # the same digest in both modes

@@ -31,9 +31,11 @@ def check_recovered(res, summary: dict, digest: str, run_dir: Path, recoveries: 
     return recs
 
 
+# the phases of a step, each victim rank once; the parity hand-off and the update with staged
+# gradients are killed at every chunk boundary in test_protection.py
 @pytest.mark.parametrize("rank, phase, grads", [
-    (1, "forward", "auto"), (0, "backward", "auto"), (2, "reduce-scatter", "auto"), (3, "grads", "on"),
-    (1, "update", "auto"), (0, "all-gather", "auto"), (2, "parity", "auto"), (1, "update", "on"),
+    (1, "forward", "auto"), (2, "reduce-scatter", "auto"), (3, "grads", "on"),
+    (1, "update", "auto"), (0, "all-gather", "auto"),
 ])
 def test_a_killed_worker_is_replaced_in_place_in_any_phase(launcher, tmp_path: Path, rank: int, phase: str,
                                                            grads: str) -> None:

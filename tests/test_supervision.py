@@ -118,8 +118,7 @@ def test_a_keeper_and_a_worker_of_another_node_fail_together(launcher, tmp_path:
             if p.get("event") == "failure"} >= {keeper["pid"], worker["pid"]}
 
 
-@pytest.mark.parametrize("mode", [(), ("--protect-grads", "on"), ("--protect-every", "3")],
-                         ids=["in-place", "protected-grads", "interval"])
+@pytest.mark.parametrize("mode", [(), ("--protect-every", "3")], ids=["in-place", "interval"])
 def test_a_one_node_job_goes_on_when_its_keeper_dies(launcher, tmp_path: Path, mode: tuple[str, ...]) -> None:
     """No other keeper holds anything: the protection is rebuilt from the workers' own state."""
     job = ("--workers", "2", "--nodes", "1", "--spares", "0", "--steps", "14", "--seed", "0")
