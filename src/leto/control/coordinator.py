@@ -423,11 +423,7 @@ class Coordinator:
         key = keys.recovery(generation)
         if not self.store.check([key]):
             return {}
-        text = self.store.get(key)
-        try:
-            return asdict(RecoveryRecord.from_json(text))
-        except (TypeError, KeyError):  # an older writer's dict (recovery/inplace.py)
-            return json.loads(text)
+        return asdict(RecoveryRecord.from_json(self.store.get(key)))
 
     def _close_recoveries(self, rec: StepProgress) -> None:
         """The first step completed after a recovery closes its record."""
