@@ -5,17 +5,16 @@ from __future__ import annotations
 import json
 import os
 import signal
-from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch.distributed as dist
 
 from conftest import no_process_left, read_procs, reference_digest, step_records, train, wait_for
 from leto.protection.layout import Layout
 from leto.protection.shm import Region
 from leto.protocol import keys
+from leto.runtime.env import connect
 
 CHUNK_BYTES = str(12 * 65536)  # 4 chunks per rank for the tiny model on 4 ranks
 SMALL = ("--workers", "4", "--nodes", "2", "--spares", "1", "--steps", "6", "--seed", "1",
@@ -49,8 +48,8 @@ def test_kill_at_every_chunk_boundary_rebuilds_the_exact_state(launcher, tmp_pat
 def _corrupt_tier1_parity(run_dir: Path, node: int) -> None:
     """Flip one byte of node `node`'s tier-1 parity in the keeper's shared memory."""
     ctl = next(p for p in read_procs(run_dir) if p["role"] == "controller")
-    job_id, port = ctl["job"], ctl["store_port"]
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
+    job_id = ctl["job"]
+    store = connect(ctl["store"], 10.0)
     layout = Layout.from_json(store.get(keys.layout(0)))
     region = Region(layout, job_id, node, create=False)
     region["p1"][0, 100] ^= np.uint8(0x5A)

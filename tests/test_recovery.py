@@ -227,10 +227,8 @@ def test_after_a_shrink_the_job_grows_back_when_a_shadow_is_ready(launcher, tmp_
 
 
 def _store(run_dir: Path):
-    from datetime import timedelta
-    import torch.distributed as dist
-    port = next(p for p in read_procs(run_dir) if p["role"] == "controller")["store_port"]
-    return dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=10))
+    from leto.runtime.env import connect
+    return connect(next(p for p in read_procs(run_dir) if p["role"] == "controller")["store"], 10.0)
 
 
 def _recoveries(run_dir: Path) -> list[dict]:

@@ -9,7 +9,15 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from leto.config import DEFAULT_TIMEOUT_S, JobConfig, ProtectionConfig, RecoveryConfig, Timeouts, TrainingConfig
+from leto.config import (
+    DEFAULT_TIMEOUT_S,
+    JobConfig,
+    ProtectionConfig,
+    RecoveryConfig,
+    RendezvousConfig,
+    Timeouts,
+    TrainingConfig,
+)
 from leto.errors import UsageError
 from leto.training.model import PRESETS
 from leto.training.trainer import DEFAULT_CHUNK_BYTES
@@ -49,6 +57,12 @@ def _add_job_flags(p: argparse.ArgumentParser, workers: int, spares: int, nodes:
                    help="hand each step's gradient shard to the keepers: auto does so only where the reduction "
                         "leaves a rank alone with its shard (NCCL's reduce-scatter); on gloo every rank holds "
                         "the whole reduced gradient and a replay takes it from a survivor; on: always [auto]")
+    p.add_argument("--rdzv", default=None, metavar="etcd://H1:2379,H2:2379,...",
+                   help="a multi-host job: the etcd cluster where the hosts meet; run the same command on every "
+                        "host (docs/deployment.md) [one host, no etcd]")
+    p.add_argument("--job-id", default=None, help="names the job in etcd, the same on every host (with --rdzv)")
+    p.add_argument("--lease", type=int, default=2, metavar="S",
+                   help="seconds a host may be silent before the others declare it lost (with --rdzv) [2]")
     _add_persist_flags(p)
 
 
@@ -143,6 +157,7 @@ def _check_job(args: argparse.Namespace, prog: str) -> None:
     if args.protect_every < 1:
         raise UsageError(f"{prog}: error: --protect-every must be at least 1, got {args.protect_every}")
     args.ec = _tier2_code(args.ec, args.nodes, prog)
+    _check_rdzv(args, prog)
     if args.persist not in ("on", "off"):
         raise UsageError(f"{prog}: error: ${ENV_PERSIST_DEFAULT} must be 'on' or 'off', got {args.persist!r}")
     from leto.persistence.resume import check_flags
@@ -153,6 +168,37 @@ def _check_job(args: argparse.Namespace, prog: str) -> None:
     if args.resume is not None and args.run_dir is not None and args.run_dir.resolve() != args.resume.resolve():
         raise UsageError(f"{prog}: error: --resume {args.resume} continues that run in its own folder; "
                          f"drop --run-dir {args.run_dir}")
+
+
+def _check_rdzv(args: argparse.Namespace, prog: str) -> None:
+    import re
+
+    from leto.runtime.etcd_store import parse_endpoints
+    if args.rdzv is None:
+        if args.job_id is not None:
+            raise UsageError(f"{prog}: error: --job-id names a multi-host job: it needs --rdzv")
+        return
+    try:
+        parse_endpoints(args.rdzv)
+    except ValueError as e:
+        raise UsageError(f"{prog}: error: --rdzv: {e}") from e
+    if "/" in args.rdzv[len("etcd://"):]:
+        raise UsageError(f"{prog}: error: --rdzv lists endpoints only; the job is named by --job-id")
+    if not args.job_id or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", args.job_id):
+        raise UsageError(f"{prog}: error: --rdzv needs --job-id NAME (letters, digits, '_', '.', '-'), "
+                         f"the same on every host; got {args.job_id!r}")
+    if args.lease < 1:
+        raise UsageError(f"{prog}: error: --lease must be at least 1 second (etcd's leases count whole "
+                         f"seconds), got {args.lease}")
+
+
+def _run_job(config: JobConfig, summary_extra: dict) -> int:
+    """One host's job, or this host's part of a multi-host one."""
+    if config.rendezvous.url is not None:
+        from leto.control.hosts import run_host
+        return run_host(config, summary_extra)
+    from leto.control.job import run_job
+    return run_job(config, summary_extra)
 
 
 def _start(args: argparse.Namespace, command: list[str], prog: str) -> tuple[Path, Start]:
@@ -215,11 +261,11 @@ def _config(args: argparse.Namespace, command: list[str], run_dir: Path, child_e
                                   tuple(args.inject))
     return JobConfig(TrainingConfig(tuple(command), args.workers, args.nodes, steps),
                      ProtectionConfig(args.protection == "on", args.ec, args.protect_every, args.protect_grads == "on"),
-                     recovery, t, run_dir=str(run_dir), child_env=dict(child_env))
+                     recovery, t, RendezvousConfig(args.rdzv, args.job_id or "", args.lease), run_dir=str(run_dir),
+                     child_env=dict(child_env))
 
 
 def _run(args: argparse.Namespace) -> int:
-    from leto.control.job import run_job
     _check_job(args, "leto run")
     if args.module:
         import importlib.util
@@ -236,7 +282,7 @@ def _run(args: argparse.Namespace) -> int:
         command = [args.script, *args.script_args]
     ident = [str(Path(command[0]).resolve()), *command[1:]] if not args.module else command
     run_dir, start = _start(args, ident, "leto run")
-    code = run_job(_config(args, command, run_dir, start.env), start.summary)
+    code = _run_job(_config(args, command, run_dir, start.env), start.summary)
     if code != 0:
         from leto.persistence.resume import after_failure
         after_failure(run_dir, start.persist_dir, "leto run")
@@ -244,7 +290,6 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from leto.control.job import run_job
     from leto.training.corpus import CorpusError, load_tokens
     _check_job(args, "leto train")
     if args.steps < 1:
@@ -284,12 +329,13 @@ def _train(args: argparse.Namespace) -> int:
                "--model", args.model, "--lr", str(args.lr), "--chunk-bytes", str(args.chunk_bytes),
                *(["--rows", str(args.rows)] if args.rows is not None else [])]
     run_dir, start = _start(args, command, "leto train")
-    code = run_job(_config(args, command, run_dir, start.env, args.steps), start.summary)
+    code = _run_job(_config(args, command, run_dir, start.env, args.steps), start.summary)
     if code != 0:
         from leto.persistence.resume import after_failure
         after_failure(run_dir, start.persist_dir, "leto train")
-    summary = json.loads((run_dir / "summary.json").read_text())
-    if code == 0:
+    path = run_dir / "summary.json"
+    summary = json.loads(path.read_text()) if path.exists() else None  # another host's coordinator wrote it
+    if code == 0 and summary is not None and summary.get("steps") is not None:
         print(f"leto: trained {summary['steps']} steps in {summary['wall_s']:.1f}s, final loss "
               f"{summary['final_loss']:.4f}, digest {str(summary['digest'])[:16]}…; summary: {run_dir / 'summary.json'}")
     return code

@@ -57,6 +57,15 @@ class Timeouts:
 
 
 @dataclass(frozen=True)
+class RendezvousConfig:
+    """Where the hosts of a multi-host job meet (docs/deployment.md); url None: one host."""
+
+    url: str | None = None            # etcd://H1:2379,H2:2379,... (--rdzv)
+    job_id: str = ""                  # names the job in etcd, the same on every host (--job-id)
+    lease_s: int = 2                  # a host whose supervisor is silent this long is lost (--lease)
+
+
+@dataclass(frozen=True)
 class JobConfig:
     """The resolved configuration of one job."""
 
@@ -64,6 +73,7 @@ class JobConfig:
     protection: ProtectionConfig = field(default_factory=ProtectionConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     timeouts: Timeouts = field(default_factory=Timeouts)
+    rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)
     run_dir: str = "runs"
     quiet: bool = False               # no progress output, nor the children's prints (benchmarks)
     child_env: dict[str, str] = field(default_factory=dict)  # more environment for children (persistence's)
@@ -80,6 +90,7 @@ class JobConfig:
                          protection=_section(ProtectionConfig, d.get("protection", {})),
                          recovery=_section(RecoveryConfig, d.get("recovery", {})),
                          timeouts=_section(Timeouts, d.get("timeouts", {})),
+                         rendezvous=_section(RendezvousConfig, d.get("rendezvous", {})),
                          run_dir=str(d.get("run_dir", "runs")), quiet=bool(d.get("quiet", False)),
                          child_env=dict(d.get("child_env", {})))
 

@@ -12,6 +12,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from typing import Protocol
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -42,6 +43,16 @@ MAX_GENERATIONS = 100  # a job that needs more recoveries than this is failing i
 GROW_CHECK_S = 0.1
 
 
+class Hosts(Protocol):
+    """The hosts of a multi-host job, as the coordinator needs them (control/hosts.py)."""
+
+    def up(self) -> list[int]:
+        """The nodes whose host is in the job."""
+
+    def lost(self) -> dict[int, str]:
+        """Hosts newly out of the job (fenced already), with why."""
+
+
 @dataclass
 class ProcView:
     """A process as the coordinator knows it: from its own requests and the supervisors' reports."""
@@ -65,11 +76,11 @@ class Coordinator:
     """Decides the membership of one job, from start to end."""
 
     def __init__(self, store: dist.Store, config: JobConfig, serve: Callable[[], None] | None = None,
-                 summary_extra: dict | None = None) -> None:
+                 summary_extra: dict | None = None, hosts: Hosts | None = None) -> None:
         """`serve`: where the host's supervisor runs in this thread, the call that lets it carry
         out the commands written so far (so none waits for its next round); None where it runs
-        elsewhere and polls the store itself."""
-        self.store, self.cfg, self._serve = store, config, serve
+        elsewhere and polls the store itself. `hosts`: a multi-host job's hosts (None: one host)."""
+        self.store, self.cfg, self._serve, self.hosts = store, config, serve, hosts
         self.run_dir = Path(config.run_dir)
         self.summary_extra = summary_extra or {}
         self.procs: dict[str, ProcView] = {}
@@ -117,19 +128,53 @@ class Coordinator:
                 self._spawn("keeper", None, n)
         self._flush()
 
+    def restore(self) -> None:
+        """Take over a running job whose coordinator was lost: the processes from the command
+        and report streams, the plan from the newest generation, the events from metrics.jsonl.
+        Failures its predecessor had not decided on yet are decided on at the next round."""
+        self._exit.enter_context(self.display)
+        for seq in range(int(self.store.add(keys.COMMANDS, 0))):
+            cmd = Command.from_json(self.store.get(keys.command(seq)))
+            if cmd.kind in ("spawn", "fork"):
+                self.procs[cmd.proc_id] = ProcView(cmd.proc_id, cmd.role, cmd.rank, cmd.node)
+        self._read_reports()
+        self._inbox.clear()
+        gen = JobState.from_json(self.store.get(keys.JOB_STATE)).generation
+        while self.store.check([keys.plan(gen + 1)]):
+            gen += 1
+        self.plan = Plan.from_json(self.store.get(keys.plan(gen)))
+        self.members = {q: self.procs[proc_id] for q, proc_id in enumerate(self.plan.proc_of_rank)}
+        for q, proc in self.members.items():
+            proc.role, proc.rank = "worker", q
+        in_plan = set(self.plan.node_of_rank)
+        self.dead_keeper_nodes = {n for n in range(self.cfg.training.nodes) if n not in in_plan}
+        for p in self.procs.values():  # undecided: a dead member, the last keeper of a node in the plan
+            keeper_gone = p.role == "keeper" and p.node in in_plan and not any(
+                q.role == "keeper" and q.node == p.node and q.alive for q in self.procs.values())
+            if (p in self.members.values() and p.code not in (None, 0)) or (keeper_gone and p.code is not None):
+                self._inbox.append(ProcEvent("exited", p.proc_id, p.role, p.rank, p.node, p.pid, p.code,
+                                             "exited before the coordinator was lost"))
+        metrics = self.run_dir / runlog.METRICS
+        if metrics.exists():
+            self.events = [r for r in map(json.loads, metrics.read_text().splitlines()) if "event" in r]
+        self.event("takeover", generation=gen)
+        self.display.message(f"leto: this host took over as coordinator at generation {gen}")
+
     def stop(self) -> None:
         """Ask the supervisors to stop every process and wait until they have (with a timeout)."""
         self._exit.close()
         self._command(Command("stop"))
         self._flush()
         deadline = time.monotonic() + self.cfg.timeouts.stop_grace_s + self.cfg.timeouts.collective_s
-        while not self.store.check([keys.STOPPED]) and time.monotonic() < deadline:
+        while not self.store.check([keys.stopped(n) for n in self.hosts_up()]) and time.monotonic() < deadline:
             time.sleep(POLL_S)
 
     # ----- one round
     def tick(self) -> int | None:
         """Show progress, decide on what the supervisors reported; the job's exit code once it ends."""
         self._poll()
+        if self.hosts is not None:
+            self._on_lost_hosts(self.hosts.lost())
         if self._signal is not None:
             self.display.message(f"leto: received {signal.Signals(self._signal).name}, stopping all processes")
             return 128 + self._signal
@@ -190,6 +235,20 @@ class Coordinator:
                 elif e.kind == "fork_failed":
                     del self.procs[e.proc_id]
                 self._inbox.append(e)
+
+    def _on_lost_hosts(self, lost: dict[int, str]) -> None:
+        """Every process of a lost host is gone with it (the host is fenced already)."""
+        for node, why in sorted(lost.items()):
+            self.event("host_lost", node=node, cause=why)
+            for p in self.procs.values():
+                if p.node == node and p.alive:
+                    p.code = -signal.SIGKILL
+                    self._inbox.append(ProcEvent("exited", p.proc_id, p.role, p.rank, node, p.pid, p.code,
+                                                 f"lost with its host: {why}"))
+
+    def hosts_up(self) -> list[int]:
+        """The nodes whose supervisor takes part (one host: node 0 stands for all)."""
+        return [0] if self.hosts is None else self.hosts.up()
 
     def _take_failures(self) -> list[tuple[ProcView, str]]:
         """The failures among the events read: any non-zero exit, a keeper's exit, a fence."""

@@ -99,14 +99,19 @@ def _start_shadow() -> None:
 
 
 class Supervisor:
-    """Supervises the processes of one host of a job (today: the only one)."""
+    """Supervises the processes of one host of a job."""
 
     def __init__(self, store: dist.Store, config: JobConfig, store_addr: str, job_id: str,
-                 command_poll_s: float = POLL_S) -> None:
+                 command_poll_s: float = POLL_S, node: int | None = None,
+                 child_env: dict[str, str] | None = None) -> None:
         """`command_poll_s`: how often `tick` looks for commands; longer where the coordinator
-        has this supervisor serve its commands at once (`serve_commands`), as a fallback."""
+        has this supervisor serve its commands at once (`serve_commands`), as a fallback.
+        `node`: the one node this host is, in a multi-host job (None: every node is here).
+        `child_env`: more environment for this host's children (its gloo interface)."""
         self.store, self.cfg, self.store_addr, self.job_id = store, config, store_addr, job_id
         self.command_poll_s = command_poll_s
+        self.node = node
+        self.child_env = child_env or {}
         self._last_command_check = 0.0
         self.run_dir = Path(config.run_dir)
         self.procs: list[Proc] = []
@@ -162,7 +167,18 @@ class Supervisor:
         for f in Path("/dev/shm").glob(f"leto-{self.job_id}-*"):
             f.unlink(missing_ok=True)
         self.stopped = True
-        self.store.set(keys.STOPPED, "1")
+        self.store.set(keys.stopped(self.node or 0), "1")
+
+    def fence(self) -> None:
+        """This host lost its lease: SIGKILL and reap every process now, without the store
+        (which refuses this host's writes by now); a later generation never hears from them."""
+        for p in self.procs:
+            if p.popen.poll() is None:
+                _kill(p.popen, self.cfg.timeouts.stop_grace_s)
+        for f in Path("/dev/shm").glob(f"leto-{self.job_id}-*"):
+            f.unlink(missing_ok=True)
+        self.stopped = True
+        self._write_procs()
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self._signal = signum
@@ -193,6 +209,8 @@ class Supervisor:
             self._do(cmd)
 
     def _do(self, cmd: Command) -> None:
+        if cmd.kind in ("spawn", "fork") and self.node is not None and cmd.node != self.node:
+            return  # another host's
         if cmd.kind == "spawn":
             proc = self._spawn(cmd.role, cmd.rank, cmd.node, cmd.proc_id)
             if cmd.boost:
@@ -214,7 +232,7 @@ class Supervisor:
 
     # ----- processes
     def _spawn(self, role: str, rank: int | None, node: int, proc_id: str) -> Proc:
-        env = dict(os.environ, **self.cfg.child_env)
+        env = dict(os.environ, **self.cfg.child_env, **self.child_env)
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # store waits that time out are routine here
         env.update({ENV_CONFIG: self.cfg.to_json(), rt.ENV_STORE: self.store_addr, rt.ENV_JOB_ID: self.job_id,
                     rt.ENV_ROLE: role, rt.ENV_NODE: str(node), rt.ENV_PROC_ID: proc_id})
@@ -257,10 +275,10 @@ class Supervisor:
         return int(self.store.get(keys.forked(request.proc_id)))
 
     def _write_procs(self) -> None:
-        port = int(self.store_addr.rsplit(":", 1)[1])
-        records = [{"role": "controller", "rank": None, "node": None, "pid": os.getpid(), "id": "controller",
-                    "job": self.job_id, "store_port": port}]
-        write_procs(self.run_dir, records + [p.record() for p in self.procs if p.popen.returncode is None])
+        records = [{"role": "controller", "rank": None, "node": self.node, "pid": os.getpid(), "id": "controller",
+                    "job": self.job_id, "store": self.store_addr}]
+        name = "procs.json" if self.node is None else f"procs-host{self.node}.json"
+        write_procs(self.run_dir, records + [p.record() for p in self.procs if p.popen.returncode is None], name)
         self._procs_stale = False
 
     # ----- exits and hangs

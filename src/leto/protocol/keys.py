@@ -57,7 +57,24 @@ COMMANDS = "control/coord/commands"    # counter: commands the coordinator has w
 PROC_SEQ = "control/proc-seq"          # counter: numbers the process ids of the job
 JOB_STATE = "control/state"            # `messages.JobState`: the generation and whether it is recovering
 PROGRESS = "control/progress"          # `messages.StepProgress`: rank 0's latest completed step
-STOPPED = "control/sup/stopped"        # set by the supervisor once every process of its host is stopped
+
+
+EXIT_CODE = "control/exit-code"       # the job's exit code, set by the coordinator when it ends
+
+# ----- control: the hosts of a multi-host job (etcd; docs/deployment.md)
+HOST_SEQ = "control/host-seq"          # counter: numbers the hosts as they join (a host is a node)
+COORDINATOR = "control/coordinator"    # the elected coordinator's node (bound to its host's lease)
+
+
+def host(node: int) -> str:
+    """The live host that is `node` (`messages.HostRecord`), bound to that host's lease: gone
+    once the lease is revoked or expires, and every write of that host's processes with it."""
+    return f"control/host/{node}"
+
+
+def stopped(node: int) -> str:
+    """Set by a supervisor once every process of its host is stopped."""
+    return f"control/sup/stopped/{node}"
 
 
 def sup_report(seq: int) -> str:

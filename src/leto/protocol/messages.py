@@ -173,6 +173,18 @@ class JobState(_Flat):
 
 
 @dataclass(frozen=True)
+class HostRecord(_Flat):
+    """A live host of a multi-host job (keys.host, bound to its lease): where its supervisor
+    listens for the coordinator's liveness connection, and the lease to revoke to fence it."""
+
+    node: int
+    addr: str
+    port: int
+    pid: int
+    lease: int
+
+
+@dataclass(frozen=True)
 class StepProgress(_Flat):
     """Rank 0's latest completed step (keys.PROGRESS, the step record of metrics.jsonl)."""
 

@@ -11,10 +11,11 @@ import torch.distributed as dist
 
 from leto.config import ENV_CONFIG, JobConfig
 from leto.protocol import keys
+from leto.runtime import etcd_store
 
 # The job's configuration reaches a child whole, in `config.ENV_CONFIG`; these variables say
 # where the running job is and, per process, who this process is.
-ENV_STORE = "LETO_STORE"          # host:port of the job's TCPStore (known once it is up)
+ENV_STORE = "LETO_STORE"          # host:port of the job's TCPStore (known once it is up), or etcd://...
 ENV_JOB_ID = "LETO_JOB_ID"        # names the job's shared-memory files (known once the store is up)
 ENV_ROLE = "LETO_ROLE"            # worker | shadow | zygote | keeper
 ENV_RANK = "LETO_RANK"            # worker rank (absent for shadows)
@@ -56,8 +57,11 @@ class Job:
         return self.store.check([keys.SHUTDOWN])
 
 
-def connect(addr: str, timeout_s: float) -> dist.TCPStore:
-    """A client of the job's store at host:port."""
+def connect(addr: str, timeout_s: float) -> dist.Store:
+    """A client of the job's store: host:port of a TCPStore, or an `etcd://` address (a
+    multi-host job, `runtime/etcd_store.py`)."""
+    if addr.startswith(etcd_store.SCHEME):
+        return etcd_store.EtcdStore.from_url(addr, timeout_s)
     host, port = addr.rsplit(":", 1)
     return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
                          wait_for_workers=False)

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import os
+import socket
+import struct
 import signal
 
 _PR_SET_PDEATHSIG = 1
@@ -69,3 +72,24 @@ def describe_exit(code: int) -> str:
             return f"was killed by signal {-code}"
     return f"exited with code {code}"
 
+
+
+def source_address(host: str, port: int) -> str:
+    """The local address this host's packets to host:port leave from (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, port))
+        return s.getsockname()[0]
+
+
+def interface_of(addr: str) -> str | None:
+    """The network interface that holds IPv4 address `addr` (gloo binds to an interface by
+    name: `GLOO_SOCKET_IFNAME`); None if no interface does."""
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:  # SIOCGIFADDR: the interface's IPv4 address
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue
+        if socket.inet_ntoa(raw[20:24]) == addr:
+            return name
+    return None

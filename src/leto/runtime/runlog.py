@@ -37,8 +37,8 @@ def rewrite(run_dir: Path, records: list[dict]) -> None:
     os.replace(tmp, run_dir / METRICS)
 
 
-def write_procs(run_dir: Path, records: list[dict]) -> None:
-    """Replace `procs.json` with `records` (one per live process) atomically."""
-    tmp = run_dir / f".{PROCS}.{os.getpid()}.tmp"
+def write_procs(run_dir: Path, records: list[dict], name: str = PROCS) -> None:
+    """Replace `procs.json` (or one host's `name`) with `records` (one per live process) atomically."""
+    tmp = run_dir / f".{name}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(records, indent=1))
-    os.replace(tmp, run_dir / PROCS)
+    os.replace(tmp, run_dir / name)

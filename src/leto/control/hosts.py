@@ -1,0 +1,174 @@
+"""`leto run --rdzv etcd://...`: one host of a multi-host job (docs/deployment.md).
+
+Every host runs the same command and becomes that host's supervisor. The hosts meet in etcd:
+each takes the next node number, holds a lease and a lease-bound host record, and waits for the
+others. One of them is elected coordinator (the first to create the coordinator key, bound to
+its lease); when its host is lost, the key goes with the lease and another host takes over
+(`Coordinator.restore`) while the training processes keep their state. Every store client of a
+host is fenced by its host record, so a host that lost its lease cannot write into the job.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from leto.config import JobConfig
+from leto.control.coordinator import POLL_S, Coordinator
+from leto.control.lease import HostLease, Liveness, LivenessWatch
+from leto.control.supervisor import Supervisor
+from leto.protocol import keys
+from leto.protocol.messages import HostRecord
+from leto.runtime import linux
+from leto.runtime.etcd_store import EtcdStore, Fenced, StoreUnavailable
+
+HOST_CHECK_S = 0.05   # how often the coordinator reads the host records (the lease's verdict)
+ELECTION_CHECK_S = 0.1
+
+
+class HostLost(RuntimeError):
+    """This host is out of the job: its lease is gone, or etcd has no quorum for it."""
+
+
+class Cluster:
+    """The coordinator's view of the hosts: the lease-bound records, and a liveness connection
+    to every other supervisor for early evidence. A host found dead is fenced (its lease
+    revoked) before it is reported lost, so that none of its processes can write again."""
+
+    def __init__(self, store: EtcdStore, nodes: int, me: int) -> None:
+        self.store, self.nodes, self.me = store, nodes, me
+        self.records: dict[int, HostRecord] = {}
+        self._lost: set[int] = set()
+        self._watch = LivenessWatch()
+        self._last_check = 0.0
+        self.read()
+
+    def read(self) -> dict[int, HostRecord]:
+        """The host records now in etcd."""
+        found = {int(k.rsplit("/", 1)[1]): HostRecord.from_json(v) for k, v in self.store.under("control/host/").items()}
+        for node, rec in found.items():
+            self.records[node] = rec
+            if node != self.me:
+                self._watch.watch(node, rec.addr, rec.port)
+        return found
+
+    def up(self) -> list[int]:
+        return [n for n in sorted(self.records) if n not in self._lost]
+
+    def lost(self) -> dict[int, str]:
+        out = {n: "its supervisor's connection closed (the host's processes died); lease revoked"
+               for n in self._watch.dead() if n not in self._lost}
+        for node in out:
+            try:
+                self.store.revoke(self.records[node].lease)
+            except StoreUnavailable:
+                pass  # the lease expires by itself; the fence holds from then on
+        now = time.monotonic()
+        if now - self._last_check >= HOST_CHECK_S:
+            self._last_check = now
+            live = self.read()
+            out.update({n: "its etcd lease expired" for n in self.records
+                        if n not in live and n not in self._lost and n not in out})
+        self._lost |= set(out)
+        return out
+
+    def close(self) -> None:
+        self._watch.close()
+
+
+def _local_first(store: EtcdStore) -> tuple[tuple[str, int] | None, str]:
+    """This host's own etcd endpoint (tried first by its processes), and its address."""
+    addrs = {ep: linux.source_address(*ep) for ep in store.endpoints}
+    own = next((ep for ep, src in addrs.items() if src == ep[0]), None)
+    return own, (own[0] if own else addrs[store.endpoints[0]])
+
+
+def _join(base: EtcdStore, cfg: JobConfig, lease: HostLease, addr: str, liveness: Liveness) -> tuple[int, int]:
+    """Take the next node number and this host's record; (node, the record's create revision)."""
+    node = base.add(keys.HOST_SEQ, 1) - 1
+    if node >= cfg.training.nodes:
+        raise HostLost(f"job {cfg.rendezvous.job_id!r} already has its {cfg.training.nodes} hosts (--nodes); "
+                       f"this host is number {node + 1}")
+    rev = base.create(keys.host(node), HostRecord(node, addr, liveness.port, os.getpid(), lease.id).to_json(),
+                      lease.id)
+    if rev is None:
+        raise HostLost(f"node {node} of job {cfg.rendezvous.job_id!r} already has a host")
+    return node, rev
+
+
+def _await_hosts(store: EtcdStore, cfg: JobConfig, lease: HostLease) -> None:
+    deadline = time.monotonic() + cfg.timeouts.collective_s
+    while len(store.under("control/host/")) < cfg.training.nodes:
+        if (why := lease.lost()) is not None:
+            raise HostLost(why)
+        if time.monotonic() > deadline:
+            raise HostLost(f"only {len(store.under('control/host/'))} of {cfg.training.nodes} hosts joined job "
+                           f"{cfg.rendezvous.job_id!r} within {cfg.timeouts.collective_s:.0f}s")
+        time.sleep(0.05)
+
+
+def run_host(config: JobConfig, summary_extra: dict | None = None) -> int:
+    """Run this host's part of the job to its end; the job's exit code."""
+    r = config.rendezvous
+    t0 = time.monotonic()
+    base = EtcdStore.from_url(f"{r.url}/{r.job_id}", config.timeouts.collective_s)
+    own, addr = _local_first(base)
+    liveness = Liveness(addr)
+    lease = HostLease(base, r.lease_s)
+    coordinator: Coordinator | None = None
+    supervisor: Supervisor | None = None
+    code: int | None = None
+    try:
+        node, rev = _join(base, config, lease, addr, liveness)
+        fence = (keys.host(node), rev)
+        store = EtcdStore(base.endpoints, base.namespace, config.timeouts.collective_s, fence)
+        url = store.url(first=own)
+        child_env = {"GLOO_SOCKET_IFNAME": iface} if (iface := linux.interface_of(addr)) else {}
+        _await_hosts(store, config, lease)
+        supervisor = Supervisor(store, config, url, f"{r.job_id}-h{node}", node=node, child_env=child_env)
+        supervisor.start()
+        last_election = 0.0
+        while True:
+            if (why := lease.lost()) is not None:
+                raise HostLost(why)
+            supervisor.tick()
+            if supervisor.stopped:  # the coordinator stopped the job
+                code = int(store.get(keys.EXIT_CODE)) if store.check([keys.EXIT_CODE]) else 1
+                break
+            now = time.monotonic()
+            if coordinator is None and now - last_election >= ELECTION_CHECK_S:
+                last_election = now
+                coordinator = _elect(store, config, node, lease, supervisor, summary_extra)
+            if coordinator is not None and (code := coordinator.tick()) is not None:
+                store.set(keys.EXIT_CODE, str(code))
+                coordinator.stop()
+                coordinator.write_summary(time.monotonic() - t0, code)
+                break
+            time.sleep(POLL_S)
+    except (HostLost, Fenced, StoreUnavailable) as e:
+        print(f"leto: host {addr} leaves the job: {e}; stopping its processes", file=sys.stderr)
+        if supervisor is not None:
+            supervisor.fence()
+        code = 1
+    finally:
+        if supervisor is not None and not supervisor.stopped:
+            supervisor.close()
+        lease.close(revoke=code == 0)
+    return code if code is not None else 1
+
+
+def _elect(store: EtcdStore, config: JobConfig, node: int, lease: HostLease, supervisor: Supervisor,
+           summary_extra: dict | None) -> Coordinator | None:
+    """Become the coordinator if there is none (the key is bound to this host's lease)."""
+    if store.create(keys.COORDINATOR, str(node), lease.id) is None:
+        return None
+    hosts = Cluster(EtcdStore(store.endpoints, store.namespace, store.timeout_s, store.fence),
+                    config.training.nodes, node)
+    coordinator = Coordinator(EtcdStore(store.endpoints, store.namespace, store.timeout_s, store.fence), config,
+                              serve=supervisor.serve_commands, summary_extra=summary_extra, hosts=hosts)
+    if store.check([keys.plan(0)]):
+        coordinator.restore()
+    else:
+        coordinator.prepare()
+        coordinator.start()
+    return coordinator
