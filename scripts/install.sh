@@ -4,6 +4,14 @@
 #               any torch>=2.4 works, e.g. a CUDA build on GPU machines)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# etcd (multi-host jobs' control plane, and the tests' namespace cluster) and iproute2 (namespaces)
+if ! command -v etcd >/dev/null || ! command -v ip >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server etcd-client iproute2 >/dev/null
+  else
+    echo "install.sh: etcd-server and iproute2 are missing (as root: apt-get install etcd-server etcd-client iproute2)" >&2
+  fi
+fi
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 [ -x .venv/bin/python ] || "$PY" -m venv .venv

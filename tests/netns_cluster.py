@@ -27,9 +27,9 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
-__all__ = ["Cluster", "available", "remove_stale", "SUBNET"]
+__all__ = ["SUBNET", "Cluster", "available", "remove_stale"]
 
 SUBNET = "10.77.0"
 PREFIX = "leto-"
@@ -41,8 +41,8 @@ PEER_PORT = 2380
 HEARTBEAT_MS = 50
 ELECTION_MS = 500
 ETCD_HEALTH_TIMEOUT = 20.0
-# NB: a write sent while there is no leader (e.g. just after the leader's host was killed) is dropped
-# by Raft and its client waits out its whole deadline; wait_healthy() first, or retry.
+# NB: a write sent just after the leader's host was killed is forwarded to the dead leader and lost;
+# its client waits out its whole deadline. Call wait_healthy() first (or retry).
 KILL_TIMEOUT = 5.0
 
 _counter = itertools.count()
@@ -56,7 +56,7 @@ def _ip(*args: str, timeout: float = 10.0) -> str:
     """Run `ip ARGS`; return stdout; raise RuntimeError with stderr on any failure."""
     argv = ["ip", *args]
     try:
-        cp = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        cp = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
     except FileNotFoundError:
         raise RuntimeError("`ip` (iproute2) not found on PATH; install iproute2") from None
     except subprocess.TimeoutExpired:
@@ -350,14 +350,15 @@ class Cluster:
         # ETCD_* variables from the caller's environment would override these flags (or make etcd
         # refuse to start because a flag is set twice); the member gets a clean set.
         env = {k: v for k, v in os.environ.items() if not k.startswith("ETCD")}
-        log = open(self.etcd_log(i), "ab")
-        try:
+        with open(self.etcd_log(i), "ab") as log:  # the child keeps its own copy of the fd
             p = self.popen(i, argv, env=env, stdin=subprocess.DEVNULL, stdout=log,
                            stderr=subprocess.STDOUT, start_new_session=True)
-        finally:
-            log.close()
         self._etcd_procs[i] = p
         return p
+
+    def etcd_pids(self) -> list[int]:
+        """PIDs of the etcd members that run."""
+        return [p.pid for p in self._etcd_procs.values() if p.poll() is None]
 
     def kill_etcd(self, i: int, sig: int = signal.SIGKILL, timeout: float = KILL_TIMEOUT) -> None:
         """Send sig to host i's etcd member; for SIGKILL/SIGTERM/SIGINT wait until it has exited."""
@@ -378,8 +379,8 @@ class Cluster:
             argv = ["curl", "-s", "-m", "1", url]
         else:
             argv = [sys.executable, "-c",
-                    "import sys,urllib.request;"
-                    f"sys.stdout.write(urllib.request.urlopen({url!r},timeout=1).read().decode())"]
+                    ("import sys,urllib.request;"
+                     f"sys.stdout.write(urllib.request.urlopen({url!r},timeout=1).read().decode())")]
         try:
             cp = self.run_in(i, argv, timeout=5)
         except subprocess.TimeoutExpired:
@@ -409,7 +410,7 @@ class Cluster:
                 time.sleep(0.1)
 
     # ----------------------------------------------------------------------------------- lifecycle
-    def __enter__(self) -> Cluster:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -428,7 +429,7 @@ class Cluster:
         for ns in list(self._created):
             try:
                 _kill_ns_procs(ns)
-            except Exception as e:  # keep going: the rest must still be cleaned up
+            except (RuntimeError, TimeoutError, OSError) as e:  # keep going: the rest must still be cleaned up
                 errors.append(f"{ns}: {e}")
         for p in self._procs:
             if p.poll() is None:
@@ -445,7 +446,7 @@ class Cluster:
             try:
                 _ip("netns", "del", ns)
                 self._created.remove(ns)
-            except Exception as e:
+            except (RuntimeError, TimeoutError, OSError) as e:
                 errors.append(str(e))
         if self.tmpdir is not None:
             shutil.rmtree(self.tmpdir, ignore_errors=True)

@@ -128,16 +128,20 @@ class Coordinator:
                 self._spawn("keeper", None, n)
         self._flush()
 
-    def restore(self) -> None:
+    def restore(self, commands: dict[str, bytes], reports: dict[str, bytes]) -> None:
         """Take over a running job whose coordinator was lost: the processes from the command
-        and report streams, the plan from the newest generation, the events from metrics.jsonl.
-        Failures its predecessor had not decided on yet are decided on at the next round."""
+        and report streams (every entry so far, by key), the plan from the newest generation,
+        the events from metrics.jsonl. Failures its predecessor had not decided on yet are
+        decided on at the next round."""
         self._exit.enter_context(self.display)
-        for seq in range(int(self.store.add(keys.COMMANDS, 0))):
-            cmd = Command.from_json(self.store.get(keys.command(seq)))
+        for _, text in sorted(commands.items(), key=lambda kv: int(kv[0].rsplit("/", 1)[1])):
+            cmd = Command.from_json(text)
             if cmd.kind in ("spawn", "fork"):
                 self.procs[cmd.proc_id] = ProcView(cmd.proc_id, cmd.role, cmd.rank, cmd.node)
-        self._read_reports()
+        for key, text in sorted(reports.items(), key=lambda kv: int(kv[0].rsplit("/", 1)[1])):
+            self._apply(SupervisorReport.from_json(text))
+            self._next_report = max(self._next_report, int(key.rsplit("/", 1)[1]) + 1)
+        self._read_reports()  # any written since
         self._inbox.clear()
         gen = JobState.from_json(self.store.get(keys.JOB_STATE)).generation
         while self.store.check([keys.plan(gen + 1)]):
@@ -216,25 +220,29 @@ class Coordinator:
         while self.store.check([keys.sup_report(self._next_report)]):
             report = SupervisorReport.from_json(self.store.get(keys.sup_report(self._next_report)))
             self._next_report += 1
-            if report.signal is not None:
-                self._signal = report.signal
-            if report.shm_removed:
-                self.event("shm_cleanup", removed=list(report.shm_removed))
-                if not self.cfg.quiet:
-                    print(f"leto: removed {len(report.shm_removed)} shared-memory segment(s) left behind by dead jobs",
-                          file=sys.stderr)
-            for e in report.events:
-                view = self.procs.get(e.proc_id)
-                if view is None:
-                    continue
-                if e.kind == "started":
-                    view.pid = e.pid
-                elif e.kind in ("exited", "fenced"):
-                    view.code = e.code if e.code is not None else -1
-                    view.pid = e.pid or view.pid
-                elif e.kind == "fork_failed":
-                    del self.procs[e.proc_id]
-                self._inbox.append(e)
+            self._apply(report)
+
+    def _apply(self, report: SupervisorReport) -> None:
+        """One report: the signal, the clean-up, the process views; its events go to the inbox."""
+        if report.signal is not None:
+            self._signal = report.signal
+        if report.shm_removed:
+            self.event("shm_cleanup", removed=list(report.shm_removed))
+            if not self.cfg.quiet:
+                print(f"leto: removed {len(report.shm_removed)} shared-memory segment(s) left behind by dead jobs",
+                      file=sys.stderr)
+        for e in report.events:
+            view = self.procs.get(e.proc_id)
+            if view is None:
+                continue
+            if e.kind == "started":
+                view.pid = e.pid
+            elif e.kind in ("exited", "fenced"):
+                view.code = e.code if e.code is not None else -1
+                view.pid = e.pid or view.pid
+            elif e.kind == "fork_failed":
+                del self.procs[e.proc_id]
+            self._inbox.append(e)
 
     def _on_lost_hosts(self, lost: dict[int, str]) -> None:
         """Every process of a lost host is gone with it (the host is fenced already)."""

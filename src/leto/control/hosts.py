@@ -53,7 +53,7 @@ class Cluster:
         return found
 
     def up(self) -> list[int]:
-        return [n for n in sorted(self.records) if n not in self._lost]
+        return [n for n in range(self.nodes) if n not in self._lost]
 
     def lost(self) -> dict[int, str]:
         out = {n: "its supervisor's connection closed (the host's processes died); lease revoked"
@@ -67,7 +67,7 @@ class Cluster:
         if now - self._last_check >= HOST_CHECK_S:
             self._last_check = now
             live = self.read()
-            out.update({n: "its etcd lease expired" for n in self.records
+            out.update({n: "its etcd lease ended" for n in range(self.nodes)  # every host joined at the start
                         if n not in live and n not in self._lost and n not in out})
         self._lost |= set(out)
         return out
@@ -128,6 +128,7 @@ def run_host(config: JobConfig, summary_extra: dict | None = None) -> int:
         supervisor = Supervisor(store, config, url, f"{r.job_id}-h{node}", node=node, child_env=child_env)
         supervisor.start()
         last_election = 0.0
+        leader = LeaderWatch(store, node)
         while True:
             if (why := lease.lost()) is not None:
                 raise HostLost(why)
@@ -136,9 +137,11 @@ def run_host(config: JobConfig, summary_extra: dict | None = None) -> int:
                 code = int(store.get(keys.EXIT_CODE)) if store.check([keys.EXIT_CODE]) else 1
                 break
             now = time.monotonic()
-            if coordinator is None and now - last_election >= ELECTION_CHECK_S:
+            if coordinator is None and (leader.died() or now - last_election >= ELECTION_CHECK_S):
                 last_election = now
                 coordinator = _elect(store, config, node, lease, supervisor, summary_extra)
+                if coordinator is None:
+                    leader.follow()
             if coordinator is not None and (code := coordinator.tick()) is not None:
                 store.set(keys.EXIT_CODE, str(code))
                 coordinator.stop()
@@ -157,6 +160,36 @@ def run_host(config: JobConfig, summary_extra: dict | None = None) -> int:
     return code if code is not None else 1
 
 
+class LeaderWatch:
+    """A non-coordinator's liveness connection to the coordinator's host: when it closes, that
+    host is fenced (its lease revoked) and a new coordinator elected at once, instead of after
+    the lease time."""
+
+    def __init__(self, store: EtcdStore, me: int) -> None:
+        self.store, self.me = store, me
+        self._watch = LivenessWatch()
+        self._leader: HostRecord | None = None
+
+    def follow(self) -> None:
+        """Watch whoever is coordinator now."""
+        entry = self.store.entry(keys.COORDINATOR)
+        node = int(entry[0]) if entry else None
+        if node is None or node == self.me or self._leader is not None and self._leader.node == node:
+            return
+        rec = self.store.entry(keys.host(node))
+        if rec is not None:
+            self._leader = HostRecord.from_json(rec[0])
+            self._watch.watch(node, self._leader.addr, self._leader.port)
+
+    def died(self) -> bool:
+        """The coordinator's host died (then it is fenced already)."""
+        if self._leader is None or self._leader.node not in self._watch.dead():
+            return False
+        self.store.revoke(self._leader.lease)
+        self._leader = None
+        return True
+
+
 def _elect(store: EtcdStore, config: JobConfig, node: int, lease: HostLease, supervisor: Supervisor,
            summary_extra: dict | None) -> Coordinator | None:
     """Become the coordinator if there is none (the key is bound to this host's lease)."""
@@ -167,7 +200,7 @@ def _elect(store: EtcdStore, config: JobConfig, node: int, lease: HostLease, sup
     coordinator = Coordinator(EtcdStore(store.endpoints, store.namespace, store.timeout_s, store.fence), config,
                               serve=supervisor.serve_commands, summary_extra=summary_extra, hosts=hosts)
     if store.check([keys.plan(0)]):
-        coordinator.restore()
+        coordinator.restore(store.under(keys.COMMAND_PREFIX), store.under(keys.REPORT_PREFIX))
     else:
         coordinator.prepare()
         coordinator.start()

@@ -77,14 +77,18 @@ def stopped(node: int) -> str:
     return f"control/sup/stopped/{node}"
 
 
+REPORT_PREFIX = "control/sup/report/"
+COMMAND_PREFIX = "control/coord/cmd/"
+
+
 def sup_report(seq: int) -> str:
     """The supervisor's `seq`-th `messages.SupervisorReport`."""
-    return f"control/sup/report/{seq}"
+    return f"{REPORT_PREFIX}{seq}"
 
 
 def command(seq: int) -> str:
     """The coordinator's `seq`-th `messages.Command`."""
-    return f"control/coord/cmd/{seq}"
+    return f"{COMMAND_PREFIX}{seq}"
 
 
 # ----- protection

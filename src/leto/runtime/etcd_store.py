@@ -52,6 +52,10 @@ def _prefix_end(prefix: str) -> str:
     return _b64(raw[:-1] + bytes([raw[-1] + 1]))
 
 
+class EtcdError(dist.DistStoreError):
+    """etcd answered, and refused the request (e.g. a lease it does not know)."""
+
+
 class Fenced(dist.DistStoreError):
     """A write refused because this process's host lost its lease: the job has moved on without it."""
 
@@ -107,6 +111,8 @@ class EtcdStore(dist.Store):
                 resp = self._session.post(f"http://{host}:{port}/v3/{path}", json=body, timeout=left)
                 if resp.status_code == 200:
                     return resp.json()
+                if 400 <= resp.status_code < 500:  # a refusal, not a failed endpoint
+                    raise EtcdError(f"etcd refused {path}: {resp.text[:200]}")
                 errors.append(f"{host}:{port}: HTTP {resp.status_code} {resp.text[:200]}")
             except requests.RequestException as e:
                 errors.append(f"{host}:{port}: {type(e).__name__}")
@@ -155,8 +161,12 @@ class EtcdStore(dist.Store):
         return int(self.request("lease/keepalive", {"ID": lease}, deadline).get("result", {}).get("TTL", 0))
 
     def revoke(self, lease: int) -> None:
-        """End `lease` now: every key bound to it is deleted."""
-        self.request("kv/lease/revoke", {"ID": lease})
+        """End `lease` now: every key bound to it is deleted (a lease already gone is fine)."""
+        try:
+            self.request("kv/lease/revoke", {"ID": lease})
+        except EtcdError as e:
+            if "lease not found" not in str(e):
+                raise
 
     def create(self, key: str, value: str | bytes, lease: int | None = None) -> int | None:
         """Create `key` if it does not exist (bound to `lease`); its create revision, or None

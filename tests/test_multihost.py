@@ -1,0 +1,146 @@
+"""A multi-host job on a cluster of network namespaces (tests/netns_cluster.py): three hosts, one
+etcd member and one `leto train --rdzv` each, 2 workers per host, tier 2 across hosts. Every
+fault is real (SIGKILL of a host's processes, a cut link, SIGSTOP of a whole host, etcd members
+killed) and every job that goes on ends with the failure-free digest."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, leto_cmd, reference_digest, summary, wait_for
+from netns_cluster import Cluster, available
+
+pytestmark = pytest.mark.skipif(available() is not None, reason=f"no namespace cluster here: {available()}")
+
+STEPS = 16
+JOB = ("--workers", "6", "--nodes", "3", "--spares", "2", "--steps", str(STEPS), "--seed", "0")
+JOB_ID = "mh"
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    with Cluster(hosts=3) as c:
+        yield c
+
+
+def start(cluster: Cluster, run_dir: Path, *extra: str) -> list[subprocess.Popen]:
+    """The same `leto train --rdzv ...` on every host."""
+    argv = leto_cmd("train", "--rdzv", cluster.rdzv, "--job-id", JOB_ID, "--run-dir", str(run_dir), *JOB, *extra)
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
+    return [cluster.popen(i, argv, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for i in range(3)]
+
+
+def finish(hosts: list[subprocess.Popen], timeout: float = 240) -> list[tuple[int, str]]:
+    """Every host's exit code and stderr."""
+    return [(p.wait(timeout=timeout), p.communicate()[1]) for p in hosts]
+
+
+def at_step(run_dir: Path, step: int, timeout: float = 180) -> None:
+    def reached() -> bool:
+        path = run_dir / "metrics.jsonl"
+        return path.exists() and any(json.loads(line).get("step", -1) >= step
+                                     for line in path.read_text().splitlines())
+    wait_for(reached, timeout, f"step {step}")
+
+
+def coordinator(cluster: Cluster) -> int:
+    """The node (= host index: the hosts join in order here only by chance, so it is looked up)
+    of the elected coordinator, and the host that is that node."""
+    got = cluster.etcdctl(0, "get", f"/leto/{JOB_ID}/control/coordinator", "--print-value-only")
+    return int(got.stdout.strip())
+
+
+def host_of(cluster: Cluster, run_dir: Path, node: int) -> int:
+    """Which namespace runs node `node`: the one whose supervisor's pid it holds."""
+    sup = next(p for p in json.loads((run_dir / f"procs-host{node}.json").read_text()) if p["role"] == "controller")
+    return next(i for i in range(3) if sup["pid"] in cluster.pids(i))
+
+
+@pytest.fixture
+def reference(launcher, tmp_path_factory) -> str:
+    return reference_digest(launcher, tmp_path_factory.mktemp("ref"), *JOB)
+
+
+def _recovered(run_dir: Path, node: int, reference: str) -> dict:
+    s = summary(run_dir)
+    assert s["exit_code"] == 0 and s["digest"] == reference
+    rec = s["recoveries"][0]
+    assert rec["failed_nodes"] == [node] and rec["world_size"] == 6 and rec["tier"] == "tier2", rec
+    return rec
+
+
+def test_three_hosts_train_to_the_single_host_digest_and_leave_nothing_behind(cluster: Cluster, tmp_path: Path,
+                                                                              reference: str) -> None:
+    results = finish(start(cluster, tmp_path / "run"))
+    assert [code for code, _ in results] == [0, 0, 0], [err[-2000:] for _, err in results]
+    s = summary(tmp_path / "run")
+    assert s["digest"] == reference and s["steps"] == STEPS and s["recoveries"] == []
+    assert [p for i in range(3) for p in cluster.pids(i) if p not in cluster.etcd_pids()] == []
+    assert not list(Path("/dev/shm").glob(f"leto-{JOB_ID}-*"))
+
+
+@pytest.mark.parametrize("which", ["worker_host", "coordinator_host"])
+def test_sigkill_of_every_process_of_a_host_and_its_etcd_member(cluster: Cluster, tmp_path: Path, reference: str,
+                                                                which: str) -> None:
+    run_dir = tmp_path / "run"
+    hosts = start(cluster, run_dir)
+    at_step(run_dir, 4)
+    lead = coordinator(cluster)
+    node = lead if which == "coordinator_host" else (lead + 1) % 3
+    victim = host_of(cluster, run_dir, node)
+    cluster.kill_host(victim)
+    results = finish(hosts)
+    assert results[victim][0] != 0
+    assert all(code == 0 for i, (code, _) in enumerate(results) if i != victim), [e[-2000:] for _, e in results]
+    _recovered(run_dir, node, reference)
+    if which == "coordinator_host":
+        events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert any(e.get("event") == "takeover" for e in events)
+
+
+@pytest.mark.parametrize("fault", ["cut_link", "freeze"])
+def test_a_host_cut_off_or_frozen_is_fenced_and_never_comes_back(cluster: Cluster, tmp_path: Path, reference: str,
+                                                                 fault: str) -> None:
+    """The host's lease expires: the others go on without it; when it comes back, its supervisor
+    finds its lease gone and stops its processes (whose writes etcd refuses by then)."""
+    run_dir = tmp_path / "run"
+    hosts = start(cluster, run_dir)
+    at_step(run_dir, 4)
+    node = (coordinator(cluster) + 1) % 3
+    victim = host_of(cluster, run_dir, node)
+    if fault == "cut_link":
+        cluster.cut_link(victim)
+    else:
+        cluster.freeze_host(victim)
+    wait_for(lambda: "host_lost" in (run_dir / "metrics.jsonl").read_text(), 30, "the host declared lost")
+    if fault == "cut_link":
+        cluster.restore_link(victim)
+    else:
+        cluster.thaw_host(victim)
+    results = finish(hosts)
+    code, err = results[victim]
+    assert code == 1 and "leaves the job" in err and "lease" in err, err[-2000:]
+    assert all(c == 0 for i, (c, _) in enumerate(results) if i != victim), [e[-2000:] for _, e in results]
+    _recovered(run_dir, node, reference)
+
+
+def test_etcd_below_quorum_stops_the_job_and_its_checkpoints_resume_it(cluster: Cluster, launcher, tmp_path: Path,
+                                                                      reference: str) -> None:
+    run_dir = tmp_path / "run"
+    hosts = start(cluster, run_dir, "--persist", "on", "--persist-every", "4")
+    at_step(run_dir, 9)
+    cluster.kill_etcd(1)
+    cluster.kill_etcd(2)
+    results = finish(hosts, timeout=60)
+    assert all(code == 1 and "leaves the job" in err for code, err in results), [e[-2000:] for _, e in results]
+    res = launcher.run("train", "--resume", str(run_dir), *JOB, "--persist", "on", "--persist-every", "4",
+                       run_dir=run_dir)
+    assert res.returncode == 0, res.stderr[-3000:]
+    s = summary(run_dir)
+    assert s["digest"] == reference and s["resumed_from_step"] >= 8
