@@ -19,6 +19,15 @@ REPO = Path(__file__).resolve().parent.parent
 os.environ["LETO_PERSIST_DEFAULT"] = "off"
 
 
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+# a suite stopped with SIGTERM (a CI timeout, `timeout`) still tears its fixtures down: processes,
+# namespace clusters, /dev/shm
+signal.signal(signal.SIGTERM, _interrupted)
+
+
 def leto_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "leto.cli", *args]
 

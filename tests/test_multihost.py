@@ -4,6 +4,7 @@ fault is real (SIGKILL of a host's processes, a cut link, SIGSTOP of a whole hos
 killed) and every job that goes on ends with the failure-free digest."""
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -17,28 +18,47 @@ from netns_cluster import Cluster, available
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=f"no namespace cluster here: {available()}")
 
-STEPS = 16
+STEPS = 12
 JOB = ("--workers", "6", "--nodes", "3", "--spares", "2", "--steps", str(STEPS), "--seed", "0")
-JOB_ID = "mh"
+JOB_ID = ""  # a new one per job (`cluster`): ids are never reused
+_JOBS = itertools.count()
+# CI runs one of these jobs (a coordinator's host killed: a 3-host job, a whole host's processes
+# and its etcd member SIGKILLed, a takeover, a fence, tier 2 across hosts); each costs ~80 s of
+# its 40-minute budget on 2 cores. LETO_MULTIHOST=all runs every one.
+ALL = os.environ.get("LETO_MULTIHOST") == "all"
+beyond_ci = pytest.mark.skipif(not ALL, reason="beyond CI's time budget: LETO_MULTIHOST=all runs it")
 
 
 @pytest.fixture
 def cluster() -> Iterator[Cluster]:
-    with Cluster(hosts=3) as c:
-        yield c
+    """Three hosts with one etcd member each; afterwards nothing of the job is left in /dev/shm
+    (a killed host's keeper segments stay there, as on a real host, until a later start on that
+    host removes them)."""
+    global JOB_ID
+    JOB_ID = f"mh{os.getpid()}-{next(_JOBS)}"
+    try:
+        with Cluster(hosts=3) as c:
+            yield c
+    finally:
+        for leftover in Path("/dev/shm").glob(f"leto-{JOB_ID}-*"):
+            leftover.unlink()
 
 
 def start(cluster: Cluster, run_dir: Path, *extra: str) -> list[subprocess.Popen]:
-    """The same `leto train --rdzv ...` on every host."""
+    """The same `leto train --rdzv ...` on every host; host i's output goes to RUN_DIR.host{i}.*"""
     argv = leto_cmd("train", "--rdzv", cluster.rdzv, "--job-id", JOB_ID, "--run-dir", str(run_dir), *JOB, *extra)
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
-    return [cluster.popen(i, argv, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for i in range(3)]
+    hosts = []
+    for i in range(3):
+        with open(f"{run_dir}.host{i}.out", "w") as out, open(f"{run_dir}.host{i}.err", "w") as err:
+            hosts.append(cluster.popen(i, argv, env=env, cwd=REPO, stdout=out, stderr=err))
+    return hosts
 
 
-def finish(hosts: list[subprocess.Popen], timeout: float = 240) -> list[tuple[int, str]]:
+def finish(hosts: list[subprocess.Popen], run_dir: Path, timeout: float = 240) -> list[tuple[int, str]]:
     """Every host's exit code and stderr."""
-    return [(p.wait(timeout=timeout), p.communicate()[1]) for p in hosts]
+    codes = [p.wait(timeout=timeout) for p in hosts]
+    return [(code, Path(f"{run_dir}.host{i}.err").read_text()) for i, code in enumerate(codes)]
 
 
 def at_step(run_dir: Path, step: int, timeout: float = 180) -> None:
@@ -75,9 +95,10 @@ def _recovered(run_dir: Path, node: int, reference: str) -> dict:
     return rec
 
 
+@beyond_ci
 def test_three_hosts_train_to_the_single_host_digest_and_leave_nothing_behind(cluster: Cluster, tmp_path: Path,
                                                                               reference: str) -> None:
-    results = finish(start(cluster, tmp_path / "run"))
+    results = finish(start(cluster, tmp_path / "run"), tmp_path / "run")
     assert [code for code, _ in results] == [0, 0, 0], [err[-2000:] for _, err in results]
     s = summary(tmp_path / "run")
     assert s["digest"] == reference and s["steps"] == STEPS and s["recoveries"] == []
@@ -85,7 +106,7 @@ def test_three_hosts_train_to_the_single_host_digest_and_leave_nothing_behind(cl
     assert not list(Path("/dev/shm").glob(f"leto-{JOB_ID}-*"))
 
 
-@pytest.mark.parametrize("which", ["worker_host", "coordinator_host"])
+@pytest.mark.parametrize("which", [pytest.param("worker_host", marks=beyond_ci), "coordinator_host"])
 def test_sigkill_of_every_process_of_a_host_and_its_etcd_member(cluster: Cluster, tmp_path: Path, reference: str,
                                                                 which: str) -> None:
     run_dir = tmp_path / "run"
@@ -95,7 +116,7 @@ def test_sigkill_of_every_process_of_a_host_and_its_etcd_member(cluster: Cluster
     node = lead if which == "coordinator_host" else (lead + 1) % 3
     victim = host_of(cluster, run_dir, node)
     cluster.kill_host(victim)
-    results = finish(hosts)
+    results = finish(hosts, run_dir)
     assert results[victim][0] != 0
     assert all(code == 0 for i, (code, _) in enumerate(results) if i != victim), [e[-2000:] for _, e in results]
     _recovered(run_dir, node, reference)
@@ -104,6 +125,7 @@ def test_sigkill_of_every_process_of_a_host_and_its_etcd_member(cluster: Cluster
         assert any(e.get("event") == "takeover" for e in events)
 
 
+@beyond_ci
 @pytest.mark.parametrize("fault", ["cut_link", "freeze"])
 def test_a_host_cut_off_or_frozen_is_fenced_and_never_comes_back(cluster: Cluster, tmp_path: Path, reference: str,
                                                                  fault: str) -> None:
@@ -123,13 +145,14 @@ def test_a_host_cut_off_or_frozen_is_fenced_and_never_comes_back(cluster: Cluste
         cluster.restore_link(victim)
     else:
         cluster.thaw_host(victim)
-    results = finish(hosts)
+    results = finish(hosts, run_dir)
     code, err = results[victim]
     assert code == 1 and "leaves the job" in err and "lease" in err, err[-2000:]
     assert all(c == 0 for i, (c, _) in enumerate(results) if i != victim), [e[-2000:] for _, e in results]
     _recovered(run_dir, node, reference)
 
 
+@beyond_ci
 def test_etcd_below_quorum_stops_the_job_and_its_checkpoints_resume_it(cluster: Cluster, launcher, tmp_path: Path,
                                                                       reference: str) -> None:
     run_dir = tmp_path / "run"
@@ -137,7 +160,7 @@ def test_etcd_below_quorum_stops_the_job_and_its_checkpoints_resume_it(cluster: 
     at_step(run_dir, 9)
     cluster.kill_etcd(1)
     cluster.kill_etcd(2)
-    results = finish(hosts, timeout=60)
+    results = finish(hosts, run_dir, timeout=60)
     assert all(code == 1 and "leaves the job" in err for code, err in results), [e[-2000:] for _, e in results]
     res = launcher.run("train", "--resume", str(run_dir), *JOB, "--persist", "on", "--persist-every", "4",
                        run_dir=run_dir)

@@ -163,13 +163,16 @@ def test_persist_off_writes_nothing_and_a_start_removes_only_dead_jobs_segments(
     dead.wait()
     shm = Path("/dev/shm")
     gone = [shm / f"leto-{dead.pid}-1-g0-n0", shm / f"leto-{dead.pid}-1-owner",
-            shm / f"leto-{os.getpid()}-2-g3-n1"]  # a live pid whose owner record names another process
+            shm / f"leto-{os.getpid()}-2-g3-n1",  # a live pid whose owner record names another process
+            shm / f"leto-mh{dead.pid}-h1-g0-n1", shm / f"leto-mh{dead.pid}-h1-owner"]  # a dead multi-host one
     kept = [shm / f"leto-{os.getpid()}-3-g0-n0", shm / f"leto-{os.getpid()}-3-g1-n1",  # a live job, no owner record
-            shm / f"leto-{os.getpid()}-4-g0-n0"]  # a live job whose owner record matches
+            shm / f"leto-{os.getpid()}-4-g0-n0",  # a live job whose owner record matches
+            shm / f"leto-mh{os.getpid()}-h0-g0-n0"]  # a multi-host one with no owner record: whose is unknown
     made = gone + kept
     try:
         for p in made:
             p.write_text("")
+        (shm / f"leto-mh{dead.pid}-h1-owner").write_text(json.dumps({"pid": dead.pid, "start": "1"}))
         (shm / f"leto-{os.getpid()}-2-owner").write_text(json.dumps({"pid": os.getpid(), "start": "0"}))
         made.append(shm / f"leto-{os.getpid()}-2-owner")
         from leto.protection.shm import write_owner

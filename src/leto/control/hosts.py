@@ -20,7 +20,7 @@ from leto.control.supervisor import Supervisor
 from leto.protocol import keys
 from leto.protocol.messages import HostRecord
 from leto.runtime import linux
-from leto.runtime.etcd_store import EtcdStore, Fenced, StoreUnavailable
+from leto.runtime.etcd_store import EtcdError, EtcdStore, Fenced, StoreUnavailable
 
 HOST_CHECK_S = 0.05   # how often the coordinator reads the host records (the lease's verdict)
 ELECTION_CHECK_S = 0.1
@@ -114,7 +114,11 @@ def run_host(config: JobConfig, summary_extra: dict | None = None) -> int:
     base = EtcdStore.from_url(f"{r.url}/{r.job_id}", config.timeouts.collective_s)
     own, addr = _local_first(base)
     liveness = Liveness(addr)
-    lease = HostLease(base, r.lease_s)
+    try:
+        lease = HostLease(base, r.lease_s)
+    except (StoreUnavailable, EtcdError) as e:
+        print(f"leto: cannot join job {r.job_id!r} at {r.url}: {e}", file=sys.stderr)
+        return 1
     coordinator: Coordinator | None = None
     supervisor: Supervisor | None = None
     code: int | None = None

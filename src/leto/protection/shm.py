@@ -55,9 +55,11 @@ def region_name(job: str, generation: int, node: int) -> str:
     return f"leto-{job}-g{generation}-n{node}"
 
 
-# ----- leftovers of dead jobs. A job id is "<controller pid>-<store port>"; the controller also
-# writes an owner record naming its pid and start time, so a reused pid is not taken for it.
-_JOB_FILE = re.compile(r"leto-(\d+)-(\d+)-(?:g\d+-n\d+|owner)")
+# ----- leftovers of dead jobs. A job id is "<controller pid>-<store port>" (one host) or
+# "<job id>-h<node>" (one host of a multi-host job); the supervisor writes an owner record naming
+# its pid and start time, so a reused pid is not taken for it.
+_JOB_FILE = re.compile(r"leto-(.+?)-(?:g\d+-n\d+|owner)")
+_ONE_HOST_JOB = re.compile(r"(\d+)-\d+")
 
 
 def owner_path(job: str) -> Path:
@@ -79,15 +81,20 @@ def write_owner(job: str, pid: int) -> None:
     owner_path(job).write_text(json.dumps({"pid": pid, "start": _start_time(pid)}))
 
 
-def _job_alive(shm_dir: Path, job: str, pid: int) -> bool:
-    start = _start_time(pid)
-    if start is None:
-        return False
+def _job_alive(shm_dir: Path, job: str) -> bool:
     try:
         owner = json.loads((shm_dir / owner_path(job).name).read_text())
     except (OSError, ValueError):
-        return True  # no owner record (yet, or an older Leto): a live pid keeps its segments
-    return not isinstance(owner, dict) or owner.get("start") in (None, start)
+        owner = None
+    named = _ONE_HOST_JOB.fullmatch(job)
+    if isinstance(owner, dict) and isinstance(owner.get("pid"), int):
+        pid = owner["pid"]
+    elif named is not None:  # no owner record (yet, or an older Leto): a live pid keeps its segments
+        return _start_time(int(named.group(1))) is not None
+    else:
+        return True  # nothing says whose they are: keep them
+    start = _start_time(pid)
+    return start is not None and owner.get("start") in (None, start)
 
 
 def remove_dead_segments(shm_dir: Path | None = None) -> list[str]:
@@ -100,9 +107,9 @@ def remove_dead_segments(shm_dir: Path | None = None) -> list[str]:
         m = _JOB_FILE.fullmatch(path.name)
         if m is None:
             continue
-        job = f"{m.group(1)}-{m.group(2)}"
+        job = m.group(1)
         if job not in verdict:
-            verdict[job] = _job_alive(shm_dir, job, int(m.group(1)))
+            verdict[job] = _job_alive(shm_dir, job)
         if not verdict[job]:
             path.unlink(missing_ok=True)
             removed.append(path.name)

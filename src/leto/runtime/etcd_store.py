@@ -3,7 +3,7 @@
 With `--rdzv etcd://...` every Leto process (supervisors, coordinator, workers, keepers, shadows)
 and every process group's rendezvous uses this store, so the store dies with no single host:
 etcd keeps it while a quorum of its members lives. It talks to etcd's v3 JSON gateway through
-`etcd3gw` (docs/design.md, "Multi-host"), to the first endpoint that answers, trying the next
+`etcd3gw`'s client (docs/design.md, "Multi-host"), to the first endpoint that answers, trying the next
 ones when one does not (a host's own etcd member is put first).
 
 etcd has no increment and no blocking get: `add` is a compare-and-swap transaction retried on
@@ -17,8 +17,10 @@ import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
+import etcd3gw
 import requests
 import torch.distributed as dist
+from etcd3gw import exceptions as gw
 
 SCHEME = "etcd://"
 REQUEST_TIMEOUT_S = 2.0   # one HTTP request; etcd itself gives up on a write without quorum after ~5 s
@@ -77,7 +79,8 @@ class EtcdStore(dist.Store):
         self.prefix = f"/leto/{namespace}/"
         self.timeout_s = timeout_s
         self.fence = fence
-        self._session = requests.Session()
+        session = requests.Session()
+        self._clients = [etcd3gw.client(host=h, port=p, api_path="/v3/", session=session) for h, p in self.endpoints]
         self._current = 0
 
     @classmethod
@@ -105,17 +108,14 @@ class EtcdStore(dist.Store):
         deadline = deadline if deadline is not None else time.monotonic() + self.timeout_s
         errors: list[str] = []
         while True:
-            host, port = self.endpoints[self._current]
+            client = self._clients[self._current]
+            client.timeout = max(0.05, min(REQUEST_TIMEOUT_S, deadline - time.monotonic()))
             try:
-                left = max(0.05, min(REQUEST_TIMEOUT_S, deadline - time.monotonic()))
-                resp = self._session.post(f"http://{host}:{port}/v3/{path}", json=body, timeout=left)
-                if resp.status_code == 200:
-                    return resp.json()
-                if 400 <= resp.status_code < 500:  # a refusal, not a failed endpoint
-                    raise EtcdError(f"etcd refused {path}: {resp.text[:200]}")
-                errors.append(f"{host}:{port}: HTTP {resp.status_code} {resp.text[:200]}")
-            except requests.RequestException as e:
-                errors.append(f"{host}:{port}: {type(e).__name__}")
+                return client.post(client.get_url(path), json=body)
+            except (gw.ConnectionFailedError, gw.ConnectionTimeoutError, gw.InternalServerError) as e:
+                errors.append(f"{client.host}:{client.port}: {type(e).__name__} {(e.detail_text or str(e))[:200]}")
+            except gw.Etcd3Exception as e:  # an answer that refuses the request, not a failed endpoint
+                raise EtcdError(f"etcd refused {path}: {(e.detail_text or str(e))[:300]}") from e
             self._current = (self._current + 1) % len(self.endpoints)
             if time.monotonic() >= deadline:
                 raise StoreUnavailable("etcd unreachable or without quorum ("

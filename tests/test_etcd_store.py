@@ -1,0 +1,160 @@
+"""The job's store on etcd: a torch.distributed Store that gloo rendezvous through, whose writes a
+lost host can no longer make, and whose failures name the problem (one etcd member on 127.0.0.1)."""
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from conftest import leto_cmd
+from leto.cli import main
+from leto.runtime.etcd_store import EtcdStore, Fenced, StoreUnavailable, parse_endpoints
+
+pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed (scripts/install.sh)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory) -> Iterator[tuple[str, int]]:
+    client, peer = _free_port(), _free_port()
+    data = tmp_path_factory.mktemp("etcd")
+    proc = subprocess.Popen(["etcd", "--name", "t", "--data-dir", str(data / "d"),
+                             "--listen-client-urls", f"http://127.0.0.1:{client}",
+                             "--advertise-client-urls", f"http://127.0.0.1:{client}",
+                             "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+                             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                             "--initial-cluster", f"t=http://127.0.0.1:{peer}"],
+                            stdout=subprocess.DEVNULL, stderr=open(data / "log", "w"))
+    try:
+        store = EtcdStore([("127.0.0.1", client)], "probe", 10.0)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                store.set("up", "1")
+                break
+            except StoreUnavailable:
+                if time.monotonic() > deadline:
+                    raise RuntimeError((data / "log").read_text()[-2000:]) from None
+        yield ("127.0.0.1", client)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_it_keeps_the_store_contract(etcd: tuple[str, int]) -> None:
+    s = EtcdStore([etcd], "contract", 5.0)
+    s.set("a", b"\x00\xffbytes")
+    assert s.get("a") == b"\x00\xffbytes" and s.check(["a"]) and not s.check(["a", "b"])
+    assert [s.add("n", 1), s.add("n", 5), s.add("n", 0)] == [1, 6, 6]
+    assert s.compare_set("c", "", "x") == b"x" and s.compare_set("c", "y", "z") == b"x"
+    assert s.compare_set("c", "x", "w") == b"w" and s.get("c") == b"w"
+    assert s.delete_key("a") and not s.check(["a"]) and not s.delete_key("a")
+    s.multi_set(["m1", "m2"], ["1", "2"])
+    assert s.multi_get(["m1", "m2"]) == [b"1", b"2"] and s.num_keys() == 4
+    with pytest.raises(dist.DistStoreError, match="wait timeout"):
+        s.wait(["never"], timedelta(seconds=0.2))
+    threading.Timer(0.2, lambda: EtcdStore([etcd], "contract", 5.0).set("later", "v")).start()
+    assert s.get("later") == b"v"  # get waits for the key, like TCPStore's
+
+
+def test_concurrent_adds_lose_no_increment(etcd: tuple[str, int]) -> None:
+    def bump() -> None:
+        s = EtcdStore([etcd], "adds", 10.0)
+        for _ in range(20):
+            s.add("n", 1)
+    threads = [threading.Thread(target=bump) for _ in range(4)]
+    [t.start() for t in threads]
+    [t.join(timeout=60) for t in threads]
+    assert EtcdStore([etcd], "adds", 5.0).add("n", 0) == 80
+
+
+_RANK = """
+import sys, torch, torch.distributed as dist
+from datetime import timedelta
+from leto.runtime.etcd_store import EtcdStore
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+base = EtcdStore([("127.0.0.1", port)], "gloo", 30.0)  # held: a Python Store must outlive its users
+pg = dist.ProcessGroupGloo(dist.PrefixStore("pg/", base), rank, 2, timedelta(seconds=30))
+x = torch.full((3,), float(rank + 1))
+pg.allreduce([x]).wait()
+print(x.tolist())
+"""
+
+
+def test_gloo_rendezvous_through_it(etcd: tuple[str, int]) -> None:
+    ranks = [subprocess.Popen([sys.executable, "-c", _RANK, str(r), str(etcd[1])], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    results = [p.communicate(timeout=90) for p in ranks]
+    assert [out.strip() for out, _ in results] == ["[3.0, 3.0, 3.0]"] * 2, [err[-2000:] for _, err in results]
+
+
+def test_a_host_that_lost_its_lease_cannot_write(etcd: tuple[str, int]) -> None:
+    s = EtcdStore([etcd], "fence", 5.0)
+    lease = s.grant(5)
+    rev = s.create("control/host/0", "me", lease)
+    assert rev is not None and s.create("control/host/0", "again", lease) is None
+    child = EtcdStore.from_url(s.url(fence=("control/host/0", rev)), 5.0)
+    child.set("k", "1")
+    assert child.add("n", 1) == 1
+    s.revoke(lease)
+    assert s.entry("control/host/0") is None
+    for write in (lambda: child.set("k", "2"), lambda: child.add("n", 1), lambda: child.delete_key("k")):
+        with pytest.raises(Fenced, match="lost its lease"):
+            write()
+    assert s.get("k") == b"1" and s.add("n", 0) == 1
+    s.revoke(lease)  # revoking twice is fine (several hosts may fence the same one)
+    # a host record created again (a new incarnation) does not lift the old fence
+    s.create("control/host/0", "new", s.grant(5))
+    with pytest.raises(Fenced):
+        child.set("k", "3")
+
+
+def test_an_unreachable_etcd_is_a_clear_error_within_the_timeout() -> None:
+    s = EtcdStore([("127.0.0.1", _free_port()), ("127.0.0.1", _free_port())], "gone", 0.5)
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnavailable, match="etcd unreachable or without quorum"):
+        s.set("a", "1")
+    assert time.monotonic() - t0 < 5
+
+
+@pytest.mark.parametrize("url, why", [("http://h:2379", "starts with etcd://"), ("etcd://h", "not HOST:PORT"),
+                                      ("etcd://h:99999", "not HOST:PORT"), ("etcd://h:1,:2", "not HOST:PORT")])
+def test_bad_endpoint_lists_are_refused_with_the_reason(url: str, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        parse_endpoints(url)
+
+
+@pytest.mark.parametrize("args, why", [
+    (["--rdzv", "etcd://127.0.0.1"], "--rdzv: "),
+    (["--rdzv", "etcd://127.0.0.1:2379"], "needs --job-id"),
+    (["--rdzv", "etcd://127.0.0.1:2379", "--job-id", "a b"], "needs --job-id"),
+    (["--rdzv", "etcd://127.0.0.1:2379", "--job-id", "j", "--lease", "0"], "--lease must be at least 1"),
+    (["--job-id", "j"], "it needs --rdzv"),
+])
+def test_bad_rendezvous_flags_are_refused(args: list[str], why: str, tmp_path: Path, capsys) -> None:
+    assert main(["train", "--run-dir", str(tmp_path), *args]) == 2
+    assert why in capsys.readouterr().err
+
+
+def test_a_host_that_cannot_reach_etcd_says_so_and_exits(tmp_path: Path) -> None:
+    script = tmp_path / "s.py"
+    script.write_text("print('never runs')\n")
+    res = subprocess.run(leto_cmd("run", "--rdzv", f"etcd://127.0.0.1:{_free_port()}", "--job-id", "j",
+                                  "--run-dir", str(tmp_path / "run"), str(script)),
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1 and "cannot join job 'j'" in res.stderr and "etcd unreachable" in res.stderr
+    assert "never runs" not in res.stdout
