@@ -111,8 +111,9 @@ def run_host(config: JobConfig, summary_extra: dict | None = None) -> int:
     """Run this host's part of the job to its end; the job's exit code."""
     r = config.rendezvous
     t0 = time.monotonic()
-    base = EtcdStore.from_url(f"{r.url}/{r.job_id}", config.timeouts.collective_s)
-    own, addr = _local_first(base)
+    given = EtcdStore.from_url(f"{r.url}/{r.job_id}", config.timeouts.collective_s)
+    own, addr = _local_first(given)
+    base = EtcdStore.from_url(given.url(first=own), config.timeouts.collective_s)  # this host's member first
     liveness = Liveness(addr)
     try:
         lease = HostLease(base, r.lease_s)
@@ -125,7 +126,7 @@ def run_host(config: JobConfig, summary_extra: dict | None = None) -> int:
     try:
         node, rev = _join(base, config, lease, addr, liveness)
         fence = (keys.host(node), rev)
-        store = EtcdStore(base.endpoints, base.namespace, config.timeouts.collective_s, fence)
+        store = EtcdStore(base.endpoints, base.namespace, config.timeouts.collective_s, fence, abort=lease.lost)
         url = store.url(first=own)
         child_env = {"GLOO_SOCKET_IFNAME": iface} if (iface := linux.interface_of(addr)) else {}
         _await_hosts(store, config, lease)
@@ -199,9 +200,10 @@ def _elect(store: EtcdStore, config: JobConfig, node: int, lease: HostLease, sup
     """Become the coordinator if there is none (the key is bound to this host's lease)."""
     if store.create(keys.COORDINATOR, str(node), lease.id) is None:
         return None
-    hosts = Cluster(EtcdStore(store.endpoints, store.namespace, store.timeout_s, store.fence),
+    hosts = Cluster(EtcdStore(store.endpoints, store.namespace, store.timeout_s, store.fence, lease.lost),
                     config.training.nodes, node)
-    coordinator = Coordinator(EtcdStore(store.endpoints, store.namespace, store.timeout_s, store.fence), config,
+    coordinator = Coordinator(EtcdStore(store.endpoints, store.namespace, store.timeout_s, store.fence, lease.lost),
+                              config,
                               serve=supervisor.serve_commands, summary_extra=summary_extra, hosts=hosts)
     if store.check([keys.plan(0)]):
         coordinator.restore(store.under(keys.COMMAND_PREFIX), store.under(keys.REPORT_PREFIX))

@@ -25,6 +25,7 @@ class HostLease:
     """This host's lease, refreshed by a thread of its own (with its own etcd client)."""
 
     def __init__(self, store: EtcdStore, ttl_s: int) -> None:
+        """`store`: its endpoints in the order to try them (the host's own member first)."""
         self.ttl_s = ttl_s
         self._store = EtcdStore(store.endpoints, store.namespace, float(ttl_s))
         self.id = self._store.grant(ttl_s)
@@ -37,8 +38,8 @@ class HostLease:
     def _run(self) -> None:
         while not self._stop.wait(self.ttl_s / REFRESHES_PER_LEASE):
             sent = time.monotonic()
-            try:
-                ttl = self._store.keepalive(self.id, deadline=self._ok + self.ttl_s)
+            try:  # each try is short: a frozen member must not hold it past the lease time
+                ttl = self._store.keepalive(self.id, deadline=sent + self.ttl_s / REFRESHES_PER_LEASE)
             except StoreUnavailable:
                 continue  # lost() decides once the lease time has passed
             if ttl <= 0:

@@ -7,11 +7,13 @@ etcd keeps it while a quorum of its members lives. It talks to etcd's v3 JSON ga
 ones when one does not (a host's own etcd member is put first).
 
 etcd has no increment and no blocking get: `add` is a compare-and-swap transaction retried on
-conflict, and `get`/`wait` poll with a back-off, each with a deadline.
+conflict, and `get`/`wait` watch the keys they wait for (etcd pushes the change), each with a
+deadline.
 """
 from __future__ import annotations
 
 import base64
+import json
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -23,8 +25,12 @@ import torch.distributed as dist
 from etcd3gw import exceptions as gw
 
 SCHEME = "etcd://"
-REQUEST_TIMEOUT_S = 2.0   # one HTTP request; etcd itself gives up on a write without quorum after ~5 s
-POLL_MIN_S, POLL_MAX_S = 0.002, 0.025
+# One HTTP request. A member that is frozen (SIGSTOP) or whose host froze still accepts connections
+# (the kernel answers) but never replies: this is how long it can hold a request before the next
+# endpoint is tried. etcd itself gives up on a write without a quorum after ~5 s.
+REQUEST_TIMEOUT_S = 1.0
+WATCH_S = 1.0             # the longest single watch of a wait: then the keys (and `abort`) are checked again
+POLL_MIN_S = 0.002        # the longest random pause before an `add` retries a conflict
 
 
 class StoreUnavailable(dist.DistStoreError):
@@ -70,8 +76,11 @@ class EtcdStore(dist.Store):
     host that lost its lease can never write into the job again (`Fenced`)."""
 
     def __init__(self, endpoints: Sequence[tuple[str, int]], namespace: str, timeout_s: float,
-                 fence: tuple[str, int] | None = None) -> None:
+                 fence: tuple[str, int] | None = None, abort: Callable[[], str | None] | None = None) -> None:
+        """`abort`: a check that makes every retry give up at once with its reason (a
+        supervisor whose host lost its lease stops waiting for etcd)."""
         super().__init__()
+        self.abort = abort
         if not endpoints:
             raise ValueError("an etcd store needs at least one endpoint")
         self.endpoints = list(endpoints)
@@ -108,6 +117,8 @@ class EtcdStore(dist.Store):
         deadline = deadline if deadline is not None else time.monotonic() + self.timeout_s
         errors: list[str] = []
         while True:
+            if self.abort is not None and (why := self.abort()) is not None:
+                raise StoreUnavailable(f"gave up on etcd: {why}")
             client = self._clients[self._current]
             client.timeout = max(0.05, min(REQUEST_TIMEOUT_S, deadline - time.monotonic()))
             try:
@@ -127,14 +138,42 @@ class EtcdStore(dist.Store):
         kvs = self.request("kv/range", {"key": _b64(self.prefix + key)}).get("kvs")
         return kvs[0] if kvs else None
 
-    def _poll(self, ready: Callable[[], bool], what: str, timeout_s: float) -> None:
+    def _await(self, keys: list[str], timeout_s: float) -> dict[str, dict]:
+        """Wait until every key exists (etcd pushes the change: a watch, not a poll); their
+        entries. DistStoreError after `timeout_s`, as TCPStore's waits."""
         deadline = time.monotonic() + timeout_s
-        pause = POLL_MIN_S
-        while not ready():
-            if time.monotonic() >= deadline:
-                raise dist.DistStoreError(f"wait timeout after {timeout_s:.3f}s for {what}")
-            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
-            pause = min(POLL_MAX_S, pause * 2)
+        while True:
+            found: dict[str, dict] = {}
+            revision = 0
+            for key in keys:
+                result = self.request("kv/range", {"key": _b64(self.prefix + key)}, max(deadline, time.monotonic() + 1))
+                revision = max(revision, int(result["header"]["revision"]))
+                if result.get("kvs"):
+                    found[key] = result["kvs"][0]
+            missing = [k for k in keys if k not in found]
+            if not missing:
+                return found
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise dist.DistStoreError(f"wait timeout after {timeout_s:.3f}s for keys {missing}")
+            self._watch(missing[0], revision + 1, min(left, WATCH_S))
+
+    def _watch(self, key: str, start_revision: int, seconds: float) -> None:
+        """Return once `key` changes at or after `start_revision`, or after about `seconds`."""
+        client = self._clients[self._current]
+        body = {"create_request": {"key": _b64(self.prefix + key), "start_revision": str(start_revision)}}
+        try:
+            with client.session.post(client.get_url("watch"), json=body, stream=True,
+                                     timeout=(REQUEST_TIMEOUT_S, max(0.01, seconds))) as resp:
+                for line in resp.iter_lines():
+                    result = json.loads(line).get("result", {}) if line else {}
+                    if result.get("events") or result.get("canceled"):
+                        return
+        except requests.exceptions.ReadTimeout:
+            return
+        except (requests.RequestException, ValueError):
+            self._current = (self._current + 1) % len(self.endpoints)
+            time.sleep(min(0.05, seconds))
 
     def _write(self, ops: list[dict], compare: list[dict] | None = None, deadline: float | None = None) -> dict:
         """One transaction of `ops` under `compare` and this process's fence; raises `Fenced`
@@ -196,15 +235,7 @@ class EtcdStore(dist.Store):
         self._write([{"request_put": {"key": _b64(self.prefix + key), "value": _b64(value)}}])
 
     def get(self, key: str) -> bytes:
-        found: list[dict] = []
-
-        def ready() -> bool:
-            kv = self._range(key)
-            if kv is not None:
-                found.append(kv)
-            return kv is not None
-        self._poll(ready, f"key {key!r}", self.timeout_s)
-        return base64.b64decode(found[0].get("value", ""))
+        return base64.b64decode(self._await([key], self.timeout_s)[key].get("value", ""))
 
     def add(self, key: str, value: int) -> int:
         full = _b64(self.prefix + key)
@@ -247,8 +278,7 @@ class EtcdStore(dist.Store):
         self._write(ops)
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        seconds = self.timeout_s if timeout is None else timeout.total_seconds()
-        self._poll(lambda: self.check(keys), f"keys {keys}", seconds)
+        self._await(keys, self.timeout_s if timeout is None else timeout.total_seconds())
 
     def num_keys(self) -> int:
         result = self.request("kv/range", {"key": _b64(self.prefix), "range_end": _prefix_end(self.prefix),
