@@ -119,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--trials", type=int, default=3, help="trials per system (recovery, productivity) [3]")
     bench.add_argument("--out", type=Path, default=None, help="folder for plots and raw results [a temp folder]")
     bench.add_argument("--workers", type=int, default=4)
+    bench.add_argument("--hosts", type=int, default=None,
+                       help="recovery: lose a whole host of a multi-host job on a cluster of network-namespace hosts "
+                            "(root, etcd; 2 workers per host), next to checkpoint-restart on the same hosts")
     bench.add_argument("--model", default="tiny")
     # overhead only (docs/benchmarks.md, "Protection overhead")
     bench.add_argument("--rounds", type=int, default=None,
@@ -209,7 +212,8 @@ def _start(args: argparse.Namespace, command: list[str], prog: str) -> tuple[Pat
     try:
         if args.resume is not None:
             run_dir = args.resume.resolve()
-            return run_dir, resume.resume(run_dir, command, args.persist == "on", args.mtbf_s, args.persist_every)
+            return run_dir, resume.resume(run_dir, command, args.persist == "on", args.mtbf_s, args.persist_every,
+                                          args.job_id if args.rdzv else None)
         run_dir = make_run_dir(args.run_dir, prog)
         return run_dir, resume.fresh(run_dir, command, args.persist == "on", args.persist_dir, args.mtbf_s,
                                      args.persist_every)
@@ -352,6 +356,9 @@ def _bench(args: argparse.Namespace) -> int:
         raise UsageError(f"leto bench: error: --trials must be at least 1, got {args.trials}")
     if args.model not in PRESETS:
         raise UsageError(f"leto bench: error: unknown --model {args.model!r}; choose from {', '.join(PRESETS)}")
+    if args.hosts is not None and (args.what != "recovery" or not 3 <= args.hosts <= 5):
+        raise UsageError("leto bench: error: --hosts is for `leto bench recovery`, with 3 to 5 hosts "
+                         "(one etcd member each)")
     if not 1 <= args.workers <= PRESETS[args.model].batch_size:
         raise UsageError(f"leto bench: error: --workers must be in 1..{PRESETS[args.model].batch_size}")
     try:

@@ -184,6 +184,9 @@ def section_for(failure: str, step: int, trials: dict[str, list[dict]], skipped:
 
 
 def main(args: argparse.Namespace) -> int:
+    if getattr(args, "hosts", None):
+        from leto.bench import hosts
+        return hosts.main(args)
     steps = args.steps or DEFAULT_STEPS
     nodes = min(2, args.workers)
     cfg = JobConfig(workers=args.workers, nodes=nodes, steps=steps, model=args.model)

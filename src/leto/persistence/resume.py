@@ -8,11 +8,14 @@ summary aside and starts a new job in RUN_DIR from that checkpoint.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import shlex
 import shutil
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +25,7 @@ from leto.persistence.interval import parse_duration
 from leto.persistence.writer import ENV_PERSIST, ENV_RESUME, PersistConfig
 
 RECORD = "persist.json"
+CLAIM = "resume-claim.json"   # which attempt of a multi-host run has been resumed (by its first host)
 DEFAULT_DIR = "checkpoints"   # under RUN_DIR
 DEFAULT_MTBF = "5m"           # --mtbf: a failure every few minutes of training (docs/design.md)
 
@@ -70,9 +74,12 @@ def fresh(run_dir: Path, command: list[str], persist: bool, persist_dir: Path | 
     return Start(root, {ENV_PERSIST: cfg.to_env()})
 
 
-def resume(run_dir: Path, command: list[str], persist: bool, mtbf_s: float, every: int | None) -> Start:
+def resume(run_dir: Path, command: list[str], persist: bool, mtbf_s: float, every: int | None,
+           attempt: str | None = None) -> Start:
     """Resume the run in `run_dir` from its newest complete checkpoint. CheckpointError names
-    what is wrong with the folder."""
+    what is wrong with the folder. `attempt`: where the hosts of a multi-host job resume it
+    together, the new job's id: only the first of them checks that the old run is over and
+    sets its records aside (the others would find this attempt's own)."""
     if not run_dir.is_dir():
         raise store.CheckpointError(f"{run_dir} is not a folder")
     record = read_json(run_dir / RECORD)
@@ -83,14 +90,18 @@ def resume(run_dir: Path, command: list[str], persist: bool, mtbf_s: float, ever
         raise store.CheckpointError(
             f"its checkpoints belong to another configuration: recorded `{shlex.join(record['command'])}`, "
             f"now `{shlex.join(command)}` (give the flags of the run being resumed)")
-    _not_running(run_dir)
     root = run_dir / record["dir"]  # a relative one is inside the run folder
-    ck = store.choose(root, fingerprint(command), lambda msg: print(f"leto: {msg}", file=sys.stderr))
-    for step, path in store.steps_on_disk(root):  # newer ones are torn or corrupt: this run rewrites them
-        if step > ck.step:
-            shutil.rmtree(path, ignore_errors=True)
-    last = _last_step(run_dir / "metrics.jsonl")
-    _set_aside(run_dir)
+    with _claim(run_dir, attempt) as claim:
+        if claim.first:
+            _not_running(run_dir)
+        ck = store.choose(root, fingerprint(command), lambda msg: print(f"leto: {msg}", file=sys.stderr))
+        if claim.first:
+            for step, path in store.steps_on_disk(root):  # newer ones are torn or corrupt: this run rewrites them
+                if step > ck.step:
+                    shutil.rmtree(path, ignore_errors=True)
+            claim.last = _last_step(run_dir / "metrics.jsonl")
+            _set_aside(run_dir)
+    last = claim.last
     start = Start(root if persist else None, {ENV_RESUME: json.dumps({"path": str(ck.path), "step": ck.step})},
                   {"resumed_from_step": ck.step, "steps_lost": None if last is None else max(0, last - ck.step),
                    "resumed_from": str(ck.path)})
@@ -102,10 +113,34 @@ def resume(run_dir: Path, command: list[str], persist: bool, mtbf_s: float, ever
     return start
 
 
+@dataclass
+class _Claim:
+    first: bool
+    last: int | None = None
+
+
+@contextmanager
+def _claim(run_dir: Path, attempt: str | None) -> Iterator[_Claim]:
+    """Whether this process is the first to resume `attempt` (always, for one host), under a
+    lock on the run folder; the first one records what the others need (`last`)."""
+    if attempt is None:
+        yield _Claim(True)
+        return
+    with open(run_dir / ".resume.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        seen = read_json(run_dir / CLAIM)
+        if isinstance(seen, dict) and seen.get("attempt") == attempt:
+            yield _Claim(False, seen.get("last"))
+            return
+        claim = _Claim(True)
+        yield claim
+        write_json_atomic(run_dir / CLAIM, {"attempt": attempt, "last": claim.last})
+
+
 def _not_running(run_dir: Path) -> None:
     """The run being resumed must be over: its controller (procs.json) is gone."""
     from leto.runtime.linux import proc_stat
-    procs = read_json_list(run_dir / "procs.json")
+    procs = [p for path in sorted(run_dir.glob("procs*.json")) for p in read_json_list(path)]  # one host, or each
     for p in procs:
         if p.get("role") == "controller" and isinstance(p.get("pid"), int):
             fields = proc_stat(p["pid"])

@@ -1,0 +1,220 @@
+"""`leto bench recovery --hosts 3`: a host's loss on a cluster of network-namespace hosts.
+
+Every host runs `leto train --rdzv` (one etcd member each, tests/netns_cluster.py). The same job
+(`--workers 2×hosts`, tier 2 across hosts) is failed three ways:
+- `host`: SIGKILL of every process of a host that is not the coordinator, with its etcd member;
+- `coordinator`: the same for the coordinator's host;
+- `partition`: the link of a host that is not the coordinator cut, then restored.
+
+Systems, side by side in one run:
+- `leto`: in-place recovery with 2 spares;
+- `checkpoint-restart`: the same job with protection off and a checkpoint every K steps. A
+  failure stops it on every host, and it restarts on the same hosts (the killed host's
+  namespace, with its etcd member restarted, stands for a replacement host) from the newest
+  checkpoint, with `--resume`.
+
+All numbers come from the runs' metrics.jsonl through `runs.analyze_recovery`, from the moment
+of the kill or the cut:
+- `first_s`: until a step completes again;
+- `regain_s`: until the step in flight at the failure is done again;
+- `recovery_s`: as `regain_s`, and the next steps also run at the pre-failure speed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from leto.bench.runs import analyze_recovery, default_out, log, machine, median, ratio
+
+STEPS = 30
+KILL_AFTER = 8          # the failure comes once this step is recorded
+CKPT_EVERY = 5          # checkpoint-restart's K
+TARGETS_S = {"host": 3.0, "coordinator": 4.0}  # partition: the lease time + 1 s
+SCENARIOS = ("host", "coordinator", "partition")
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _harness():
+    """tests/netns_cluster.py of this checkout (the benchmark needs the source tree and root)."""
+    tests = REPO / "tests"
+    if not (tests / "netns_cluster.py").exists():
+        raise RuntimeError(f"leto bench recovery --hosts needs the source tree's tests/netns_cluster.py "
+                           f"(not found under {tests})")
+    sys.path.insert(0, str(tests))
+    import netns_cluster
+    why = netns_cluster.available()
+    if why is not None:
+        raise RuntimeError(f"no namespace cluster on this machine: {why}")
+    return netns_cluster
+
+
+def _records(run_dir: Path) -> list[dict]:
+    out = []
+    for path in sorted(run_dir.glob("metrics.jsonl.attempt*")) + [run_dir / "metrics.jsonl"]:
+        if path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+    return out
+
+
+def _last_step(run_dir: Path) -> int:
+    return max((r["step"] for r in _records(run_dir) if "event" not in r and isinstance(r.get("step"), int)),
+               default=-1)
+
+
+def _wait(pred, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(0.02)
+
+
+class _Job:
+    """One `leto train --rdzv` per host, output to RUN_DIR.host<i>.<attempt>.{out,err}."""
+
+    def __init__(self, cluster, run_dir: Path, job_id: str, flags: list[str]) -> None:
+        self.cluster, self.run_dir, self.job_id, self.flags = cluster, run_dir, job_id, flags
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, attempt: int, extra: list[str]) -> None:
+        env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
+        argv = [sys.executable, "-m", "leto.cli", "train", "--rdzv", self.cluster.rdzv,
+                "--job-id", f"{self.job_id}-a{attempt}", *self.flags, *extra]
+        self.procs = []
+        for i in range(self.cluster.hosts):
+            with open(f"{self.run_dir}.host{i}.{attempt}.out", "w") as out, \
+                    open(f"{self.run_dir}.host{i}.{attempt}.err", "w") as err:
+                self.procs.append(self.cluster.popen(i, argv, env=env, cwd=REPO, stdout=out, stderr=err))
+
+    def wait(self, timeout_s: float) -> list[int]:
+        deadline = time.monotonic() + timeout_s
+        codes = []
+        for p in self.procs:
+            try:
+                codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                p.send_signal(signal.SIGKILL)
+                codes.append(p.wait())
+        return codes
+
+    def coordinator_host(self, attempt: int) -> tuple[int, int]:
+        """(node of the coordinator, the host index that runs it)."""
+        got = self.cluster.etcdctl(0, "get", f"/leto/{self.job_id}-a{attempt}/control/coordinator",
+                                   "--print-value-only")
+        node = int(got.stdout.strip())
+        return node, self.host_of(node)
+
+    def host_of(self, node: int) -> int:
+        procs = json.loads((self.run_dir / f"procs-host{node}.json").read_text())
+        pid = next(p["pid"] for p in procs if p["role"] == "controller")
+        return next(i for i in range(self.cluster.hosts) if pid in self.cluster.pids(i))
+
+
+def run_one(nc, system: str, scenario: str, out: Path, trial: int, args: argparse.Namespace) -> dict:
+    """One run: start the job, fail it once, let it finish; its numbers."""
+    hosts = args.hosts
+    run_dir = out / f"{system}-{scenario}-t{trial}"
+    flags = ["--nodes", str(hosts), "--workers", str(2 * hosts), "--steps", str(args.steps or STEPS),
+             "--model", args.model, "--run-dir", str(run_dir), "--lease", "2"]
+    if system == "leto":
+        flags += ["--spares", "2", "--persist", "off"]
+    else:
+        flags += ["--spares", "0", "--protection", "off", "--persist", "on", "--persist-every", str(CKPT_EVERY)]
+    rec: dict = {"system": system, "scenario": scenario, "run_dir": str(run_dir)}
+    with nc.Cluster(hosts=hosts) as cluster:
+        job = _Job(cluster, run_dir, f"b{os.getpid()}-{system}-{scenario}-{trial}", flags)
+        job.start(0, [])
+        _wait(lambda: _last_step(run_dir) >= KILL_AFTER, 300, f"step {KILL_AFTER}")
+        lead, lead_host = job.coordinator_host(0)
+        node = lead if scenario == "coordinator" else (lead + 1) % hosts
+        victim = lead_host if scenario == "coordinator" else job.host_of(node)
+        t_fail = time.time()
+        if scenario == "partition":
+            cluster.cut_link(victim)
+            job.procs[victim].wait(timeout=60)  # it leaves the job once its lease is gone
+            rec["victim_left_s"] = round(time.time() - t_fail, 3)
+            cluster.restore_link(victim)
+        else:
+            cluster.kill_host(victim)
+        if system == "checkpoint-restart":
+            job.wait(120)  # every host stops: nothing protects the lost state
+            if scenario != "partition":
+                cluster.start_etcd(victim)
+            cluster.wait_healthy()
+            job.start(1, ["--resume", str(run_dir)])
+        codes = job.wait(600)
+        rec["exit_codes"] = codes
+        rec["failed_node"] = node
+    rec.update(analyze_recovery(_records(run_dir), t_fail))
+    summary = run_dir / "summary.json"
+    s = json.loads(summary.read_text()) if summary.exists() else {}
+    rec["ok"] = s.get("exit_code") == 0 and s.get("steps") == (args.steps or STEPS)
+    rec["digest"] = s.get("digest")
+    recs = s.get("recoveries") or []
+    if recs:
+        rec["leto_record"] = {k: recs[0].get(k) for k in ("detect_s", "restore_s", "join_s", "total_s", "tier",
+                                                           "world_size")}
+    return rec
+
+
+def main(args: argparse.Namespace) -> int:
+    nc = _harness()
+    out = args.out or default_out("recovery-hosts")
+    out.mkdir(parents=True, exist_ok=True)
+    runs = [(system, scenario) for scenario in SCENARIOS for system in ("leto", "checkpoint-restart")
+            if system == "leto" or scenario == "host"]
+    results: list[dict] = []
+    for trial in range(args.trials):
+        for system, scenario in runs:
+            log(f"bench recovery --hosts {args.hosts}: trial {trial + 1}/{args.trials}: {system}, {scenario} lost")
+            results.append(run_one(nc, system, scenario, out, trial, args))
+    table: dict = {}
+    for system, scenario in runs:
+        mine = [r for r in results if r["system"] == system and r["scenario"] == scenario and r["ok"]]
+        table[f"{system}/{scenario}"] = {k: median([r.get(k) for r in mine])
+                                          for k in ("detect_s", "first_s", "regain_s", "recovery_s", "lost_steps")}
+        table[f"{system}/{scenario}"]["trials_ok"] = len(mine)
+    leto_host, ckpt_host = table["leto/host"], table["checkpoint-restart/host"]
+    lease_s = 2.0
+    targets = {
+        "host_loss_training_again_s": {"measured": leto_host["regain_s"], "target": TARGETS_S["host"]},
+        "coordinator_host_loss_training_again_s": {"measured": table["leto/coordinator"]["regain_s"],
+                                                   "target": TARGETS_S["coordinator"]},
+        "partition_training_again_s": {"measured": table["leto/partition"]["regain_s"], "target": lease_s + 1.0},
+    }
+    for t in targets.values():
+        t["met"] = t["measured"] is not None and t["measured"] <= t["target"]
+    report = {"hosts": args.hosts, "trials": args.trials, "steps": args.steps or STEPS, "kill_after_step": KILL_AFTER,
+              "checkpoint_every": CKPT_EVERY, "lease_s": lease_s, "systems": table, "targets": targets,
+              "speedup_regain_host_loss": ratio(ckpt_host["regain_s"], leto_host["regain_s"]),
+              "machine": machine(), "runs": results}
+    (out / "recovery-hosts.json").write_text(json.dumps(report, indent=1))
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    print(f"leto bench recovery --hosts {args.hosts}: {args.trials} trial(s), {2 * args.hosts} workers, "
+          f"model {args.model}, lease {lease_s:g}s; medians in seconds from the failure")
+    print(f"{'system / failure':34} {'detect':>7} {'first step':>10} {'training again':>14} {'full speed':>10}"
+          f" {'lost steps':>10}")
+    for name, row in table.items():
+        cells = [row["detect_s"], row["first_s"], row["regain_s"], row["recovery_s"], row["lost_steps"]]
+        print(f"{name:34} " + " ".join(f"{'-' if v is None else f'{v:.2f}':>{w}}"
+                                       for v, w in zip(cells, (7, 10, 14, 10, 10))))
+    sp = report["speedup_regain_host_loss"]
+    print(f"host loss, training again: checkpoint-restart / leto = {'-' if sp is None else f'{sp:.1f}x'}")
+    for name, t in targets.items():
+        m = t["measured"]
+        print(f"target {name}: {'-' if m is None else f'{m:.2f}'}s <= {t['target']:.1f}s: "
+              f"{'met' if t['met'] else 'NOT met'}")
+    print(f"raw results: {out / 'recovery-hosts.json'}")
+    return 0
