@@ -19,6 +19,11 @@ import time
 from leto.runtime.etcd_store import EtcdStore, StoreUnavailable
 
 REFRESHES_PER_LEASE = 4
+# A host that cannot refresh gives etcd one more lease time before it takes itself out: a new etcd
+# leader extends every lease (lessor promotion), so an election never expires one, and a host
+# must not stop itself during one. Its lease may expire earlier at etcd; from then on etcd refuses
+# its writes (the fence) and no later generation includes it, so waiting is safe.
+SILENT_LEASES = 2
 
 
 class HostLease:
@@ -52,7 +57,7 @@ class HostLease:
         if self._expired:
             return "its etcd lease expired (the other hosts declared it lost)"
         silent = time.monotonic() - self._ok
-        if silent >= self.ttl_s:
+        if silent >= SILENT_LEASES * self.ttl_s:
             return f"it could not refresh its etcd lease for {silent:.1f}s (cut off from the etcd quorum)"
         return None
 
