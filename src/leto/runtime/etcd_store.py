@@ -29,6 +29,7 @@ SCHEME = "etcd://"
 # (the kernel answers) but never replies: this is how long it can hold a request before the next
 # endpoint is tried. etcd itself gives up on a write without a quorum after ~5 s.
 REQUEST_TIMEOUT_S = 1.0
+SHUN_S = 5.0              # an endpoint that failed is tried after the others for this long
 WATCH_S = 1.0             # the longest single watch of a wait: then the keys (and `abort`) are checked again
 POLL_MIN_S = 0.002        # the longest random pause before an `add` retries a conflict
 
@@ -90,7 +91,7 @@ class EtcdStore(dist.Store):
         self.fence = fence
         session = requests.Session()
         self._clients = [etcd3gw.client(host=h, port=p, api_path="/v3/", session=session) for h, p in self.endpoints]
-        self._current = 0
+        self._shunned = [0.0] * len(self.endpoints)  # until when an endpoint that failed is tried last
 
     @classmethod
     def from_url(cls, url: str, timeout_s: float) -> EtcdStore:
@@ -111,28 +112,38 @@ class EtcdStore(dist.Store):
                 + (f"?fence={fence[0]}@{fence[1]}" if fence else ""))
 
     # ----- the wire
+    def _order(self) -> list[int]:
+        """The endpoints to try, in order: the given order (this host's own member first), but
+        one that failed in the last SHUN_S seconds after every other."""
+        now = time.monotonic()
+        return sorted(range(len(self.endpoints)), key=lambda i: self._shunned[i] > now)
+
+    def _failed(self, i: int) -> None:
+        self._shunned[i] = time.monotonic() + SHUN_S
+
     def request(self, path: str, body: dict, deadline: float | None = None) -> dict:
-        """One request of etcd's v3 JSON API, to the current endpoint or, when it does not
-        answer, the next ones, until `deadline` (default: the store timeout from now)."""
+        """One request of etcd's v3 JSON API, to the first endpoint that answers (`_order`),
+        until `deadline` (default: the store timeout from now)."""
         deadline = deadline if deadline is not None else time.monotonic() + self.timeout_s
         errors: list[str] = []
         while True:
-            if self.abort is not None and (why := self.abort()) is not None:
-                raise StoreUnavailable(f"gave up on etcd: {why}")
-            client = self._clients[self._current]
-            client.timeout = max(0.05, min(REQUEST_TIMEOUT_S, deadline - time.monotonic()))
-            try:
-                return client.post(client.get_url(path), json=body)
-            except (gw.ConnectionFailedError, gw.ConnectionTimeoutError, gw.InternalServerError) as e:
-                errors.append(f"{client.host}:{client.port}: {type(e).__name__} {(e.detail_text or str(e))[:200]}")
-            except gw.Etcd3Exception as e:  # an answer that refuses the request, not a failed endpoint
-                raise EtcdError(f"etcd refused {path}: {(e.detail_text or str(e))[:300]}") from e
-            self._current = (self._current + 1) % len(self.endpoints)
-            if time.monotonic() >= deadline:
-                raise StoreUnavailable("etcd unreachable or without quorum ("
-                                       + "; ".join(errors[-len(self.endpoints):]) + ")")
-            if self._current == 0:
-                time.sleep(0.05)  # every endpoint failed once: do not spin
+            for i in self._order():
+                if self.abort is not None and (why := self.abort()) is not None:
+                    raise StoreUnavailable(f"gave up on etcd: {why}")
+                client = self._clients[i]
+                client.timeout = max(0.05, min(REQUEST_TIMEOUT_S, deadline - time.monotonic()))
+                try:
+                    return client.post(client.get_url(path), json=body)
+                except (gw.ConnectionFailedError, gw.ConnectionTimeoutError, gw.InternalServerError) as e:
+                    errors.append(f"{client.host}:{client.port}: {type(e).__name__} "
+                                  f"{(e.detail_text or str(e))[:200]}")
+                    self._failed(i)
+                except gw.Etcd3Exception as e:  # an answer that refuses the request, not a failed endpoint
+                    raise EtcdError(f"etcd refused {path}: {(e.detail_text or str(e))[:300]}") from e
+                if time.monotonic() >= deadline:
+                    raise StoreUnavailable("etcd unreachable or without quorum ("
+                                           + "; ".join(errors[-len(self.endpoints):]) + ")")
+            time.sleep(0.05)  # every endpoint failed once: do not spin
 
     def _range(self, key: str) -> dict | None:
         kvs = self.request("kv/range", {"key": _b64(self.prefix + key)}).get("kvs")
@@ -160,7 +171,8 @@ class EtcdStore(dist.Store):
 
     def _watch(self, key: str, start_revision: int, seconds: float) -> None:
         """Return once `key` changes at or after `start_revision`, or after about `seconds`."""
-        client = self._clients[self._current]
+        first = self._order()[0]
+        client = self._clients[first]
         body = {"create_request": {"key": _b64(self.prefix + key), "start_revision": str(start_revision)}}
         try:
             with client.session.post(client.get_url("watch"), json=body, stream=True,
@@ -172,7 +184,7 @@ class EtcdStore(dist.Store):
         except requests.exceptions.ReadTimeout:
             return
         except (requests.RequestException, ValueError):
-            self._current = (self._current + 1) % len(self.endpoints)
+            self._failed(first)
             time.sleep(min(0.05, seconds))
 
     def _write(self, ops: list[dict], compare: list[dict] | None = None, deadline: float | None = None) -> dict:
