@@ -351,7 +351,7 @@ def test_productivity_bench_end_to_end(tmp_path: Path, monkeypatch: pytest.Monke
     # two failures, after steps 1 and 2 of the reference run whatever its speed: a short, bounded test
     monkeypatch.setattr(productivity, "failure_schedule", lambda *a: [ScheduledKill(0.0, 1), ScheduledKill(0.0, 2)])
     monkeypatch.setattr(productivity, "torchft_status", lambda: "not installed")
-    args = argparse.Namespace(json=True, steps=12, trials=1, out=tmp_path / "out", workers=4, model="tiny")
+    args = argparse.Namespace(json=True, steps=8, trials=1, out=tmp_path / "out", workers=4, model="tiny")
     code = productivity.main(args)
     doc = json.loads(capsys.readouterr().out)                # stdout is the JSON document and nothing else
     assert code == 0

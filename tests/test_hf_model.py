@@ -8,7 +8,7 @@ import random
 from conftest import REPO, no_process_left, run_user_script
 
 SCRIPT = str(REPO / "tests" / "scripts" / "hf_model.py")
-STEPS = 12
+STEPS = 9
 
 
 def test_a_hugging_face_gpt2_recovers_to_the_failure_free_digest(launcher, tmp_path) -> None:
