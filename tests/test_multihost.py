@@ -19,7 +19,9 @@ from netns_cluster import Cluster, available
 pytestmark = pytest.mark.skipif(available() is not None, reason=f"no namespace cluster here: {available()}")
 
 STEPS = 10
-JOB = ("--workers", "6", "--nodes", "3", "--spares", "2", "--steps", str(STEPS), "--seed", "0")
+# one warm shadow (on node 0) for a host's two ranks: every host loss needs a shadow forked from a
+# surviving host's zygote during the recovery
+JOB = ("--workers", "6", "--nodes", "3", "--spares", "1", "--steps", str(STEPS), "--seed", "0")
 JOB_ID = ""  # a new one per job (`cluster`): ids are never reused
 _JOBS = itertools.count()
 # CI runs one of these jobs (a coordinator's host killed: a 3-host job, a whole host's processes
@@ -87,11 +89,16 @@ def reference(launcher, tmp_path_factory) -> str:
     return reference_digest(launcher, tmp_path_factory.mktemp("ref"), *JOB[:4], *JOB[6:])  # spares change nothing
 
 
-def _recovered(run_dir: Path, node: int, reference: str) -> dict:
+def _recovered(cluster: Cluster, run_dir: Path, node: int, reference: str) -> dict:
+    """One recovery of node `node` at full strength, a shadow forked for it, the failure-free digest."""
     s = summary(run_dir)
     assert s["exit_code"] == 0 and s["digest"] == reference
     rec = s["recoveries"][0]
     assert rec["failed_nodes"] == [node] and rec["world_size"] == 6 and rec["tier"] == "tier2", rec
+    survivor = next(i for i in range(3) if cluster.etcd_healthy(i))
+    forked = [p for p in rec["adopted_by"].values() if cluster.etcdctl(
+        survivor, "get", f"/leto/{JOB_ID}/control/forked/{p}", "--print-value-only").stdout.strip()]
+    assert forked, rec["adopted_by"]
     return rec
 
 
@@ -119,7 +126,7 @@ def test_sigkill_of_every_process_of_a_host_and_its_etcd_member(cluster: Cluster
     results = finish(hosts, run_dir)
     assert results[victim][0] != 0
     assert all(code == 0 for i, (code, _) in enumerate(results) if i != victim), [e[-2000:] for _, e in results]
-    _recovered(run_dir, node, reference)
+    _recovered(cluster, run_dir, node, reference)
     if which == "coordinator_host":
         events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert any(e.get("event") == "takeover" for e in events)
@@ -149,7 +156,7 @@ def test_a_host_cut_off_or_frozen_is_fenced_and_never_comes_back(cluster: Cluste
     code, err = results[victim]
     assert code == 1 and "leaves the job" in err and "lease" in err, err[-2000:]
     assert all(c == 0 for i, (c, _) in enumerate(results) if i != victim), [e[-2000:] for _, e in results]
-    _recovered(run_dir, node, reference)
+    _recovered(cluster, run_dir, node, reference)
 
 
 @beyond_ci
