@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, leto_cmd, reference_digest, summary, wait_for
 from netns_cluster import Cluster, available
 
