@@ -7,7 +7,9 @@ cd "$(dirname "$0")/.."
 # etcd (multi-host jobs' control plane, and the tests' namespace cluster) and iproute2 (namespaces)
 if ! command -v etcd >/dev/null || ! command -v ip >/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server etcd-client iproute2 >/dev/null
+    { apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive \
+        apt-get install -y -qq etcd-server etcd-client iproute2 >/dev/null; } ||
+      echo "install.sh: apt-get could not install etcd-server/iproute2: multi-host jobs and their tests need them" >&2
   else
     echo "install.sh: etcd-server and iproute2 are missing (as root: apt-get install etcd-server etcd-client iproute2)" >&2
   fi
