@@ -28,6 +28,12 @@ def _interrupted(signum: int, frame: object) -> None:
 signal.signal(signal.SIGTERM, _interrupted)
 
 
+# Tests CI's 40-minute budget (2 cores) has no room for; each says so when skipped, and
+# LETO_ALL_TESTS=1 runs them (docs/design.md lists which and why).
+ALL_TESTS = os.environ.get("LETO_ALL_TESTS") == "1"
+beyond_ci = pytest.mark.skipif(not ALL_TESTS, reason="beyond CI's time budget: LETO_ALL_TESTS=1 runs it")
+
+
 def leto_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "leto.cli", *args]
 

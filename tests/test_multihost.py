@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REPO, leto_cmd, reference_digest, summary, wait_for
+from conftest import REPO, beyond_ci, leto_cmd, reference_digest, summary, wait_for
 from netns_cluster import Cluster, available
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=f"no namespace cluster here: {available()}")
@@ -25,9 +25,7 @@ JOB_ID = ""  # a new one per job (`cluster`): ids are never reused
 _JOBS = itertools.count()
 # CI runs one of these jobs (a coordinator's host killed: a 3-host job, a whole host's processes
 # and its etcd member SIGKILLed, a takeover, a fence, tier 2 across hosts); each costs ~80 s of
-# its 40-minute budget on 2 cores. LETO_MULTIHOST=all runs every one.
-ALL = os.environ.get("LETO_MULTIHOST") == "all"
-beyond_ci = pytest.mark.skipif(not ALL, reason="beyond CI's time budget: LETO_MULTIHOST=all runs it")
+# its 40-minute budget on 2 cores. LETO_ALL_TESTS=1 runs every one (conftest.beyond_ci).
 
 
 @pytest.fixture
