@@ -12,10 +12,10 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from typing import Protocol
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch.distributed as dist
 

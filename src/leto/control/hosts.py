@@ -20,7 +20,13 @@ from leto.control.supervisor import Supervisor
 from leto.protocol import keys
 from leto.protocol.messages import HostRecord
 from leto.runtime import linux
-from leto.runtime.etcd_store import EtcdError, EtcdStore, Fenced, StoreUnavailable
+from leto.runtime.etcd_store import (
+    EtcdError,
+    EtcdStore,
+    Fenced,
+    StoreUnavailable,
+    parse_endpoints,
+)
 
 HOST_CHECK_S = 0.05   # how often the coordinator reads the host records (the lease's verdict)
 ELECTION_CHECK_S = 0.1
@@ -76,11 +82,11 @@ class Cluster:
         self._watch.close()
 
 
-def _local_first(store: EtcdStore) -> tuple[tuple[str, int] | None, str]:
-    """This host's own etcd endpoint (tried first by its processes), and its address."""
-    addrs = {ep: linux.source_address(*ep) for ep in store.endpoints}
+def _own_endpoint(endpoints: list[tuple[str, int]]) -> tuple[tuple[str, int] | None, str]:
+    """This host's own etcd endpoint if it has one (tried first by its processes), and its address."""
+    addrs = {ep: linux.source_address(*ep) for ep in endpoints}
     own = next((ep for ep, src in addrs.items() if src == ep[0]), None)
-    return own, (own[0] if own else addrs[store.endpoints[0]])
+    return own, (own[0] if own else addrs[endpoints[0]])
 
 
 def _join(base: EtcdStore, cfg: JobConfig, lease: HostLease, addr: str, liveness: Liveness) -> tuple[int, int]:
@@ -111,9 +117,10 @@ def run_host(config: JobConfig, summary_extra: dict | None = None) -> int:
     """Run this host's part of the job to its end; the job's exit code."""
     r = config.rendezvous
     t0 = time.monotonic()
-    given = EtcdStore.from_url(f"{r.url}/{r.job_id}", config.timeouts.collective_s)
-    own, addr = _local_first(given)
-    base = EtcdStore.from_url(given.url(first=own), config.timeouts.collective_s)  # this host's member first
+    endpoints = parse_endpoints(r.url)
+    own, addr = _own_endpoint(endpoints)
+    ordered = ([own] if own else []) + [e for e in endpoints if e != own]  # this host's member first, for all
+    base = EtcdStore(ordered, r.job_id, config.timeouts.collective_s)
     liveness = Liveness(addr)
     try:
         lease = HostLease(base, r.lease_s)
@@ -126,8 +133,8 @@ def run_host(config: JobConfig, summary_extra: dict | None = None) -> int:
     try:
         node, rev = _join(base, config, lease, addr, liveness)
         fence = (keys.host(node), rev)
-        store = EtcdStore(base.endpoints, base.namespace, config.timeouts.collective_s, fence, abort=lease.lost)
-        url = store.url(first=own)
+        store = base.client(fence, abort=lease.lost)
+        url = store.url()
         child_env = {"GLOO_SOCKET_IFNAME": iface} if (iface := linux.interface_of(addr)) else {}
         _await_hosts(store, config, lease)
         supervisor = Supervisor(store, config, url, f"{r.job_id}-h{node}", node=node, child_env=child_env)
@@ -144,9 +151,8 @@ def run_host(config: JobConfig, summary_extra: dict | None = None) -> int:
             now = time.monotonic()
             if coordinator is None and (leader.died() or now - last_election >= ELECTION_CHECK_S):
                 last_election = now
-                coordinator = _elect(store, config, node, lease, supervisor, summary_extra)
-                if coordinator is None:
-                    leader.follow()
+                if not leader.follow():  # a read; the election is a write, tried only without a coordinator
+                    coordinator = _elect(store, config, node, lease, supervisor, summary_extra)
             if coordinator is not None and (code := coordinator.tick()) is not None:
                 store.set(keys.EXIT_CODE, str(code))
                 coordinator.stop()
@@ -175,16 +181,19 @@ class LeaderWatch:
         self._watch = LivenessWatch()
         self._leader: HostRecord | None = None
 
-    def follow(self) -> None:
-        """Watch whoever is coordinator now."""
+    def follow(self) -> bool:
+        """Watch whoever is coordinator now; False if there is none."""
         entry = self.store.entry(keys.COORDINATOR)
-        node = int(entry[0]) if entry else None
-        if node is None or node == self.me or self._leader is not None and self._leader.node == node:
-            return
+        if entry is None:
+            return False
+        node = int(entry[0])
+        if node == self.me or self._leader is not None and self._leader.node == node:
+            return True
         rec = self.store.entry(keys.host(node))
         if rec is not None:
             self._leader = HostRecord.from_json(rec[0])
             self._watch.watch(node, self._leader.addr, self._leader.port)
+        return True
 
     def died(self) -> bool:
         """The coordinator's host died (then it is fenced already)."""
@@ -200,10 +209,8 @@ def _elect(store: EtcdStore, config: JobConfig, node: int, lease: HostLease, sup
     """Become the coordinator if there is none (the key is bound to this host's lease)."""
     if store.create(keys.COORDINATOR, str(node), lease.id) is None:
         return None
-    hosts = Cluster(EtcdStore(store.endpoints, store.namespace, store.timeout_s, store.fence, lease.lost),
-                    config.training.nodes, node)
-    coordinator = Coordinator(EtcdStore(store.endpoints, store.namespace, store.timeout_s, store.fence, lease.lost),
-                              config,
+    hosts = Cluster(store.client(store.fence, lease.lost), config.training.nodes, node)
+    coordinator = Coordinator(store.client(store.fence, lease.lost), config,
                               serve=supervisor.serve_commands, summary_extra=summary_extra, hosts=hosts)
     if store.check([keys.plan(0)]):
         coordinator.restore(store.under(keys.COMMAND_PREFIX), store.under(keys.REPORT_PREFIX))

@@ -32,7 +32,7 @@ class HostLease:
     def __init__(self, store: EtcdStore, ttl_s: int) -> None:
         """`store`: its endpoints in the order to try them (the host's own member first)."""
         self.ttl_s = ttl_s
-        self._store = EtcdStore(store.endpoints, store.namespace, float(ttl_s))
+        self._store = store.client(timeout_s=float(ttl_s))
         self.id = self._store.grant(ttl_s)
         self._ok = time.monotonic()  # the start of the last refresh that etcd confirmed
         self._expired = False

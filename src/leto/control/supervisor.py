@@ -164,8 +164,7 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 _kill(p.popen, self.cfg.timeouts.stop_grace_s)
         self._write_procs()
-        for f in Path("/dev/shm").glob(f"leto-{self.job_id}-*"):
-            f.unlink(missing_ok=True)
+        self._remove_segments()
         self.stopped = True
         self.store.set(keys.stopped(self.node or 0), "1")
 
@@ -175,10 +174,14 @@ class Supervisor:
         for p in self.procs:
             if p.popen.poll() is None:
                 _kill(p.popen, self.cfg.timeouts.stop_grace_s)
-        for f in Path("/dev/shm").glob(f"leto-{self.job_id}-*"):
-            f.unlink(missing_ok=True)
+        self._remove_segments()
         self.stopped = True
         self._write_procs()
+
+    def _remove_segments(self) -> None:
+        """The keepers' shared memory dies with the job."""
+        for f in Path("/dev/shm").glob(f"leto-{self.job_id}-*"):
+            f.unlink(missing_ok=True)
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self._signal = signum

@@ -104,6 +104,12 @@ class EtcdStore(dist.Store):
             fence = (key, int(rev))
         return cls(parse_endpoints(url), namespace, timeout_s, fence)
 
+    def client(self, fence: tuple[str, int] | None = None, abort: Callable[[], str | None] | None = None,
+               timeout_s: float | None = None) -> EtcdStore:
+        """Another client of the same store (its own connections: one per thread or role)."""
+        return EtcdStore(self.endpoints, self.namespace, self.timeout_s if timeout_s is None else timeout_s,
+                         fence, abort)
+
     def url(self, first: tuple[str, int] | None = None, fence: tuple[str, int] | None = None) -> str:
         """This store's address for a child process; `first`: the endpoint it tries first."""
         eps = ([first] if first else []) + [e for e in self.endpoints if e != first]
