@@ -12,9 +12,9 @@ def test_procs_json_lists_every_process_by_role(launcher, tmp_path: Path) -> Non
     run_dir = tmp_path / "run"
     ctl = launcher.start("train", "--workers", "4", "--spares", "2", "--nodes", "2", "--steps", "100000",
                          "--run-dir", str(run_dir), run_dir=run_dir)
-    procs = wait_for(lambda: len(read_procs(run_dir)) == 11 and read_procs(run_dir), 30, "11 processes")
+    procs = wait_for(lambda: len(read_procs(run_dir)) == 12 and read_procs(run_dir), 30, "12 processes")
     roles = sorted(p["role"] for p in procs)
-    assert roles == ["controller"] + ["keeper"] * 2 + ["shadow"] * 2 + ["worker"] * 4 + ["zygote"] * 2
+    assert roles == ["controller", "fork-server"] + ["keeper"] * 2 + ["shadow"] * 2 + ["worker"] * 4 + ["zygote"] * 2
     assert {p["node"] for p in procs if p["role"] == "keeper"} == {0, 1}
     assert {p["node"] for p in procs if p["role"] == "zygote"} == {0, 1}
     workers = {p["rank"]: p["node"] for p in procs if p["role"] == "worker"}
@@ -31,7 +31,7 @@ def test_sigint_mid_run_stops_everything(launcher, tmp_path: Path) -> None:
                          "--run-dir", str(run_dir), run_dir=run_dir)
     wait_for(lambda: (run_dir / "metrics.jsonl").exists(), 60, "training to start")
     pids = [p["pid"] for p in read_procs(run_dir)]
-    assert len(pids) == 10  # controller, 4 workers, 1 shadow, 2 zygotes, 2 keepers
+    assert len(pids) == 11  # controller, fork server, 4 workers, 1 shadow, 2 zygotes, 2 keepers
     ctl.send_signal(signal.SIGINT)
     assert ctl.wait(timeout=30) == 128 + signal.SIGINT
     assert not [pid for pid in pids if alive(pid)]

@@ -2,7 +2,9 @@
 lost host can no longer make, and whose failures name the problem (one etcd member on 127.0.0.1)."""
 from __future__ import annotations
 
+import contextlib
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -14,10 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from conftest import leto_cmd
+from conftest import leto_cmd, wait_for
 
 from leto.cli import main
-from leto.runtime.etcd_store import EtcdStore, Fenced, StoreUnavailable, parse_endpoints
+from leto.runtime.etcd_store import FOLLOW_S, FRESH_S, EtcdStore, Fenced, StoreUnavailable, parse_endpoints
 
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed (scripts/install.sh)")
 
@@ -28,10 +30,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory) -> Iterator[tuple[str, int]]:
+@contextlib.contextmanager
+def _member(data: Path) -> Iterator[tuple[tuple[str, int], subprocess.Popen]]:
+    """One etcd member on 127.0.0.1, up and answering: its endpoint and process."""
     client, peer = _free_port(), _free_port()
-    data = tmp_path_factory.mktemp("etcd")
     log = open(data / "log", "w")  # noqa: SIM115 (closed with the member, below)
     proc = subprocess.Popen(["etcd", "--name", "t", "--data-dir", str(data / "d"),
                              "--listen-client-urls", f"http://127.0.0.1:{client}",
@@ -50,11 +52,18 @@ def etcd(tmp_path_factory) -> Iterator[tuple[str, int]]:
             except StoreUnavailable:
                 if time.monotonic() > deadline:
                     raise RuntimeError((data / "log").read_text()[-2000:]) from None
-        yield ("127.0.0.1", client)
+        yield ("127.0.0.1", client), proc
     finally:
+        proc.send_signal(signal.SIGCONT)
         proc.kill()
         proc.wait()
         log.close()
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory) -> Iterator[tuple[str, int]]:
+    with _member(tmp_path_factory.mktemp("etcd")) as (endpoint, _):
+        yield endpoint
 
 
 def test_it_keeps_the_store_contract(etcd: tuple[str, int]) -> None:
@@ -71,6 +80,46 @@ def test_it_keeps_the_store_contract(etcd: tuple[str, int]) -> None:
         s.wait(["never"], timedelta(seconds=0.2))
     threading.Timer(0.2, lambda: EtcdStore([etcd], "contract", 5.0).set("later", "v")).start()
     assert s.get("later") == b"v"  # get waits for the key, like TCPStore's
+
+
+def test_a_mirrored_store_reads_what_etcd_holds_without_asking_it(etcd: tuple[str, int]) -> None:
+    """A store that polls reads keys under its mirror's prefix from a local copy kept by one watch:
+    what others write and delete shows there, and its own writes at once."""
+    mirrored = EtcdStore([etcd], "mirror", 5.0, mirror="control/")
+    other = EtcdStore([etcd], "mirror", 5.0)
+    wait_for(lambda: mirrored._mirror.fresh(), 5, "the mirror to sync")
+    mirrored.set("control/own", "1")
+    assert mirrored._mirror.lookup("control/own") == b"1" and mirrored.check(["control/own"])
+    other.set("control/cmd/0", "spawn")
+    assert wait_for(lambda: mirrored._mirror.lookup("control/cmd/0"), 5, "the put to reach the mirror") == b"spawn"
+    threading.Timer(0.2, lambda: other.set("control/cmd/1", "fork")).start()
+    assert mirrored.get("control/cmd/1") == b"fork"  # a wait on the copy, woken by the watch
+    lease = other.grant(1)
+    other.create("control/host/0", "rec", lease)
+    wait_for(lambda: mirrored.under("control/host/") == {"control/host/0": b"rec"}, 5, "the host record")
+    wait_for(lambda: not mirrored.check(["control/host/0"]), 10, "the lease's end to reach the mirror")
+    assert other.delete_key("control/cmd/0")
+    wait_for(lambda: not mirrored.check(["control/cmd/0"]), 5, "the delete to reach the mirror")
+    other.set("elsewhere", "x")  # outside the prefix: asked of etcd
+    assert mirrored.check(["elsewhere"]) and mirrored._mirror.lookup("elsewhere") is None
+    mirrored.close()
+
+
+def test_a_mirror_whose_member_froze_is_not_read(tmp_path: Path) -> None:
+    """A frozen member sends nothing and refuses nothing: the copy would silently stop changing.
+    Within FRESH_S it is no longer used, and reads go to etcd (which here cannot answer)."""
+    with _member(tmp_path) as (endpoint, proc):
+        mirrored = EtcdStore([endpoint], "frozen", 2.0, mirror="control/")
+        mirrored.set("control/x", "1")
+        wait_for(lambda: mirrored._mirror.fresh(), 5, "the mirror to sync")
+        proc.send_signal(signal.SIGSTOP)
+        wait_for(lambda: not mirrored._mirror.fresh(), FRESH_S + FOLLOW_S + 2, "the mirror to go stale")
+        with pytest.raises(StoreUnavailable):
+            mirrored.check(["control/x"])
+        proc.send_signal(signal.SIGCONT)
+        wait_for(lambda: mirrored._mirror.fresh(), 10, "the mirror to be current again")
+        assert mirrored.check(["control/x"])
+        mirrored.close()
 
 
 def test_concurrent_adds_lose_no_increment(etcd: tuple[str, int]) -> None:

@@ -48,6 +48,9 @@ def _add_job_flags(p: argparse.ArgumentParser, workers: int, spares: int, nodes:
     p.add_argument("--zygotes", choices=["on", "off"], default="on",
                    help="one zygote per node forks replacement shadows in milliseconds instead of starting them "
                         "(CPU jobs; costs one more warm copy of the model per node) [on]")
+    p.add_argument("--fork-server", choices=["on", "off"], default="on",
+                   help="fork each host's processes from one interpreter that imported torch once, instead of "
+                        "starting an interpreter for each (seconds of CPU each) [on]")
     p.add_argument("--ec", default="auto",
                    help="tier-2 code across nodes, k+m (e.g. 1+1, 3+1, 2+2) or none; auto: (nodes-1)+1 [auto]")
     p.add_argument("--protect-every", type=int, default=1, metavar="N",
@@ -263,7 +266,7 @@ def _config(args: argparse.Namespace, command: list[str], run_dir: Path, child_e
         t = Timeouts(args.timeout, heartbeat_s=args.heartbeat_timeout, progress_floor_s=args.progress_floor)
         recovery = RecoveryConfig(args.spares, args.no_spare, args.zygotes == "on", args.progress_factor,
                                   tuple(args.inject))
-    return JobConfig(TrainingConfig(tuple(command), args.workers, args.nodes, steps),
+    return JobConfig(TrainingConfig(tuple(command), args.workers, args.nodes, steps, args.fork_server == "on"),
                      ProtectionConfig(args.protection == "on", args.ec, args.protect_every, args.protect_grads == "on"),
                      recovery, t, RendezvousConfig(args.rdzv, args.job_id or "", args.lease), run_dir=str(run_dir),
                      child_env=dict(child_env))

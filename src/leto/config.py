@@ -22,6 +22,7 @@ class TrainingConfig:
     workers: int = 1                  # ranks
     nodes: int = 1                    # failure domains the ranks are split over
     steps: int | None = None          # for the progress bar only
+    fork_server: bool = True          # fork the host's processes from one warm interpreter (--fork-server)
 
 
 @dataclass(frozen=True)

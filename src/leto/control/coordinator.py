@@ -202,7 +202,7 @@ class Coordinator:
             count, progress = self.store.multi_get([keys.REPORTS, keys.PROGRESS])
             self._on_progress(StepProgress.from_json(progress))
         else:
-            count = self.store.add(keys.REPORTS, 0)
+            count = self.store.get(keys.REPORTS)  # a read: `add(..., 0)` would be a write in etcd
         if int(count) > self._next_report:
             self._read_reports()
 

@@ -12,6 +12,9 @@ from __future__ import annotations
 import os
 import sys
 import time
+from datetime import timedelta
+
+import torch.distributed as dist
 
 from leto.config import JobConfig
 from leto.control.coordinator import POLL_S, Coordinator
@@ -20,6 +23,7 @@ from leto.control.supervisor import Supervisor
 from leto.protocol import keys
 from leto.protocol.messages import HostRecord
 from leto.runtime import linux
+from leto.runtime.env import ENV_HOST_STORE
 from leto.runtime.etcd_store import (
     EtcdError,
     EtcdStore,
@@ -133,11 +137,16 @@ def run_host(config: JobConfig, summary_extra: dict | None = None) -> int:
     try:
         node, rev = _join(base, config, lease, addr, liveness)
         fence = (keys.host(node), rev)
-        store = base.client(fence, abort=lease.lost)
+        store = base.client(fence, abort=lease.lost, mirror="control/")  # it polls: reads from a mirror
         url = store.url()
-        child_env = {"GLOO_SOCKET_IFNAME": iface} if (iface := linux.interface_of(addr)) else {}
+        host_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=config.timeouts.collective_s))
+        child_env = {ENV_HOST_STORE: f"127.0.0.1:{host_store.port}"}
+        if iface := linux.interface_of(addr):
+            child_env["GLOO_SOCKET_IFNAME"] = iface
         _await_hosts(store, config, lease)
-        supervisor = Supervisor(store, config, url, f"{r.job_id}-h{node}", node=node, child_env=child_env)
+        supervisor = Supervisor(store, config, url, f"{r.job_id}-h{node}", node=node, child_env=child_env,
+                                host_store=host_store)
         supervisor.start()
         last_election = 0.0
         leader = LeaderWatch(store, node)

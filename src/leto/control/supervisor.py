@@ -1,10 +1,11 @@
 """The per-host supervisor: everything about the host's processes, nothing about membership.
 
-It starts processes (Popen with their pre-exec set-up, or forked by a node's zygote), reaps them,
-signals them, fences hung ones (SIGKILL by PID) and stops them at the end; it keeps `procs.json`
-and the job's `/dev/shm` owner record. It talks to the coordinator only through the store: it
-reads its commands (`keys.command`) and writes reports of what happened to its processes
-(`keys.sup_report`); docs/design.md, "Supervisor and coordinator".
+It starts processes (forked by the host's fork server, or Popen with their pre-exec set-up;
+shadows forked by a node's zygote), reaps them, signals them, fences hung ones (SIGKILL by PID)
+and stops them at the end; it keeps `procs.json` and the job's `/dev/shm` owner record. It
+talks to the coordinator only through the store: it reads its commands (`keys.command`) and
+writes reports of what happened to its processes (`keys.sup_report`); docs/design.md,
+"Supervisor and coordinator".
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import torch.distributed as dist
 
 from leto.config import ENV_CONFIG, JobConfig
 from leto.control.latest import Latest
+from leto.control.prefork import ForkServer, forkable, prepare
 from leto.control.progress import ProgressCheck
 from leto.protection import doorbell, shm
 from leto.protocol import keys
@@ -81,37 +83,23 @@ class Proc:
         return ProcEvent(kind, self.proc_id, self.role, self.rank, self.node, self.popen.pid, code, cause)
 
 
-def _start_keeper() -> None:
-    """A keeper starts with its doorbells blocked, so every thread it starts (torch starts one at
-    import) inherits the mask and leaves the rings to the thread that sleeps on them. It imports
-    torch at idle priority, so that it never slows the workers' own start, and takes normal
-    priority back once it is about to serve (`keeper.main`)."""
-    linux.die_with_parent()
-    doorbell.block()
-    linux.idle_priority()
-
-
-def _start_shadow() -> None:
-    """A shadow warms up (imports, builds its model) only on CPU time the job leaves idle:
-    SCHED_IDLE, undone by a `boost` command when it is needed."""
-    linux.die_with_parent()
-    linux.idle_priority()
-
-
 class Supervisor:
     """Supervises the processes of one host of a job."""
 
     def __init__(self, store: dist.Store, config: JobConfig, store_addr: str, job_id: str,
                  command_poll_s: float = POLL_S, node: int | None = None,
-                 child_env: dict[str, str] | None = None) -> None:
+                 child_env: dict[str, str] | None = None, host_store: dist.Store | None = None) -> None:
         """`command_poll_s`: how often `tick` looks for commands; longer where the coordinator
         has this supervisor serve its commands at once (`serve_commands`), as a fallback.
         `node`: the one node this host is, in a multi-host job (None: every node is here).
-        `child_env`: more environment for this host's children (its gloo interface)."""
+        `child_env`: more environment for this host's children (its gloo interface, its
+        `host_store`'s address). `host_store`: where this host's processes heartbeat, where it is
+        not the job's store (a multi-host job)."""
         self.store, self.cfg, self.store_addr, self.job_id = store, config, store_addr, job_id
         self.command_poll_s = command_poll_s
         self.node = node
         self.child_env = child_env or {}
+        self.beats = host_store or store
         self._last_command_check = 0.0
         self.run_dir = Path(config.run_dir)
         self.procs: list[Proc] = []
@@ -130,6 +118,7 @@ class Supervisor:
         self._signal_reported = False
         self._old_handlers: dict = {}
         self._procs_stale = False
+        self._forker: ForkServer | None = None
 
     # ----- start and end
     def start(self) -> None:
@@ -141,6 +130,8 @@ class Supervisor:
         if removed:
             self._report(SupervisorReport(shm_removed=tuple(removed)))
         shm.write_owner(self.job_id, os.getpid())
+        if self.cfg.training.fork_server:
+            self._forker = ForkServer(self._child_env())
         self._write_procs()
 
     def close(self) -> None:
@@ -157,6 +148,7 @@ class Supervisor:
         live = [p for p in self.procs if p.popen.poll() is None]
         for p in live:
             _signal_quietly(p.popen, signal.SIGTERM)
+        self._close_forker()
         deadline = time.monotonic() + self.cfg.timeouts.stop_grace_s
         for p in live:
             try:
@@ -171,12 +163,17 @@ class Supervisor:
     def fence(self) -> None:
         """This host lost its lease: SIGKILL and reap every process now, without the store
         (which refuses this host's writes by now); a later generation never hears from them."""
+        self._close_forker()
         for p in self.procs:
             if p.popen.poll() is None:
                 _kill(p.popen, self.cfg.timeouts.stop_grace_s)
         self._remove_segments()
         self.stopped = True
         self._write_procs()
+
+    def _close_forker(self) -> None:
+        if self._forker is not None:
+            self._forker.close()
 
     def _remove_segments(self) -> None:
         """The keepers' shared memory dies with the job."""
@@ -234,20 +231,34 @@ class Supervisor:
             self.stop_all()
 
     # ----- processes
-    def _spawn(self, role: str, rank: int | None, node: int, proc_id: str) -> Proc:
+    def _child_env(self) -> dict[str, str]:
         env = dict(os.environ, **self.cfg.child_env, **self.child_env)
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # store waits that time out are routine here
+        return env
+
+    def _spawn(self, role: str, rank: int | None, node: int, proc_id: str) -> Proc:
+        """Start a process of `role`: forked by the host's fork server, or exec'd where it cannot."""
+        env = self._child_env()
         env.update({ENV_CONFIG: self.cfg.to_json(), rt.ENV_STORE: self.store_addr, rt.ENV_JOB_ID: self.job_id,
                     rt.ENV_ROLE: role, rt.ENV_NODE: str(node), rt.ENV_PROC_ID: proc_id})
         if rank is not None:
             env[rt.ENV_RANK] = str(rank)
         command = ["-m", "leto.protection.keeper"] if role == "keeper" else list(self.cfg.training.command)
-        # every child dies with this process, even a SIGKILLed one (the preexec functions)
-        # quiet (benchmarks): the children's own prints go too; their errors still reach stderr
-        popen = subprocess.Popen([sys.executable, *command], env=env, start_new_session=True,
-                                 stdout=subprocess.DEVNULL if self.cfg.quiet else None,
-                                 preexec_fn=_start_shadow if role in ("shadow", "zygote") else
-                                 _start_keeper if role == "keeper" else linux.die_with_parent)
+        popen: subprocess.Popen | Forked | None = None
+        if self._forker is not None and forkable(command):
+            pid = self._forker.start(command, env, role, self.cfg.quiet)
+            if pid is None:
+                print(f"leto: the fork server failed ({self._forker.broken}); processes are exec'd from now on",
+                      file=sys.stderr)
+                self._forker = None
+            else:
+                popen = Forked(pid)
+        if popen is None:
+            # every child dies with this process, even a SIGKILLed one (`prepare`)
+            # quiet (benchmarks): the children's own prints go too; their errors still reach stderr
+            popen = subprocess.Popen([sys.executable, *command], env=env, start_new_session=True,
+                                     stdout=subprocess.DEVNULL if self.cfg.quiet else None,
+                                     preexec_fn=lambda: prepare(role))
         proc = Proc(role, rank, node, proc_id, popen)
         self.procs.append(proc)
         return proc
@@ -281,6 +292,9 @@ class Supervisor:
         records = [{"role": "controller", "rank": None, "node": self.node, "pid": os.getpid(), "id": "controller",
                     "job": self.job_id, "store": self.store_addr}]
         name = "procs.json" if self.node is None else f"procs-host{self.node}.json"
+        if self._forker is not None and self._forker.popen.poll() is None:
+            records.append({"role": "fork-server", "rank": None, "node": self.node, "pid": self._forker.popen.pid,
+                            "id": f"fork-server-{self.node or 0}"})
         write_procs(self.run_dir, records + [p.record() for p in self.procs if p.popen.returncode is None], name)
         self._procs_stale = False
 
@@ -371,9 +385,9 @@ class Supervisor:
     def _beat(self, p: Proc) -> tuple[float, int] | None:
         """The last heartbeat (time, progress), or None (not started yet, or left on purpose)."""
         key = keys.heartbeat(p.proc_id)
-        if not self.store.check([key]):
+        if not self.beats.check([key]):
             return None
-        return parse_beat(self.store.get(key).decode())
+        return parse_beat(self.beats.get(key).decode())
 
     def _report(self, report: SupervisorReport) -> None:
         seq = self.store.add(keys.REPORTS, 1) - 1

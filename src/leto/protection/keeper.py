@@ -333,7 +333,7 @@ class Keeper:
     def fold_remote(self, kind: int, step: int, stripe: int, p: int, i: int, crc: int, body: np.ndarray) -> None:
         r = self.region
         if kind == KIND_DELTA:
-            if self.interval:
+            if self.layout.tier2_preimages:
                 real = [p for p in range(r[f"v2_{stripe}"].shape[0]) if self.real[(stripe, p)][i]]
                 self._keep_preimage(f"p2_{stripe}", f"crc2_{stripe}", r[f"v2_{stripe}"][real, i], i, step)
             xor_into(r[f"p2_{stripe}"][i], body)
@@ -498,10 +498,10 @@ class Keeper:
 
     def _stripe_report(self, si: int) -> StripeReport:
         r = self.region
-        if self.grads:
-            return StripeReport(**{k: r[f"{k}_{si}"].tolist() for k in ("v2", "crc2", "gcrc2", "g2_step")})
         pre = {"crc_pre": r[f"crc2_{si}_pre"].tolist(), "pre_step": r[f"p2_{si}_pre_step"].tolist()} \
-            if self.interval else {}
+            if self.layout.tier2_preimages else {}
+        if self.grads:
+            return StripeReport(**{k: r[f"{k}_{si}"].tolist() for k in ("v2", "crc2", "gcrc2", "g2_step")}, **pre)
         return StripeReport(r[f"v2_{si}"].tolist(), r[f"crc2_{si}"].tolist(), **pre)
 
     def drain(self, live_nodes: set[int], timeout_s: float,

@@ -62,6 +62,16 @@ class Layout:
         rank alone (a real reduce-scatter, NCCL) and every step is protected (docs/protection.md)."""
         return self.protect_every == 1 and not self.replicated_grads
 
+    @cached_property
+    def tier2_preimages(self) -> bool:
+        """Whether tier-2 parity rows keep pre-images: under an interval, and wherever a decode
+        reads two or more parity blocks of a stripe (m >= 2). A data node lost while it ships a
+        chunk's contributions can leave one parity row at the new version of that chunk and
+        another at the old one (torn); the rows' pre-images agree, and the chunk is decoded at
+        the step before and replayed (docs/protection.md, "Torn tier-2 rows")."""
+        t2 = self.tier2
+        return self.protect_every > 1 or (t2 is not None and t2[0].m >= 2)
+
     # ----- protection interval (docs/protection.md, "Protection interval")
     def protects(self, step: int) -> bool:
         """Whether the state at `step` is protected: the base step and, after it, every step

@@ -144,9 +144,9 @@ def specs(layout: Layout, node: int) -> list[tuple[str, tuple[int, ...], type]]:
             i = s.index
             out += [(f"p2_{i}", (L, g.state_bytes), np.uint8), (f"v2_{i}", (k, L), np.int64),
                     (f"crc2_{i}", (k, L), np.int64)]
-            if interval:
+            if layout.tier2_preimages:
                 out += _preimage_specs(f"p2_{i}", f"crc2_{i}", (k,), L, g.state_bytes)
-            elif grads:
+            if not interval and grads:
                 out += [(f"g2_{i}", (2, L, g.grad_bytes), np.uint8), (f"g2_step_{i}", (2, L), np.int64),
                         (f"g2_count_{i}", (2, L), np.int64), (f"gcrc2_{i}", (k, 2, L), np.int64)]
     return out

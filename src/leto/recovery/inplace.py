@@ -168,7 +168,7 @@ def decode(m: Member, gen: int, plan: Plan, src: Source, point: Point) -> tuple[
         rb.run()
         bad = _agree_on_corruption(m, layout, rb.corrupt)
         if not bad["tier1"] and not bad["tier2"]:
-            return rb, replace(point, plan=rplan), repaired
+            return rb, replace(point, plan=rplan), repaired + rb.notes
         if bad["tier2"] or set(bad["tier1"]) <= set(rplan.force_tier2) or layout.tier2 is None:
             what = ", ".join([f"tier-1 data of node {n}" for n in bad["tier1"]] +
                              [f"tier-2 stripe {s}" for s in bad["tier2"]])

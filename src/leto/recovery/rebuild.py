@@ -223,6 +223,7 @@ class Rebuilder:
         self.result_version: dict[tuple[int, int], int] = {}
         self.result_grad: dict[tuple[int, int], np.ndarray] = {}
         self.corrupt: set[tuple[str, int]] = set()   # ("tier1", node) / ("tier2", stripe) that failed checksums
+        self.notes: list[str] = []                    # what was decoded another way (torn tier-2 rows)
         self.interval = layout.protect_every > 1  # state only, all at the recovery step; no replay
         # gradients of the recovery step are decoded only to replay chunks one step behind; at a
         # generation's base (a failure right after a recovery) no gradients of it were staged
@@ -293,10 +294,16 @@ class Rebuilder:
                 for j, pn in enumerate(s.parity_nodes) if k + j in job.readers}
         first = next(iter(reps))
         rep = reps[first]
-        # interval: which offsets each parity block reads from its pre-image
-        pre = {blk: self._stripe_preimage(s, r) for blk, r in reps.items()} if self.interval else {}
-        missing = sorted(job.coeffs)
+        # the step each offset is decoded at, and which offsets each parity block reads from its
+        # pre-image: under an interval, T; a torn offset, T-1 from pre-images (then replayed);
+        # elsewhere the versions every parity row agrees on
         torn = set() if self.interval else torn_offsets(lay, s, reps)
+        at = {i: T for i in range(L)} if self.interval else {i: T - 1 for i in torn} if lay.tier2_preimages else {}
+        pre = {blk: self._stripe_preimage(s, r, at) for blk, r in reps.items()}
+        if torn and lay.tier2_preimages:
+            self.notes.append(f"tier-2 stripe {s.index} offsets {sorted(torn)}: parity rows torn by the loss; "
+                              f"decoded at step {T - 1} from their pre-images and replayed")
+        missing = sorted(job.coeffs)
         buf = torch.zeros(len(missing), L, self.sb + self.gb, dtype=torch.uint8)
         acc = buf.numpy()
         for bi, blk in enumerate(job.chosen):
@@ -307,7 +314,7 @@ class Rebuilder:
                     src = lay.source_of(node, seg * L + i)
                     if src is None or src[0] != self.me:
                         continue
-                    v = T if self.interval else rep.v2[blk][i]
+                    v = at.get(i, rep.v2[blk][i])
                     data = as_bytes(self.chunk(v, src[1]))
                     grad = as_bytes(self.grad(T, src[1])) if self.grads else None
                     for mi, e in enumerate(missing):
@@ -319,7 +326,7 @@ class Rebuilder:
                 region = self._region(lay.nodes[s.parity_nodes[j]])
                 p2 = region[f"p2_{s.index}"]
                 rows = [region[f"p2_{s.index}_pre"][i] if pre[blk][i] else p2[i] for i in range(L)] \
-                    if self.interval else p2
+                    if any(pre[blk]) else p2
                 g2 = region[f"g2_{s.index}"][b] if self.grads else None
                 for mi, e in enumerate(missing):
                     for i in range(L):
@@ -334,11 +341,12 @@ class Rebuilder:
                 src = lay.source_of(node, seg * L + i)
                 if src is None or src[0] not in self.plan.lost or self.plan.roles.holder[src[0]] != self.rank:
                     continue
-                if i in torn:
+                if i in torn and not lay.tier2_preimages:
                     self.corrupt.add(("tier2", s.index))
                     continue
-                if self.interval:
-                    version, crc, gcrc = T, (rep.crc_pre if pre[first][i] else rep.crc2)[e][i], 0
+                if i in at:
+                    version, crc = at[i], (rep.crc_pre if pre[first][i] else rep.crc2)[e][i]
+                    gcrc = rep.gcrc2[e][b][i] if self.grads and version == T - 1 else 0
                 else:
                     version, crc = rep.v2[e][i], rep.crc2[e][i]
                     gcrc = rep.gcrc2[e][b][i] if self.grads else 0
@@ -346,24 +354,30 @@ class Rebuilder:
                     self.corrupt.add(("tier2", s.index))
 
     # ----- protection interval: every parity row at the recovery step, current or pre-image
-    def _from_preimage(self, versions: list[int], pre_step: int, where: str) -> bool:
-        """Whether a parity row's state at the recovery step is its pre-image (some source has
-        already folded in a later protected step) rather than the row itself (every source at T)."""
-        T = self.plan.step
+    def _from_preimage(self, versions: list[int], pre_step: int, where: str, step: int | None = None) -> bool:
+        """Whether a parity row's state at `step` (default: the recovery step) is its pre-image
+        (some source has already folded in a later step) rather than the row itself (every
+        source at `step`)."""
+        T = self.plan.step if step is None else step
         if all(v == T for v in versions):
             return False
         if pre_step == T and min(versions) >= T:
             return True
-        raise RecoveryError(f"{where}: no parity at the recovery step {T} (sources at steps "
+        raise RecoveryError(f"{where}: no parity at step {T} (sources at steps "
                             f"{sorted(set(versions))}, pre-image at step {pre_step})")
 
-    def _stripe_preimage(self, s: Stripe, rep: dict) -> list[bool]:
+    def _stripe_preimage(self, s: Stripe, rep: StripeReport, at: dict[int, int]) -> list[bool]:
+        """Per offset of stripe `s`: whether this parity row is read from its pre-image to be at
+        step `at[offset]` (offsets not in `at` read the row as it is)."""
         lay, L = self.layout, self.layout.segment_len
         out = []
         for i in range(L):
+            if i not in at:
+                out.append(False)
+                continue
             versions = [rep.v2[p][i] for p, dn in enumerate(s.data_nodes)
                         if lay.source_of(lay.nodes[dn], s.segment_of(dn) * L + i) is not None]
-            out.append(self._from_preimage(versions, rep.pre_step[i], f"stripe {s.index} offset {i}"))
+            out.append(self._from_preimage(versions, rep.pre_step[i], f"stripe {s.index} offset {i}", at[i]))
         return out
 
     def _keep(self, r: int, c: int, state: np.ndarray, version: int, crc: int, grad: np.ndarray, gcrc: int) -> bool:

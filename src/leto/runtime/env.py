@@ -21,6 +21,7 @@ ENV_ROLE = "LETO_ROLE"            # worker | shadow | zygote | keeper
 ENV_RANK = "LETO_RANK"            # worker rank (absent for shadows)
 ENV_NODE = "LETO_NODE"
 ENV_PROC_ID = "LETO_PROC_ID"      # the coordinator's id for this process (unique in the job)
+ENV_HOST_STORE = "LETO_HOST_STORE"  # host:port of the host's own TCPStore, for heartbeats (multi-host jobs)
 
 
 @dataclass

@@ -9,12 +9,17 @@ ones when one does not (a host's own etcd member is put first).
 etcd has no increment and no blocking get: `add` is a compare-and-swap transaction retried on
 conflict, and `get`/`wait` watch the keys they wait for (etcd pushes the change), each with a
 deadline.
+
+A store that polls (a supervisor's and the coordinator's: commands, reports, the job's state,
+the host records, every 10-100 ms) reads from a `Mirror` instead: a local copy of the keys under
+a prefix, kept current by one watch, so that a poll costs no request.
 """
 from __future__ import annotations
 
 import base64
 import json
 import random
+import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -32,6 +37,8 @@ REQUEST_TIMEOUT_S = 1.0
 SHUN_S = 5.0              # an endpoint that failed is tried after the others for this long
 WATCH_S = 1.0             # the longest single watch of a wait: then the keys (and `abort`) are checked again
 POLL_MIN_S = 0.002        # the longest random pause before an `add` retries a conflict
+FOLLOW_S = 1.0            # a mirror's watch that brings nothing this long is made again (it proves the member answers)
+FRESH_S = 2.5             # a mirror not heard from for this long is not read: reads go to etcd
 
 
 class StoreUnavailable(dist.DistStoreError):
@@ -69,6 +76,127 @@ class Fenced(dist.DistStoreError):
     """A write refused because this process's host lost its lease: the job has moved on without it."""
 
 
+class Mirror:
+    """A local copy of every key under `prefix`, kept current by one etcd watch (a thread).
+
+    Reads of a covered key are answered from the copy while it is fresh: its watch was heard
+    from (an event, or the watch made again after FOLLOW_S of quiet) within FRESH_S. Otherwise
+    they go to etcd, so a frozen or dead member delays what the copy shows by FRESH_S at most.
+    Its store's own writes are applied at once (a process reads what it wrote). A copy is as
+    current as a read from its member; what it misses it never invents: a key it shows existed."""
+
+    def __init__(self, store: EtcdStore, prefix: str) -> None:
+        self.prefix = prefix
+        self._store = store.client()  # its own connections
+        self._full = store.prefix + prefix
+        self._kv: dict[str, tuple[bytes | None, int]] = {}  # key -> (value or None if deleted, mod revision)
+        self._revision = 0    # everything up to this revision is applied
+        self._heard = 0.0     # monotonic time the watch was last heard from
+        self._synced = False
+        self._changed = threading.Condition()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="leto-etcd-mirror", daemon=True)
+        self._thread.start()
+
+    def covers(self, keys: Sequence[str]) -> bool:
+        return all(k.startswith(self.prefix) for k in keys)
+
+    def fresh(self) -> bool:
+        return self._synced and time.monotonic() - self._heard < FRESH_S
+
+    def lookup(self, key: str) -> bytes | None:
+        """The value of a covered key (None: it does not exist); only while `fresh()`."""
+        with self._changed:
+            return self._kv.get(key, (None, 0))[0]
+
+    def under(self, prefix: str) -> dict[str, bytes]:
+        with self._changed:
+            return {k: v for k, (v, _) in self._kv.items() if v is not None and k.startswith(prefix)}
+
+    def wait(self, keys: Sequence[str], deadline: float) -> dict[str, bytes] | None:
+        """The values of `keys` once all exist; None when the copy is (or goes) stale first;
+        DistStoreError at `deadline`."""
+        with self._changed:
+            while self.fresh():
+                values = {k: self._kv.get(k, (None, 0))[0] for k in keys}
+                if all(v is not None for v in values.values()):
+                    return values  # type: ignore[return-value]
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise dist.DistStoreError(f"wait timeout for keys {[k for k, v in values.items() if v is None]}")
+                self._changed.wait(min(0.2, left))
+        return None
+
+    def apply(self, key: str, value: bytes | None, revision: int) -> None:
+        """A put (or, with None, a delete) of a key at `revision`; an older one is ignored."""
+        if not key.startswith(self.prefix):
+            return
+        with self._changed:
+            if revision > self._kv.get(key, (None, 0))[1]:
+                self._kv[key] = (value, revision)
+                self._changed.notify_all()
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if not self._synced:
+                    self._sync()
+                self._follow()
+            except (StoreUnavailable, EtcdError, requests.RequestException, ValueError, KeyError):
+                self._synced = self._synced and time.monotonic() - self._heard < FRESH_S
+                self._stop.wait(0.05)
+
+    def _sync(self) -> None:
+        """Read the whole prefix: the copy from scratch (at the start, or after etcd compacted the
+        revisions the watch needs)."""
+        result = self._store.request("kv/range", {"key": _b64(self._full), "range_end": _prefix_end(self._full)})
+        n = len(self._store.prefix)
+        kvs = {base64.b64decode(kv["key"]).decode()[n:]: (base64.b64decode(kv.get("value", "")),
+                                                          int(kv["mod_revision"])) for kv in result.get("kvs") or []}
+        with self._changed:
+            self._kv = kvs
+            self._revision = int(result["header"]["revision"])
+            self._heard, self._synced = time.monotonic(), True
+            self._changed.notify_all()
+
+    def _follow(self) -> None:
+        """One watch from the next revision, until it is quiet for FOLLOW_S."""
+        first = self._store._order()[0]
+        client = self._store._clients[first]
+        body = {"create_request": {"key": _b64(self._full), "range_end": _prefix_end(self._full),
+                                   "start_revision": str(self._revision + 1)}}
+        created = False
+        n = len(self._store.prefix)
+        try:
+            with client.session.post(client.get_url("watch"), json=body, stream=True,
+                                     timeout=(REQUEST_TIMEOUT_S, FOLLOW_S)) as resp:
+                for line in resp.iter_lines():
+                    if self._stop.is_set():
+                        return
+                    result = json.loads(line).get("result", {}) if line else {}
+                    if result.get("canceled") or int(result.get("compact_revision", 0) or 0):
+                        self._synced = False  # the revisions it needs are compacted: read everything again
+                        return
+                    created = created or bool(result.get("created")) or bool(result.get("events"))
+                    for ev in result.get("events") or []:
+                        kv = ev["kv"]
+                        value = None if ev.get("type") == "DELETE" else base64.b64decode(kv.get("value", ""))
+                        self.apply(base64.b64decode(kv["key"]).decode()[n:], value, int(kv["mod_revision"]))
+                        # only events move the revision on: a header's may be ahead of events still to come
+                        self._revision = max(self._revision, int(kv["mod_revision"]))
+                    self._heard = time.monotonic()
+        except requests.exceptions.ReadTimeout:
+            if not created:  # the member took the connection and never answered: frozen
+                self._store._failed(first)
+            return
+        except requests.RequestException:
+            self._store._failed(first)
+            raise
+
+
 class EtcdStore(dist.Store):
     """Keys under `/leto/<namespace>/` of an etcd cluster, as a torch.distributed Store.
 
@@ -77,9 +205,11 @@ class EtcdStore(dist.Store):
     host that lost its lease can never write into the job again (`Fenced`)."""
 
     def __init__(self, endpoints: Sequence[tuple[str, int]], namespace: str, timeout_s: float,
-                 fence: tuple[str, int] | None = None, abort: Callable[[], str | None] | None = None) -> None:
+                 fence: tuple[str, int] | None = None, abort: Callable[[], str | None] | None = None,
+                 mirror: str | None = None) -> None:
         """`abort`: a check that makes every retry give up at once with its reason (a
-        supervisor whose host lost its lease stops waiting for etcd)."""
+        supervisor whose host lost its lease stops waiting for etcd). `mirror`: reads of keys
+        under this prefix come from a `Mirror` (a store that polls them)."""
         super().__init__()
         self.abort = abort
         if not endpoints:
@@ -92,6 +222,7 @@ class EtcdStore(dist.Store):
         session = requests.Session()
         self._clients = [etcd3gw.client(host=h, port=p, api_path="/v3/", session=session) for h, p in self.endpoints]
         self._shunned = [0.0] * len(self.endpoints)  # until when an endpoint that failed is tried last
+        self._mirror = Mirror(self, mirror) if mirror is not None else None
 
     @classmethod
     def from_url(cls, url: str, timeout_s: float) -> EtcdStore:
@@ -105,10 +236,15 @@ class EtcdStore(dist.Store):
         return cls(parse_endpoints(url), namespace, timeout_s, fence)
 
     def client(self, fence: tuple[str, int] | None = None, abort: Callable[[], str | None] | None = None,
-               timeout_s: float | None = None) -> EtcdStore:
+               timeout_s: float | None = None, mirror: str | None = None) -> EtcdStore:
         """Another client of the same store (its own connections: one per thread or role)."""
         return EtcdStore(self.endpoints, self.namespace, self.timeout_s if timeout_s is None else timeout_s,
-                         fence, abort)
+                         fence, abort, mirror)
+
+    def close(self) -> None:
+        """Stop the mirror's watch, if it has one."""
+        if self._mirror is not None:
+            self._mirror.close()
 
     def url(self, first: tuple[str, int] | None = None, fence: tuple[str, int] | None = None) -> str:
         """This store's address for a child process; `first`: the endpoint it tries first."""
@@ -155,10 +291,14 @@ class EtcdStore(dist.Store):
         kvs = self.request("kv/range", {"key": _b64(self.prefix + key)}).get("kvs")
         return kvs[0] if kvs else None
 
-    def _await(self, keys: list[str], timeout_s: float) -> dict[str, dict]:
+    def _await(self, keys: list[str], timeout_s: float) -> dict[str, bytes]:
         """Wait until every key exists (etcd pushes the change: a watch, not a poll); their
-        entries. DistStoreError after `timeout_s`, as TCPStore's waits."""
+        values. DistStoreError after `timeout_s`, as TCPStore's waits."""
         deadline = time.monotonic() + timeout_s
+        if self._mirror is not None and self._mirror.covers(keys):
+            values = self._mirror.wait(keys, deadline)
+            if values is not None:
+                return values
         while True:
             found: dict[str, dict] = {}
             revision = 0
@@ -169,7 +309,7 @@ class EtcdStore(dist.Store):
                     found[key] = result["kvs"][0]
             missing = [k for k in keys if k not in found]
             if not missing:
-                return found
+                return {k: base64.b64decode(kv.get("value", "")) for k, kv in found.items()}
             left = deadline - time.monotonic()
             if left <= 0:
                 raise dist.DistStoreError(f"wait timeout after {timeout_s:.3f}s for keys {missing}")
@@ -199,14 +339,30 @@ class EtcdStore(dist.Store):
         fence = [] if self.fence is None else [{"key": _b64(self.prefix + self.fence[0]), "target": "CREATE",
                                                 "result": "EQUAL", "create_revision": str(self.fence[1])}]
         if not fence:
-            return self.request("kv/txn", {"compare": compare or [], "success": ops}, deadline)
+            result = self.request("kv/txn", {"compare": compare or [], "success": ops}, deadline)
+            self._mirror_writes(ops, result)
+            return result
         result = self.request("kv/txn", {"compare": fence + (compare or []), "success": ops,
                                          "failure": [{"request_range": {"key": fence[0]["key"]}}]}, deadline)
         if not result.get("succeeded"):
             kvs = result["responses"][0]["response_range"].get("kvs") or []
             if not kvs or int(kvs[0].get("create_revision", 0)) != self.fence[1]:
                 raise Fenced(f"this host lost its lease ({self.fence[0]} is gone): it is no longer part of the job")
+        self._mirror_writes(ops, result)
         return result
+
+    def _mirror_writes(self, ops: list[dict], result: dict) -> None:
+        """What this store wrote is in its mirror at once."""
+        if self._mirror is None or not result.get("succeeded"):
+            return
+        revision = int(result["header"]["revision"])
+        n = len(self.prefix)
+        for op in ops:
+            if "request_put" in op:
+                put = op["request_put"]
+                self._mirror.apply(base64.b64decode(put["key"]).decode()[n:], base64.b64decode(put["value"]), revision)
+            elif "request_delete_range" in op:
+                self._mirror.apply(base64.b64decode(op["request_delete_range"]["key"]).decode()[n:], None, revision)
 
     # ----- etcd's own: leases and lease-bound keys (the control plane's)
     def grant(self, ttl_s: int) -> int:
@@ -243,6 +399,8 @@ class EtcdStore(dist.Store):
 
     def under(self, prefix: str) -> dict[str, bytes]:
         """Every key that starts with `prefix` (relative to this store's), with its value."""
+        if self._mirror is not None and self._mirror.covers([prefix]) and self._mirror.fresh():
+            return self._mirror.under(prefix)
         full = self.prefix + prefix
         kvs = self.request("kv/range", {"key": _b64(full), "range_end": _prefix_end(full)}).get("kvs") or []
         return {base64.b64decode(kv["key"]).decode()[len(self.prefix):]: base64.b64decode(kv.get("value", ""))
@@ -253,7 +411,7 @@ class EtcdStore(dist.Store):
         self._write([{"request_put": {"key": _b64(self.prefix + key), "value": _b64(value)}}])
 
     def get(self, key: str) -> bytes:
-        return base64.b64decode(self._await([key], self.timeout_s)[key].get("value", ""))
+        return self._await([key], self.timeout_s)[key]
 
     def add(self, key: str, value: int) -> int:
         full = _b64(self.prefix + key)
@@ -286,6 +444,8 @@ class EtcdStore(dist.Store):
         return int(result["responses"][0]["response_delete_range"].get("deleted", 0)) > 0
 
     def check(self, keys: list[str]) -> bool:
+        if self._mirror is not None and self._mirror.covers(keys) and self._mirror.fresh():
+            return all(self._mirror.lookup(k) is not None for k in keys)
         return all(self._range(k) is not None for k in keys)
 
     def multi_get(self, keys: list[str]) -> list[bytes]:

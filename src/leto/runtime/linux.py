@@ -7,6 +7,7 @@ import os
 import socket
 import struct
 import signal
+import time
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
@@ -22,6 +23,30 @@ def die_with_parent() -> None:
 def become_subreaper() -> None:
     """Adopt orphaned descendants (the shadows a zygote double-forks), to supervise them."""
     _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+
+def fork_adopted(adopter: int, timeout_s: float) -> bool:
+    """Fork a process for `adopter` (this process's nearest subreaper ancestor) to adopt: this
+    process's child forks it and exits at once. True in the new process, once adopted and set to
+    die with its adopter; False in the caller. A new process not adopted in time exits."""
+    child = os.fork()
+    if child:
+        os.waitpid(child, 0)  # the intermediate process exits at once
+        return False
+    try:
+        if os.fork():
+            os._exit(0)
+        deadline = time.monotonic() + timeout_s
+        while os.getppid() != adopter:  # wait until the adopter has taken this orphan
+            if time.monotonic() > deadline:
+                os._exit(1)
+            time.sleep(1e-3)
+        die_with_parent()
+        if os.getppid() != adopter:  # the adopter died in between
+            os._exit(1)
+        return True
+    except BaseException:  # a half-made process must not return into the caller's code
+        os._exit(1)
 
 
 def proc_stat(pid: int, tid: int | None = None) -> list[str] | None:

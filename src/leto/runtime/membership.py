@@ -2,17 +2,21 @@
 that notices the next generation."""
 from __future__ import annotations
 
+import os
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from leto.protocol import keys
 from leto.protocol.messages import DONE, Plan, format_beat
-from leto.runtime.env import connect
+from leto.runtime.env import ENV_HOST_STORE, connect
 
-CHECK_EVERY_S = 0.1  # how often a worker heartbeats (a new generation is noticed at once)
+CHECK_EVERY_S = 0.1  # how often a process heartbeats
+WATCH_S = 1.0        # the longest single wait for the next generation in etcd (it returns at once when it comes;
+                     # each wait there is a new watch)
 
 
 def beat(store: dist.Store, proc_id: str, progress: int = 0) -> None:
@@ -20,26 +24,41 @@ def beat(store: dist.Store, proc_id: str, progress: int = 0) -> None:
     store.set(keys.heartbeat(proc_id), format_beat(time.time(), progress))
 
 
-class Heartbeat:
-    """A thread that heartbeats for a process with no training thread (a keeper): it proves
-    that the process runs (a SIGSTOPped one stops beating), not what its main loop does."""
+def host_store_addr(addr: str) -> str:
+    """Where this process heartbeats: its host's own store in a multi-host job (heartbeats are
+    for the host's supervisor only, and would be Raft writes in etcd), else the job's `addr`."""
+    return os.environ.get(ENV_HOST_STORE) or addr
 
-    def __init__(self, addr: str, proc_id: str, timeout_s: float) -> None:
-        self._store = connect(addr, timeout_s)
+
+class Heartbeat:
+    """A thread that heartbeats for a process: it proves that the process runs (a SIGSTOPped one
+    stops beating); `progress` says what its training thread does."""
+
+    def __init__(self, addr: str, proc_id: str, timeout_s: float, progress: Callable[[], int] = lambda: 0) -> None:
+        self._store = connect(host_store_addr(addr), timeout_s)
         self.proc_id = proc_id
+        self._progress = progress
         self._stop = threading.Event()
-        threading.Thread(target=self._run, name="leto-heartbeat", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name="leto-heartbeat", daemon=True)
+        self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                beat(self._store, self.proc_id)
+                beat(self._store, self.proc_id, self._progress())
             except Exception:  # the store is gone: the controller ended
                 return
             self._stop.wait(CHECK_EVERY_S)
 
-    def stop(self) -> None:
+    def stop(self, done: bool = False) -> None:
+        """Stop heartbeating; with `done`, tell the supervisor to stop watching the heartbeat."""
         self._stop.set()
+        self._thread.join(timeout=1.0)
+        if done:
+            try:
+                self._store.set(keys.heartbeat(self.proc_id), DONE)
+            except Exception:  # the controller is gone already
+                pass
 
 
 def read_plan(store: dist.Store, gen: int) -> Plan:
@@ -47,7 +66,7 @@ def read_plan(store: dist.Store, gen: int) -> Plan:
 
 
 class GenerationWatch:
-    """A background thread that heartbeats and notices when a newer generation is announced.
+    """Background threads that heartbeat and notice when a newer generation is announced.
 
     `reason()` is what every wait in the worker polls: once generation g+1 exists, the worker
     must stop what it is doing in generation g (collectives, staging) and join the recovery.
@@ -65,13 +84,15 @@ class GenerationWatch:
         self.progress = 0  # written by the training thread only, read by the heartbeat thread
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._heartbeat = Heartbeat(addr, proc_id, timeout_s, lambda: self.progress)
+        # a TCPStore wait is cheap; and it must end before the process does (C++ aborts at exit otherwise)
+        self._wait_s = CHECK_EVERY_S if isinstance(self._store, dist.TCPStore) else WATCH_S
         self._thread = threading.Thread(target=self._run, name="leto-watch", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                beat(self._store, self.proc_id, self.progress)
                 with self._lock:
                     want = self.generation + 1
                     pending = self._next is not None
@@ -79,9 +100,9 @@ class GenerationWatch:
                     self._stop.wait(CHECK_EVERY_S)
                     continue
                 try:  # returns as soon as the next generation is announced
-                    self._store.wait([keys.plan(want)], timedelta(seconds=CHECK_EVERY_S))
+                    self._store.wait([keys.plan(want)], timedelta(seconds=self._wait_s))
                 except RuntimeError:
-                    continue  # timed out: heartbeat again
+                    continue  # timed out: wait again (stop may have been asked)
                 with self._lock:
                     if want == self.generation + 1:
                         self._next = want
@@ -106,8 +127,5 @@ class GenerationWatch:
     def stop(self) -> None:
         """Stop heartbeating; the controller stops watching this process's heartbeat."""
         self._stop.set()
-        self._thread.join(timeout=1.0)
-        try:
-            self._store.set(keys.heartbeat(self.proc_id), DONE)
-        except Exception:  # the controller is gone already
-            pass
+        self._heartbeat.stop(done=True)
+        self._thread.join(timeout=self._wait_s + 1.0)

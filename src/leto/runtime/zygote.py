@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from datetime import timedelta
 
 from leto.protocol import keys
@@ -46,22 +45,9 @@ def serve(job: rt.Job) -> bool:
 
 
 def _fork(job: rt.Job, request: dict) -> bool:
-    controller = os.getppid()
-    child = os.fork()
-    if child:
-        os.waitpid(child, 0)  # the intermediate process exits at once
+    if not linux.fork_adopted(os.getppid(), REPARENT_TIMEOUT_S):
         return False
     try:
-        if os.fork():
-            os._exit(0)
-        deadline = time.monotonic() + REPARENT_TIMEOUT_S
-        while os.getppid() != controller:  # wait until the controller has adopted this orphan
-            if time.monotonic() > deadline:
-                os._exit(1)
-            time.sleep(1e-3)
-        linux.die_with_parent()
-        if os.getppid() != controller:  # the controller died in between
-            os._exit(1)
         os.setsid()
         job.role, job.proc_id, job.node = "shadow", request["proc_id"], int(request["node"])
         os.environ.update({rt.ENV_ROLE: "shadow", rt.ENV_PROC_ID: job.proc_id, rt.ENV_NODE: str(job.node)})
