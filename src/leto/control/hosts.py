@@ -192,15 +192,15 @@ class LeaderWatch:
 
     def follow(self) -> bool:
         """Watch whoever is coordinator now; False if there is none."""
-        entry = self.store.entry(keys.COORDINATOR)
-        if entry is None:
+        value = self.store.value(keys.COORDINATOR)
+        if value is None:
             return False
-        node = int(entry[0])
+        node = int(value)
         if node == self.me or self._leader is not None and self._leader.node == node:
             return True
-        rec = self.store.entry(keys.host(node))
+        rec = self.store.value(keys.host(node))
         if rec is not None:
-            self._leader = HostRecord.from_json(rec[0])
+            self._leader = HostRecord.from_json(rec)
             self._watch.watch(node, self._leader.addr, self._leader.port)
         return True
 
@@ -218,9 +218,9 @@ def _elect(store: EtcdStore, config: JobConfig, node: int, lease: HostLease, sup
     """Become the coordinator if there is none (the key is bound to this host's lease)."""
     if store.create(keys.COORDINATOR, str(node), lease.id) is None:
         return None
-    hosts = Cluster(store.client(store.fence, lease.lost), config.training.nodes, node)
-    coordinator = Coordinator(store.client(store.fence, lease.lost), config,
-                              serve=supervisor.serve_commands, summary_extra=summary_extra, hosts=hosts)
+    # the supervisor's store (this thread's, reading control/ from its mirror): the coordinator polls too
+    hosts = Cluster(store, config.training.nodes, node)
+    coordinator = Coordinator(store, config, serve=supervisor.serve_commands, summary_extra=summary_extra, hosts=hosts)
     if store.check([keys.plan(0)]):
         coordinator.restore(store.under(keys.COMMAND_PREFIX), store.under(keys.REPORT_PREFIX))
     else:

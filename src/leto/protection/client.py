@@ -26,6 +26,7 @@ from leto.protection.shm import (
 from leto.protection.staging import HostStaging
 from leto.protocol import keys
 from leto.runtime.comm import PeerFailure
+from leto.runtime.env import await_keys
 
 
 class Protector:
@@ -40,7 +41,9 @@ class Protector:
         self.spent = {"stage_s": 0.0, "wait_s": 0.0}  # time on the training thread, for metrics
         self.node = layout.node_of_rank[rank]
         self.w = layout.local_index(rank)
-        self._wait_until(lambda: store.check([keys.ready(layout.generation, self.node)]), "keeper ready", poll=1e-3)
+        why = await_keys(store, [keys.ready(layout.generation, self.node)], timeout_s, abort_check)
+        if why is not None:
+            raise PeerFailure(f"waiting for keeper ready (generation {layout.generation}): {why}")
         self.region = Region(layout, job_id, self.node, create=False)
         self.hdr = self.region["slot_hdr"][self.w]
         self.data = self.region["slot_data"][self.w]

@@ -523,13 +523,18 @@ class Keeper:
             self.store.set(keys.sent(self.gen, self.node, n), SentCounts(dict(link.sent)).to_json())
         for n, link in self.links.items():  # wait for what live senders sent us
             key = keys.sent(self.gen, n, self.node)
-            while n in live_nodes and n in self.layout.senders_to(self.node) and link.error is None \
+            if n not in live_nodes or n not in self.layout.senders_to(self.node):
+                continue
+            left = max(0.0, deadline - time.monotonic())
+            def stop(link: _Link = link) -> str | None:
+                return str(link.error) if link.error is not None else "abandoned" if abandoned() else None
+
+            if rt.await_keys(self.store, [key], left, stop):
+                continue
+            want = SentCounts.from_json(self.store.get(key)).messages
+            while not all(link.received[k] >= v for k, v in want.items()) and link.error is None \
                     and time.monotonic() < deadline and not abandoned():
-                if self.store.check([key]):
-                    want = SentCounts.from_json(self.store.get(key)).messages
-                    if all(link.received[k] >= v for k, v in want.items()):
-                        break
-                time.sleep(1e-3)
+                time.sleep(1e-3)  # what the receiver thread has not folded yet: local, no store
         self.region.header[H_STATE] = STATE_DRAINED
         with self.lock:
             return self.report()
@@ -581,9 +586,8 @@ def main() -> None:
             job.store.set(keys.report(gen, node), _report(committed, plan, job).to_json())
             gen = plan.next_generation
             continue
-        if not job.store.check([keys.layout(gen)]):
-            time.sleep(0.001)
-            continue
+        if rt.await_keys(job.store, [keys.layout(gen)], 0.05) is not None:
+            continue  # not yet: look for a drain and the shutdown again
         layout = Layout.from_json(job.store.get(keys.layout(gen)).decode())
         if node not in layout.nodes:
             gen += 1

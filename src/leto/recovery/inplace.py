@@ -29,6 +29,7 @@ from leto.recovery.rebuild import (
     recovery_step,
 )
 from leto.runtime.comm import Comm, PeerFailure
+from leto.runtime.env import await_keys
 from leto.runtime.membership import read_plan
 
 GradOf = Callable[[int, int], torch.Tensor]  # (lost old rank, chunk) -> its gradient chunk of the recovery step
@@ -215,13 +216,11 @@ def record(m: Member, rec: RecoveryRecord) -> RecoveryRecord:
 
 
 def _wait_keys(m: Member, names: list[str], what: str) -> None:
-    deadline = time.monotonic() + m.job.timeout_s
-    while not m.job.store.check(names):
-        if m.watch is not None and m.watch.reason():
-            raise PeerFailure(f"waiting for {what}: {m.watch.reason()}")
-        if time.monotonic() > deadline:
-            raise RecoveryError(f"timed out after {m.job.timeout_s:.0f}s waiting for {what}")
-        time.sleep(1e-3)
+    why = await_keys(m.job.store, names, m.job.timeout_s, m.watch.reason if m.watch is not None else lambda: None)
+    if why is not None and m.watch is not None and m.watch.reason():
+        raise PeerFailure(f"waiting for {what}: {why}")
+    if why is not None:
+        raise RecoveryError(f"{why} waiting for {what}")
 
 
 def _lineage(store, gen: int, rank: int, proc_id: str, roles: Roles) -> list[str]:

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -66,6 +68,24 @@ def connect(addr: str, timeout_s: float) -> dist.Store:
     host, port = addr.rsplit(":", 1)
     return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
                          wait_for_workers=False)
+
+
+def await_keys(store: dist.Store, names: list[str], timeout_s: float,
+               stop: Callable[[], str | None] = lambda: None, every_s: float = 0.05) -> str | None:
+    """Wait until every key in `names` exists; None once they do, else why not (`stop`'s reason,
+    checked every `every_s`, or the timeout). The store pushes the keys (a TCPStore wait, an etcd
+    watch): a poll would be a request each time, and in etcd one costs milliseconds of CPU."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            store.wait(names, timedelta(seconds=max(1e-3, min(every_s, deadline - time.monotonic()))))
+            return None
+        except RuntimeError:  # this wait timed out (DistStoreError)
+            pass
+        if (why := stop()) is not None:
+            return why
+        if time.monotonic() >= deadline:
+            return f"timed out after {timeout_s:.0f}s"
 
 
 def _deterministic() -> None:

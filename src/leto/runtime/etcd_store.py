@@ -390,6 +390,14 @@ class EtcdStore(dist.Store):
                              [{"key": full, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}])
         return int(result["header"]["revision"]) if result.get("succeeded") else None
 
+    def value(self, key: str) -> bytes | None:
+        """The value of `key` now, or None if it does not exist: no wait (from the mirror, where
+        it covers the key)."""
+        if self._mirror is not None and self._mirror.covers([key]) and self._mirror.fresh():
+            return self._mirror.lookup(key)
+        kv = self._range(key)
+        return None if kv is None else base64.b64decode(kv.get("value", ""))
+
     def entry(self, key: str) -> tuple[bytes, int, int] | None:
         """(value, create revision, lease) of `key`, or None if it does not exist."""
         kv = self._range(key)

@@ -239,11 +239,8 @@ class Trainer:
         while True:
             gen = latest_generation(self.job.store, self.generation)
             if gen == self.generation:  # the failure was seen here first: wait for the controller's plan
-                deadline = time.monotonic() + self.job.timeout_s
-                while latest_generation(self.job.store, self.generation) == self.generation:
-                    if time.monotonic() > deadline:
-                        raise PeerFailure(f"{why}; and no new generation was announced")
-                    time.sleep(2e-3)
+                if rt.await_keys(self.job.store, [keys.plan(gen + 1)], self.job.timeout_s) is not None:
+                    raise PeerFailure(f"{why}; and no new generation was announced")
                 continue
             try:
                 self.recoveries.append(join(self, gen))
