@@ -278,10 +278,15 @@ def test_young_daly_k_is_chosen_from_measured_costs_and_shared(launcher, tmp_pat
 
 
 def test_leto_run_resumes_a_user_script(launcher, tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
     job = ("--workers", "2", "--persist-every", "4", "examples/minimal.py", "--steps", "12")
-    res = launcher.run("run", "--run-dir", str(run_dir), *job, run_dir=run_dir)
-    assert res.returncode == 0, res.stderr[-3000:]
+    for attempt in range(3):  # a write still in flight skips the next one (never blocks a step): on a busy
+        run_dir = tmp_path / f"run{attempt}"  # machine the run may keep fewer than the 2 this needs
+        res = launcher.run("run", "--run-dir", str(run_dir), *job, run_dir=run_dir)
+        assert res.returncode == 0, res.stderr[-3000:]
+        if len(store.complete(run_dir / "checkpoints")) >= 2:
+            break
+    else:
+        raise AssertionError("3 runs in a row kept fewer than 2 complete checkpoints (writes skipped)")
     digest = json.loads((run_dir / "summary.json").read_text())["digest"]
     newest = store.complete(run_dir / "checkpoints")[0]
     (newest.path / store.COMMIT).unlink()

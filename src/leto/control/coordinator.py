@@ -502,7 +502,7 @@ class Coordinator:
             done.update({"tier": info.get("tier"), "step": info.get("step"), "repaired": list(info.get("repaired", [])),
                          "detect_s": round(pending["t_detect"] - pending["t_fail"], 4),
                          "restore_s": info.get("restore_s"), "join_s": info.get("join_s"),
-                         "protect_s": info.get("protect_s"),
+                         "protect_s": info.get("protect_s"), "join_phases_s": info.get("phases_s", {}),
                          "total_s": round(rec.time - pending["t_fail"], 4),
                          "lost_steps": None if info.get("step") is None else max(0, self.max_step - info["step"])})
             self.pending.remove(pending)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Self
 
 DONE = "done"  # the heartbeat of a process that left the job on purpose
@@ -71,6 +71,7 @@ class RecoveryRecord:
     resharded: bool = False
     repaired: tuple[str, ...] = ()  # redundancy that failed its checks and what rebuilt it
     rebuilt_from: str = ""
+    phases_s: dict[str, float] = field(default_factory=dict)  # rank 0's join, phase by phase, in order
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -69,25 +69,47 @@ def latest_generation(store, start: int) -> int:
 def join(m: Member, gen: int) -> RecoveryRecord:
     """Join generation `gen` (announced by the controller); returns the recovery record."""
     t0 = time.time()
+    phases = _Phases()
     plan = enter(m, gen)
+    phases.done("enter")  # the plan, and the new process group's rendezvous
     reports = read_reports(m, gen)
+    phases.done("keeper_reports")
     if not reports:  # every keeper is gone or new: go on if no rank's state was lost
         return _rejoin_intact(m, gen, plan, t0)
     src = protection_source(m, plan, reports)
     m.fault("recovery", m.sharded.step + 1)
     rplan, held, holder = agree_on_step(m, plan, src)
+    phases.done("agree_on_step")
     t_decode = time.time()
     point = bring_to_step(m, gen, src, rplan, held, holder)
+    phases.done("bring_to_step")
     rb, point, repaired = decode(m, gen, plan, src, point)
+    phases.done("decode")
     shard = install(m, gen, src, rb, point)
+    phases.done("install")
     restore_s = time.time() - t_decode
     t_protect = time.time()
     reprotect(m, gen, point.step, shard)
+    phases.done("reprotect")
     return record(m, RecoveryRecord(
         generation=gen, failed_ranks=src.roles.lost, failed_nodes=plan.failed_nodes, cause=plan.cause,
         tier=point.plan.tier, step=point.step, world_size=m.world_size, restore_s=round(restore_s, 4),
         protect_s=round(time.time() - t_protect, 4), join_s=round(time.time() - t0, 4),
-        decode_start_s=round(t_decode - t0, 4), resharded=src.roles.reshard, repaired=tuple(repaired)))
+        decode_start_s=round(t_decode - t0, 4), resharded=src.roles.reshard, repaired=tuple(repaired),
+        phases_s=phases.spent))
+
+
+class _Phases:
+    """How long each named phase of a join took (the recovery record's `phases_s`)."""
+
+    def __init__(self) -> None:
+        self.spent: dict[str, float] = {}
+        self._last = time.time()
+
+    def done(self, name: str) -> None:
+        now = time.time()
+        self.spent[name] = round(now - self._last, 4)
+        self._last = now
 
 
 def enter(m: Member, gen: int) -> Plan:
