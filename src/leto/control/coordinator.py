@@ -41,6 +41,7 @@ from leto.runtime import runlog
 POLL_S = 0.01
 MAX_GENERATIONS = 100  # a job that needs more recoveries than this is failing in a loop
 GROW_CHECK_S = 0.1
+RECORD_WAIT_S = 2.0  # how long a recovery waits, after its first step, for rank 0's record of it
 
 
 class Hosts(Protocol):
@@ -96,6 +97,7 @@ class Coordinator:
         self._signal: int | None = None
         self._next_report = 0
         self._last_step: tuple[int, float] | None = None
+        self._last_progress: StepProgress | None = None
         self._progress_set = False  # rank 0 has set keys.PROGRESS (it stays set)
         self._last_grow_check = 0.0
         self._exit = ExitStack()
@@ -189,10 +191,12 @@ class Coordinator:
                 return code
         self._maybe_grow()
         members = [self.members[r] for r in sorted(self.members)]
-        if members and all(p.code == 0 for p in members):
+        done = bool(members) and all(p.code == 0 for p in members)
+        if done:
             self._poll()
-            return 0
-        return None
+        if self._last_progress is not None and any("first_step" in p for p in self.pending):
+            self._close_recoveries(self._last_progress, force=done)  # waiting for a record
+        return 0 if done else None
 
     def _poll(self) -> None:
         """Rank 0's latest step and the supervisors' new reports: one store round trip a round
@@ -211,6 +215,7 @@ class Coordinator:
         if (rec.step, rec.time) == self._last_step:
             return
         self._last_step = (rec.step, rec.time)
+        self._last_progress = rec
         self.display.step(rec.record())
         self._close_recoveries(rec)
 
@@ -492,19 +497,24 @@ class Coordinator:
             return {}
         return asdict(RecoveryRecord.from_json(self.store.get(key)))
 
-    def _close_recoveries(self, rec: StepProgress) -> None:
-        """The first step completed after a recovery closes its record."""
+    def _close_recoveries(self, rec: StepProgress, force: bool = False) -> None:
+        """The first step completed after a recovery closes its record (once rank 0's record of
+        it is here, or RECORD_WAIT_S later, or at once with `force`)."""
         for pending in list(self.pending):
             if rec.time <= pending["t_detect"]:
                 continue
+            first = pending.setdefault("first_step", (rec.time, self.max_step, time.monotonic()))
             info = self._recovery_info(pending["generation"])
-            done = {k: v for k, v in pending.items() if k not in ("t_fail", "t_detect", "kind")}
+            if not info and not force and time.monotonic() - first[2] < RECORD_WAIT_S:
+                continue  # rank 0's record may reach this store after its step (etcd's mirror): look again
+            t_first, max_step = first[0], first[1]
+            done = {k: v for k, v in pending.items() if k not in ("t_fail", "t_detect", "kind", "first_step")}
             done.update({"tier": info.get("tier"), "step": info.get("step"), "repaired": list(info.get("repaired", [])),
                          "detect_s": round(pending["t_detect"] - pending["t_fail"], 4),
                          "restore_s": info.get("restore_s"), "join_s": info.get("join_s"),
                          "protect_s": info.get("protect_s"), "join_phases_s": info.get("phases_s", {}),
-                         "total_s": round(rec.time - pending["t_fail"], 4),
-                         "lost_steps": None if info.get("step") is None else max(0, self.max_step - info["step"])})
+                         "total_s": round(t_first - pending["t_fail"], 4),
+                         "lost_steps": None if info.get("step") is None else max(0, max_step - info["step"])})
             self.pending.remove(pending)
             if not self.pending:
                 self._set_state(recovering=False)
