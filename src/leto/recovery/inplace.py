@@ -239,10 +239,11 @@ def record(m: Member, rec: RecoveryRecord) -> RecoveryRecord:
 
 def _wait_keys(m: Member, names: list[str], what: str) -> None:
     why = await_keys(m.job.store, names, m.job.timeout_s, m.watch.reason if m.watch is not None else lambda: None)
-    if why is not None and m.watch is not None and m.watch.reason():
+    if why is None:
+        return
+    if m.watch is not None and m.watch.reason():
         raise PeerFailure(f"waiting for {what}: {why}")
-    if why is not None:
-        raise RecoveryError(f"{why} waiting for {what}")
+    raise RecoveryError(f"{why} waiting for {what}")
 
 
 def _lineage(store, gen: int, rank: int, proc_id: str, roles: Roles) -> list[str]:

@@ -21,12 +21,13 @@ import json
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 
 import etcd3gw
 import requests
 import torch.distributed as dist
+import urllib3
 from etcd3gw import exceptions as gw
 
 SCHEME = "etcd://"
@@ -66,6 +67,13 @@ def _prefix_end(prefix: str) -> str:
     """The range end that covers every key starting with `prefix`."""
     raw = prefix.encode()
     return _b64(raw[:-1] + bytes([raw[-1] + 1]))
+
+
+def _read_timed_out(e: requests.RequestException) -> bool:
+    """Whether a streamed response went quiet for its read timeout: requests raises that as a
+    ConnectionError around urllib3's ReadTimeoutError once the body is streaming."""
+    return isinstance(e, requests.exceptions.ReadTimeout) or any(
+        isinstance(a, urllib3.exceptions.ReadTimeoutError) for a in e.args)
 
 
 class EtcdError(dist.DistStoreError):
@@ -164,37 +172,22 @@ class Mirror:
 
     def _follow(self) -> None:
         """One watch from the next revision, until it is quiet for FOLLOW_S."""
-        first = self._store._order()[0]
-        client = self._store._clients[first]
         body = {"create_request": {"key": _b64(self._full), "range_end": _prefix_end(self._full),
                                    "start_revision": str(self._revision + 1)}}
-        created = False
         n = len(self._store.prefix)
-        try:
-            with client.session.post(client.get_url("watch"), json=body, stream=True,
-                                     timeout=(REQUEST_TIMEOUT_S, FOLLOW_S)) as resp:
-                for line in resp.iter_lines():
-                    if self._stop.is_set():
-                        return
-                    result = json.loads(line).get("result", {}) if line else {}
-                    if result.get("canceled") or int(result.get("compact_revision", 0) or 0):
-                        self._synced = False  # the revisions it needs are compacted: read everything again
-                        return
-                    created = created or bool(result.get("created")) or bool(result.get("events"))
-                    for ev in result.get("events") or []:
-                        kv = ev["kv"]
-                        value = None if ev.get("type") == "DELETE" else base64.b64decode(kv.get("value", ""))
-                        self.apply(base64.b64decode(kv["key"]).decode()[n:], value, int(kv["mod_revision"]))
-                        # only events move the revision on: a header's may be ahead of events still to come
-                        self._revision = max(self._revision, int(kv["mod_revision"]))
-                    self._heard = time.monotonic()
-        except requests.exceptions.ReadTimeout:
-            if not created:  # the member took the connection and never answered: frozen
-                self._store._failed(first)
-            return
-        except requests.RequestException:
-            self._store._failed(first)
-            raise
+        for result in self._store.watch_stream(body, FOLLOW_S, shun_silent=True):
+            if self._stop.is_set():
+                return
+            if result.get("canceled") or int(result.get("compact_revision", 0) or 0):
+                self._synced = False  # the revisions it needs are compacted: read everything again
+                return
+            for ev in result.get("events") or []:
+                kv = ev["kv"]
+                value = None if ev.get("type") == "DELETE" else base64.b64decode(kv.get("value", ""))
+                self.apply(base64.b64decode(kv["key"]).decode()[n:], value, int(kv["mod_revision"]))
+                # only events move the revision on: a header's may be ahead of events still to come
+                self._revision = max(self._revision, int(kv["mod_revision"]))
+            self._heard = time.monotonic()
 
 
 class EtcdStore(dist.Store):
@@ -317,21 +310,33 @@ class EtcdStore(dist.Store):
 
     def _watch(self, key: str, start_revision: int, seconds: float) -> None:
         """Return once `key` changes at or after `start_revision`, or after about `seconds`."""
-        first = self._order()[0]
-        client = self._clients[first]
         body = {"create_request": {"key": _b64(self.prefix + key), "start_revision": str(start_revision)}}
         try:
-            with client.session.post(client.get_url("watch"), json=body, stream=True,
-                                     timeout=(REQUEST_TIMEOUT_S, max(0.01, seconds))) as resp:
-                for line in resp.iter_lines():
-                    result = json.loads(line).get("result", {}) if line else {}
-                    if result.get("events") or result.get("canceled"):
-                        return
-        except requests.exceptions.ReadTimeout:
-            return
+            for result in self.watch_stream(body, max(0.01, seconds)):
+                if result.get("events") or result.get("canceled"):
+                    return
         except (requests.RequestException, ValueError):
-            self._failed(first)
             time.sleep(min(0.05, seconds))
+
+    def watch_stream(self, body: dict, quiet_s: float, shun_silent: bool = False) -> Iterator[dict]:
+        """The results of one watch on the first endpoint, until it is quiet for `quiet_s`. An
+        endpoint that fails is tried last for a while (`_failed`) and the error raised; with
+        `shun_silent`, so is one that took the watch and never answered it (a frozen member)."""
+        first = self._order()[0]
+        client = self._clients[first]
+        answered = False
+        try:
+            with client.session.post(client.get_url("watch"), json=body, stream=True,
+                                     timeout=(REQUEST_TIMEOUT_S, quiet_s)) as resp:
+                for line in resp.iter_lines():
+                    if line:
+                        answered = True
+                        yield json.loads(line).get("result", {})
+        except requests.RequestException as e:
+            if _read_timed_out(e) and (answered or not shun_silent):
+                return  # quiet for quiet_s: the watch's normal end
+            self._failed(first)
+            raise
 
     def _write(self, ops: list[dict], compare: list[dict] | None = None, deadline: float | None = None) -> dict:
         """One transaction of `ops` under `compare` and this process's fence; raises `Fenced`
