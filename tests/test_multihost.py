@@ -61,6 +61,12 @@ def finish(hosts: list[subprocess.Popen], run_dir: Path, timeout: float = 240) -
     return [(code, Path(f"{run_dir}.host{i}.err").read_text()) for i, code in enumerate(codes)]
 
 
+def failed(results: list[tuple[int, str]], victim: int | None = None) -> str:
+    """The surviving hosts that did not exit 0: index, exit code and the end of their stderr."""
+    return "\n".join(f"host {i} exited {code}:\n{err[-3000:]}" for i, (code, err) in enumerate(results)
+                     if code != 0 and i != victim)
+
+
 def at_step(run_dir: Path, step: int, timeout: float = 180) -> None:
     def reached() -> bool:
         path = run_dir / "metrics.jsonl"
@@ -104,7 +110,7 @@ def _recovered(cluster: Cluster, run_dir: Path, node: int, reference: str) -> di
 def test_three_hosts_train_to_the_single_host_digest_and_leave_nothing_behind(cluster: Cluster, tmp_path: Path,
                                                                               reference: str) -> None:
     results = finish(start(cluster, tmp_path / "run"), tmp_path / "run")
-    assert [code for code, _ in results] == [0, 0, 0], [err[-2000:] for _, err in results]
+    assert [code for code, _ in results] == [0, 0, 0], failed(results)
     s = summary(tmp_path / "run")
     assert s["digest"] == reference and s["steps"] == STEPS and s["recoveries"] == []
     assert [p for i in range(3) for p in cluster.pids(i) if p not in cluster.etcd_pids()] == []
@@ -123,7 +129,7 @@ def test_sigkill_of_every_process_of_a_host_and_its_etcd_member(cluster: Cluster
     cluster.kill_host(victim)
     results = finish(hosts, run_dir)
     assert results[victim][0] != 0
-    assert all(code == 0 for i, (code, _) in enumerate(results) if i != victim), [e[-2000:] for _, e in results]
+    assert all(code == 0 for i, (code, _) in enumerate(results) if i != victim), failed(results, victim)
     _recovered(cluster, run_dir, node, reference)
     if which == "coordinator_host":
         events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -152,7 +158,7 @@ def test_a_host_cut_off_or_frozen_is_fenced_and_never_comes_back(cluster: Cluste
     results = finish(hosts, run_dir)
     code, err = results[victim]
     assert code == 1 and "leaves the job" in err and "lease" in err, err[-2000:]
-    assert all(c == 0 for i, (c, _) in enumerate(results) if i != victim), [e[-2000:] for _, e in results]
+    assert all(c == 0 for i, (c, _) in enumerate(results) if i != victim), failed(results, victim)
     _recovered(cluster, run_dir, node, reference)
 
 

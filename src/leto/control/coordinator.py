@@ -36,7 +36,7 @@ from leto.protocol.messages import (
     parse_beat,
 )
 from leto.protocol.protection import Drain
-from leto.runtime import runlog
+from leto.runtime import runlog, trace
 
 POLL_S = 0.01
 MAX_GENERATIONS = 100  # a job that needs more recoveries than this is failing in a loop
@@ -316,6 +316,7 @@ class Coordinator:
     def _on_failures(self, failed: list[tuple[ProcView, str]]) -> int | None:
         """Decide generation g+1 and announce it; returns an exit code when the job must stop."""
         t_detect = time.time()
+        trace.mark("failures", procs=[p.proc_id for p, _ in failed])
         if self.store.check([keys.FATAL]):
             msg = self.store.get(keys.FATAL).decode()
             self.event("fatal", cause=msg)
@@ -349,7 +350,9 @@ class Coordinator:
         except LookupError as e:
             self.display.message(f"leto: cannot recover: {e}; stopping the job")
             return 1
+        trace.mark("plan_decided", generation=new.generation)
         self._announce(new, dead_keepers)
+        trace.mark("announced", generation=new.generation)
         self._note_degradation(new)
         t_fail = min(self._failure_time(p, t_detect) for p, _ in failed)
         record = {"generation": new.generation, "failed_ranks": sorted(lost_ranks), "failed_nodes": sorted(lost_nodes),

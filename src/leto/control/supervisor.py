@@ -27,7 +27,7 @@ from leto.protection import doorbell, shm
 from leto.protocol import keys
 from leto.protocol.messages import Command, ForkRequest, JobState, Plan, ProcEvent, StepProgress, SupervisorReport, parse_beat
 from leto.runtime import env as rt
-from leto.runtime import linux
+from leto.runtime import linux, trace
 from leto.runtime.runlog import write_procs
 
 POLL_S = 0.01
@@ -218,6 +218,7 @@ class Supervisor:
             self._report(SupervisorReport(events=(proc.event("started"),)))
             self._procs_stale = True
         elif cmd.kind == "fork":
+            trace.mark("fork_command", shadow=cmd.proc_id)
             self._fork_shadow(cmd.node, cmd.proc_id)
         elif cmd.kind == "boost":
             for p in self.procs:

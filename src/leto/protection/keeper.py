@@ -59,7 +59,7 @@ from leto.protocol.protection import (
     StripeReport,
 )
 from leto.runtime import env as rt
-from leto.runtime import linux
+from leto.runtime import linux, trace
 from leto.runtime.membership import Heartbeat
 
 HDR = 8           # int64 fields in a tier-2 message header
@@ -190,11 +190,12 @@ class _Link:
                 self.error = f"node {self.node} sent a batch of {n} records (at most {self.keeper.per_msg[kind]})"
                 return
             with self.keeper.lock:
-                for r in range(n):
-                    rec = raw[8 + r * rb:8 + (r + 1) * rb]
-                    _, step, _, stripe, p, i, crc, _ = (int(x) for x in rec[:HDR * 8].view(np.int64))
-                    self.keeper.fold_remote(kind, step, stripe, p, i, crc, rec[HDR * 8:HDR * 8 + nbytes])
-                self.keeper.dirty = True
+                if not self.keeper.reported:  # after its report the region is what recovery reads
+                    for r in range(n):
+                        rec = raw[8 + r * rb:8 + (r + 1) * rb]
+                        _, step, _, stripe, p, i, crc, _ = (int(x) for x in rec[:HDR * 8].view(np.int64))
+                        self.keeper.fold_remote(kind, step, stripe, p, i, crc, rec[HDR * 8:HDR * 8 + nbytes])
+                    self.keeper.dirty = True
             self.received[kind] += 1
             doorbell.ring_main()
 
@@ -222,11 +223,16 @@ class Keeper:
         self.shipped: dict[tuple[int, int], int] = {}  # (kind, step) -> local chunks shipped
         self.routes = [layout.routes(node, pos) for pos in range(self.W * g.n_chunks)]  # by data position
         # blocked point-to-point waits of an abandoned generation stay behind in their threads
+        trace.mark("keeper_region", generation=self.gen)
         self.pg = dist.ProcessGroupGloo(dist.PrefixStore(keys.keeper_pg(self.gen), store), self.idx,
                                         len(layout.nodes), timedelta(seconds=max(timeout_s, 3600.0)))
         senders, receivers = set(layout.senders_to(node)), set(layout.receivers_from(node))
         self.parity = {s.index: (s, j) for s, j in layout.parity_stripes(node)}
         self.expected, self.real = self._expected_counts()
+        # set with the first report, under the lock: from then on nothing changes the region. A
+        # peer cut off by a partition may deliver its queued contributions once the link is back,
+        # while survivors decode from this region (they read the versions of the report).
+        self.reported = False
         self.links = {n: _Link(self, n, send=n in receivers, recv=n in senders)
                       for n in sorted(senders | receivers) if n != node}
         # barrier sequence: D(base), G(base+1), D(base+1), ...; without gradients D(base), D(P1), D(P2), ...
@@ -240,6 +246,7 @@ class Keeper:
         self.dirty = True
         h[H_STATE] = STATE_RUNNING
         store.set(keys.ready(self.gen, node), KeeperReady(os.getpid()).to_json())
+        trace.mark("keeper_ready", generation=self.gen)
 
     def record_bytes(self, kind: int) -> int:
         return HDR * 8 + self.nbytes[kind]
@@ -509,6 +516,9 @@ class Keeper:
         """Apply everything staged and everything live peers sent, then report. Waits for peers
         end early once `abandoned()`: a later membership change (a peer died meanwhile) makes
         this report moot, and the next drain must not sit out the timeout on a dead peer."""
+        if self.reported:  # drained before (that recovery was cut short): the region is as then reported
+            with self.lock:
+                return self.report()
         deadline = time.monotonic() + timeout_s
         while self._consume_slots() and time.monotonic() < deadline:
             pass
@@ -537,6 +547,7 @@ class Keeper:
                 time.sleep(1e-3)  # what the receiver thread has not folded yet: local, no store
         self.region.header[H_STATE] = STATE_DRAINED
         with self.lock:
+            self.reported = True
             return self.report()
 
     def close(self, unlink: bool) -> None:
@@ -589,6 +600,7 @@ def main() -> None:
         if rt.await_keys(job.store, [keys.layout(gen)], 0.05) is not None:
             continue  # not yet: look for a drain and the shutdown again
         layout = Layout.from_json(job.store.get(keys.layout(gen)).decode())
+        trace.mark("keeper_layout", generation=gen)
         if node not in layout.nodes:
             gen += 1
             continue
@@ -601,8 +613,10 @@ def main() -> None:
 
         reason = current.run(should_stop)
         if reason == "drain":
+            trace.mark("keeper_drain_seen", generation=gen)
             plan = _read_drain(job, gen)
             current.settle_barrier(set(plan.live_nodes), job.timeout_s, _superseded(plan, job))
+            trace.mark("keeper_settled", generation=gen)
         if current.region.header[H_DCOMMIT] >= layout.base_step:
             if committed is not None:
                 committed.close(unlink=True)
@@ -611,6 +625,7 @@ def main() -> None:
             break
         plan = _read_drain(job, gen)
         job.store.set(keys.report(gen, node), _report(committed, plan, job).to_json())
+        trace.mark("keeper_reported", generation=gen)
         if current is not committed:
             current.close(unlink=True)
         gen = plan.next_generation

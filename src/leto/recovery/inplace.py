@@ -30,6 +30,7 @@ from leto.recovery.rebuild import (
 )
 from leto.runtime.comm import Comm, PeerFailure
 from leto.runtime.env import await_keys
+from leto.runtime import trace
 from leto.runtime.membership import read_plan
 
 GradOf = Callable[[int, int], torch.Tensor]  # (lost old rank, chunk) -> its gradient chunk of the recovery step
@@ -69,6 +70,7 @@ def latest_generation(store, start: int) -> int:
 def join(m: Member, gen: int) -> RecoveryRecord:
     """Join generation `gen` (announced by the controller); returns the recovery record."""
     t0 = time.time()
+    trace.mark("join", generation=gen)
     phases = _Phases()
     plan = enter(m, gen)
     phases.done("enter")  # the plan, and the new process group's rendezvous
@@ -108,6 +110,7 @@ class _Phases:
 
     def done(self, name: str) -> None:
         now = time.time()
+        trace.mark(f"join_{name}")
         self.spent[name] = round(now - self._last, 4)
         self._last = now
 

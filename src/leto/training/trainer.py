@@ -26,9 +26,10 @@ from leto.recovery.inject import InProcessInjector
 from leto.recovery.inplace import join, latest_generation
 from leto.recovery.rebuild import RecoveryError
 from leto.runtime import env as rt
-from leto.runtime import runlog
+from leto.runtime import runlog, trace
 from leto.runtime.comm import Comm, PeerFailure, backend_for, reduction_replicates
 from leto.runtime.env import Job
+from leto.runtime.etcd_store import Fenced
 from leto.runtime.membership import GenerationWatch, read_plan
 from leto.training.flat import state_digest
 from leto.training.optim import MASTER, AdamW, Optimizer
@@ -148,8 +149,9 @@ class Trainer:
         """Become `plan`'s member (a recovery or resize): its rank and world size, and a new
         process group; the old one is parked."""
         rank = plan.rank_of(self.job.proc_id)
-        if rank is None:
-            raise RecoveryError(f"process {self.job.proc_id} is not part of generation {generation}")
+        if rank is None:  # declared lost (e.g. its host was cut off): the others go on without it
+            raise SystemExit(f"leto: process {self.job.proc_id} is not part of generation {generation} (it was "
+                             f"declared lost): it stops")
         self.watch.advance(generation)
         self.generation, self.plan = generation, plan
         self.job.rank, self.job.world_size = rank, len(plan.proc_of_rank)
@@ -178,7 +180,9 @@ class Trainer:
         layout = Layout.from_json(self.job.store.get(keys.layout(generation)))
         self.protector = Protector(self.job.store, layout, self.rank, self.job.job_id, self.job.timeout_s,
                                    self.watch.reason, self.job.device)
+        trace.mark("protector_ready", generation=generation)
         self.protector.stage_deltas(base_step, None, state)
+        trace.mark("base_staged", generation=generation)
         if wait or layout.protect_every > 1:
             self.protector.wait_delta_commit(base_step)
             self.sharded.release_kept()
@@ -228,12 +232,16 @@ class Trainer:
         if self.comm is None:
             raise RuntimeError("call step() inside `for step in trainer.steps(n)`")
         try:
-            return self._step(loss_fn, weight, tokens)
-        except PeerFailure as e:
-            if self.watch is None or not self.job.protection:
-                raise
-            self._recover(str(e))
-            return None
+            try:
+                return self._step(loss_fn, weight, tokens)
+            except PeerFailure as e:
+                trace.mark("peer_failure", why=str(e)[:200])
+                if self.watch is None or not self.job.protection:
+                    raise
+                self._recover(str(e))
+                return None
+        except Fenced as e:  # this host is out of the job: its supervisor stops its processes
+            raise SystemExit(f"leto: process {self.job.proc_id} stops: {e}") from None
 
     def _recover(self, why: str) -> None:
         while True:

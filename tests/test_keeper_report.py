@@ -1,0 +1,147 @@
+"""After its report a keeper's tier-2 region is frozen: a late batch is received, not folded.
+
+In a partition, a cut-off node's queued tier-2 sends can reach a survivor's keeper once the link
+is back, after that keeper drained and reported; recovery decodes from the region at the versions
+of the report, so nothing may change it from then on (`Keeper.reported`). Two keepers run in
+threads of this process over their real gloo group; node B's worker stages deltas as a worker
+does (`Protector`), B's keeper ships them, and node A keeps the tier-2 parity of B's data.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from leto.protection.client import Protector
+from leto.protection.integrity import checksum
+from leto.protection.keeper import TAG, Keeper
+from leto.protection.layout import Geometry, Layout
+from leto.protection.shm import EMPTY, KIND_DELTA, SHM_DIR, region_name
+
+A, B = 0, 1
+TIMEOUT_S = 10.0
+# ec 1+1 over two nodes: each node keeps the parity of the other's data. Replicated gradients:
+# deltas only, so one kind of batch
+LAYOUT = Layout(0, 0, Geometry(n_chunks=2, chunk_elems=16), (A, B), (1, 1), replicated_grads=True)
+(STRIPE, _), = LAYOUT.parity_stripes(A)
+TIER2 = (f"p2_{STRIPE.index}", f"v2_{STRIPE.index}", f"crc2_{STRIPE.index}")
+
+
+def _within(done: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not done():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {TIMEOUT_S:.0f}s waiting for {what}")
+        time.sleep(1e-3)
+
+
+class Cluster:
+    """Keepers A and B, and B's one worker."""
+
+    def __init__(self, store: dist.Store, job: str, keepers: dict[int, Keeper]) -> None:
+        self.a, self.b = keepers[A], keepers[B]
+        self.worker = Protector(store, LAYOUT, B, job, TIMEOUT_S, lambda: None)  # rank 1 runs on node B
+
+    def ship(self, step: int, old: torch.Tensor | None, new: torch.Tensor) -> None:
+        """B's worker stages `old XOR new`, B's keeper folds and ships it; returns once A's link
+        to B has received the batch (and folded it, or not: both happen before the count)."""
+        link = self.a.links[B]
+        before = link.received[KIND_DELTA]
+        self.worker.stage_deltas(step, old, new)
+
+        def received() -> bool:
+            self.b._consume_slots()  # B's keeper loop: fold the staged slots, ship the step's batch
+            return link.received[KIND_DELTA] > before or link.error is not None
+
+        _within(received, f"node A to receive B's step-{step} batch")
+        assert link.error is None, link.error
+
+    def tier2(self) -> dict[str, np.ndarray]:
+        return {name: self.a.region[name].copy() for name in TIER2}
+
+
+@pytest.fixture
+def cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster]:
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    store, job = dist.HashStore(), f"spec-{uuid.uuid4().hex[:12]}"
+    keepers: dict[int, Keeper] = {}
+    errors: list[BaseException] = []
+
+    def build(node: int) -> None:  # each constructor waits in gloo's rendezvous for the other
+        try:
+            keepers[node] = Keeper(store, job, node, LAYOUT, TIMEOUT_S)
+        except BaseException as e:  # noqa: BLE001 (re-raised in the test's thread)
+            errors.append(e)
+
+    threads = [threading.Thread(target=build, args=(n,), daemon=True) for n in (A, B)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + TIMEOUT_S
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    c = None
+    try:
+        if errors:
+            raise errors[0]
+        if len(keepers) != 2:
+            pytest.fail(f"the keepers did not form their gloo group within {TIMEOUT_S:.0f}s")
+        c = Cluster(store, job, keepers)
+        yield c
+    finally:
+        if c is not None:
+            c.worker.close()
+        for k in keepers.values():
+            k.close(unlink=True)
+        for k in keepers.values():  # wake each receiver thread (closed: it returns without reading)
+            for sender in LAYOUT.senders_to(k.node):
+                size = 8 + k.per_msg[KIND_DELTA] * k.record_bytes(KIND_DELTA)
+                work = keepers[sender].pg.send([torch.zeros(size, dtype=torch.uint8)], k.idx, TAG[KIND_DELTA])
+                try:
+                    work.wait(timedelta(seconds=TIMEOUT_S))
+                except RuntimeError:  # that receiver had already stopped (the test says why)
+                    pass
+        for node in (A, B):  # also a region whose keeper never finished its constructor
+            (SHM_DIR / region_name(job, LAYOUT.generation, node)).unlink(missing_ok=True)
+
+
+def _state(step: int) -> torch.Tensor:
+    """Rank 1's shard at `step`: [n_chunks, 3 rows of chunk_elems] (a chunk is state_bytes)."""
+    g = LAYOUT.geometry
+    return torch.arange(g.n_chunks * 3 * g.chunk_elems, dtype=torch.float32).reshape(g.n_chunks, -1) + step
+
+
+def test_the_layout_sends_b_s_contributions_to_a() -> None:
+    assert LAYOUT.senders_to(A) == [B] and STRIPE.data_nodes == (LAYOUT.nodes.index(B),)
+
+
+def test_before_the_report_a_batch_is_folded_into_the_parity(cluster: Cluster) -> None:
+    p2, v2, crc2 = TIER2
+    assert (cluster.a.region[v2] == EMPTY).all()
+    cluster.ship(0, None, _state(0))
+    data = _state(0).view(torch.uint8).numpy()
+    got = cluster.tier2()
+    assert np.array_equal(got[p2], data)  # 1+1 is XOR over one data block: the parity is B's data
+    assert got[v2].tolist() == [[0, 0]]
+    assert got[crc2].tolist() == [[checksum(data[0]), checksum(data[1])]]
+
+
+def test_after_its_report_a_keeper_receives_late_batches_but_folds_none(cluster: Cluster) -> None:
+    cluster.ship(0, None, _state(0))  # B's data is protected at step 0
+    report = cluster.a.drain({A}, TIMEOUT_S)  # B declared lost: recovery reads A's report
+    frozen = cluster.tier2()
+    assert frozen[TIER2[1]].tolist() == [[0, 0]]
+    cluster.ship(1, _state(0), _state(1))  # B, cut off, delivers step 1 once the link is back
+    assert cluster.a.links[B].received[KIND_DELTA] == 2
+    late = cluster.tier2()
+    for name in TIER2:
+        assert np.array_equal(late[name], frozen[name]), f"{name} changed after the report"
+    t0 = time.monotonic()
+    assert cluster.a.drain({A, B}, TIMEOUT_S) == report  # at once: no wait for B's sent counts
+    assert time.monotonic() - t0 < TIMEOUT_S / 2
