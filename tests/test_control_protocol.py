@@ -71,8 +71,9 @@ def _report(store: dist.Store, *events: ProcEvent) -> None:
 
 def test_the_coordinator_acts_only_through_the_store(tmp_path: Path) -> None:
     """Start: spawn commands for 4 workers, a shadow and 2 keepers, plan 0 and the job state.
-    A reported SIGKILL of rank 1 (once protection committed): the shadow adopts it, boosted, the
-    keepers are woken for the drain, plan 1 is announced and the job state says recovering."""
+    A reported SIGKILL of rank 1 (once protection committed): the drain, plan 1 and the job state
+    (recovering) are written at once, the keepers are woken for the drain, and the shadow that
+    adopts rank 1 is boosted."""
     store = dist.HashStore()
     coord = Coordinator(store, _config(tmp_path))
     coord.prepare()
@@ -93,7 +94,7 @@ def test_the_coordinator_acts_only_through_the_store(tmp_path: Path) -> None:
     assert coord.tick() is None
     plan = Plan.from_json(store.get(keys.plan(1)))
     assert plan.proc_of_rank == ("worker0-1", "shadow-5", "worker2-3", "worker3-4")
-    assert [(c.kind, c.proc_id) for c in _commands(store)[len(started):]] == [("boost", "shadow-5"), ("wake_keepers", "")]
+    assert [(c.kind, c.proc_id) for c in _commands(store)[len(started):]] == [("wake_keepers", ""), ("boost", "shadow-5")]
     assert Drain.from_json(store.get(keys.drain(0))) == Drain((0, 1), 1)
     assert JobState.from_json(store.get(keys.JOB_STATE)) == JobState(1, True)
     failure = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

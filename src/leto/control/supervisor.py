@@ -110,6 +110,8 @@ class Supervisor:
         self.stopped = False
         self._next_command = 0
         self._forks: dict[str, int] = {}       # zygote -> fork requests sent
+        self._pending_forks: dict[str, tuple[Proc, float]] = {}  # shadow -> (its zygote, deadline)
+        self._boost_on_fork: set[str] = set()  # shadows to boost once forked
         self._last_beat_check = 0.0
         self._last_step: tuple[int, float] | None = None
         self._state = Latest(store, keys.JOB_STATE)
@@ -190,6 +192,8 @@ class Supervisor:
             self._write_procs()
         if time.monotonic() - self._last_command_check >= self.command_poll_s:
             self.serve_commands()
+        elif self._pending_forks:
+            self._check_forks()
         if self._signal is not None and not self._signal_reported:
             self._signal_reported = True
             self._report(SupervisorReport(signal=self._signal))
@@ -207,6 +211,7 @@ class Supervisor:
             cmd = Command.from_json(self.store.get(keys.command(self._next_command)))
             self._next_command += 1
             self._do(cmd)
+        self._check_forks()
 
     def _do(self, cmd: Command) -> None:
         if cmd.kind in ("spawn", "fork") and self.node is not None and cmd.node != self.node:
@@ -219,8 +224,10 @@ class Supervisor:
             self._procs_stale = True
         elif cmd.kind == "fork":
             trace.mark("fork_command", shadow=cmd.proc_id)
-            self._fork_shadow(cmd.node, cmd.proc_id)
+            self._fork_shadow(cmd.node, cmd.proc_id, cmd.boost)
         elif cmd.kind == "boost":
+            if cmd.proc_id in self._pending_forks:
+                self._boost_on_fork.add(cmd.proc_id)
             for p in self.procs:
                 if p.proc_id == cmd.proc_id and p.popen.poll() is None:
                     linux.normal_priority(p.popen.pid)
@@ -264,30 +271,49 @@ class Supervisor:
         self.procs.append(proc)
         return proc
 
-    def _fork_shadow(self, node: int, proc_id: str) -> None:
-        """Ask the node's warm zygote for a shadow named `proc_id`; reports `started`, or
-        `fork_failed` when it has none ready in time."""
+    def _fork_shadow(self, node: int, proc_id: str, boost: bool = False) -> None:
+        """Ask the node's warm zygote for a shadow named `proc_id`, and go on: `_check_forks`
+        reports `started`, or `fork_failed` when it has none ready in time. `boost`: the
+        zygote runs at normal priority until then, and the shadow inherits it."""
         zygote = next((p for p in self.procs if p.role == "zygote" and p.node == node and p.popen.poll() is None
                        and p.proc_id not in self.handled and self.store.check([keys.warm(p.proc_id)])), None)
-        pid = None if zygote is None else self._await_fork(zygote, ForkRequest(proc_id, node))
-        if pid is None:
+        if zygote is None:
             self._report(SupervisorReport(events=(ProcEvent("fork_failed", proc_id, "shadow", None, node),)))
             return
-        proc = Proc("shadow", None, node, proc_id, Forked(pid))
-        self.procs.append(proc)
-        self._report(SupervisorReport(events=(proc.event("started"),)))
-        self._procs_stale = True
-
-    def _await_fork(self, zygote: Proc, request: ForkRequest) -> int | None:
         seq = self._forks.get(zygote.proc_id, 0)
         self._forks[zygote.proc_id] = seq + 1
-        self.store.set(keys.fork(zygote.proc_id, seq), request.to_json())
-        deadline = time.monotonic() + self.cfg.timeouts.fork_s
-        while not self.store.check([keys.forked(request.proc_id)]):
-            if time.monotonic() > deadline or zygote.popen.poll() is not None:
-                return None
-            time.sleep(1e-3)
-        return int(self.store.get(keys.forked(request.proc_id)))
+        if boost:
+            linux.normal_priority(zygote.popen.pid)
+            self._boost_on_fork.add(proc_id)
+        self.store.set(keys.fork(zygote.proc_id, seq), ForkRequest(proc_id, node).to_json())
+        self._pending_forks[proc_id] = (zygote, time.monotonic() + self.cfg.timeouts.fork_s)
+
+    def _idle_again(self, zygote: Proc) -> None:
+        """A zygote boosted for a fork goes back to SCHED_IDLE once no boosted fork of it is pending."""
+        if not any(z is zygote and p in self._boost_on_fork for p, (z, _) in self._pending_forks.items()):
+            linux.idle_priority_of(zygote.popen.pid)
+
+    def _check_forks(self) -> None:
+        """Adopt the shadows the zygotes have forked since the last call; give up on those
+        not delivered by the fork timeout."""
+        for proc_id, (zygote, deadline) in list(self._pending_forks.items()):
+            if self.store.check([keys.forked(proc_id)]):
+                del self._pending_forks[proc_id]
+                proc = Proc("shadow", None, zygote.node, proc_id, Forked(int(self.store.get(keys.forked(proc_id)))))
+                self.procs.append(proc)
+                if proc_id in self._boost_on_fork:
+                    self._boost_on_fork.discard(proc_id)
+                    linux.normal_priority(proc.popen.pid)
+                    self._idle_again(zygote)
+                self._report(SupervisorReport(events=(proc.event("started"),)))
+                self._procs_stale = True
+            elif time.monotonic() > deadline or zygote.popen.poll() is not None:
+                del self._pending_forks[proc_id]
+                if proc_id in self._boost_on_fork:
+                    self._boost_on_fork.discard(proc_id)
+                    self._idle_again(zygote)
+                self._report(SupervisorReport(events=(ProcEvent("fork_failed", proc_id, "shadow", None,
+                                                                zygote.node),)))
 
     def _write_procs(self) -> None:
         records = [{"role": "controller", "rank": None, "node": self.node, "pid": os.getpid(), "id": "controller",

@@ -60,7 +60,7 @@ from leto.protocol.protection import (
 )
 from leto.runtime import env as rt
 from leto.runtime import linux, trace
-from leto.runtime.membership import Heartbeat
+from leto.runtime.membership import Heartbeat, read_plan
 
 HDR = 8           # int64 fields in a tier-2 message header
 TAG = {KIND_GRAD: 1, KIND_DELTA: 2}
@@ -203,7 +203,8 @@ class _Link:
 class Keeper:
     """Runs one generation's protection for one node."""
 
-    def __init__(self, store: dist.Store, job: str, node: int, layout: Layout, timeout_s: float) -> None:
+    def __init__(self, store: dist.Store, job: str, node: int, layout: Layout, timeout_s: float,
+                 pg: dist.ProcessGroup | None = None) -> None:
         self.store, self.job, self.node, self.layout = store, job, node, layout
         self.gen = layout.generation
         self.closed = False
@@ -222,10 +223,8 @@ class Keeper:
         self.per_msg = {k: records_per_batch(layout, nb) for k, nb in self.nbytes.items()}
         self.shipped: dict[tuple[int, int], int] = {}  # (kind, step) -> local chunks shipped
         self.routes = [layout.routes(node, pos) for pos in range(self.W * g.n_chunks)]  # by data position
-        # blocked point-to-point waits of an abandoned generation stay behind in their threads
         trace.mark("keeper_region", generation=self.gen)
-        self.pg = dist.ProcessGroupGloo(dist.PrefixStore(keys.keeper_pg(self.gen), store), self.idx,
-                                        len(layout.nodes), timedelta(seconds=max(timeout_s, 3600.0)))
+        self.pg = pg if pg is not None else keeper_group(store, self.gen, layout.nodes, node, timeout_s)
         senders, receivers = set(layout.senders_to(node)), set(layout.receivers_from(node))
         self.parity = {s.index: (s, j) for s, j in layout.parity_stripes(node)}
         self.expected, self.real = self._expected_counts()
@@ -559,6 +558,54 @@ class Keeper:
             self.region.unlink()
 
 
+def keeper_group(store: dist.Store, gen: int, nodes: list[int], node: int, timeout_s: float) -> dist.ProcessGroup:
+    """The gloo group of generation `gen`'s keepers (one per node of its plan, in node order)."""
+    # blocked point-to-point waits of an abandoned generation stay behind in their threads
+    return dist.ProcessGroupGloo(dist.PrefixStore(keys.keeper_pg(gen), store), nodes.index(node), len(nodes),
+                                 timedelta(seconds=max(timeout_s, 3600.0)))
+
+
+class EarlyGroup:
+    """Generation `gen`'s keeper group, built in a thread as soon as its plan is out (its nodes
+    are the plan's): its rendezvous through the store overlaps the workers' recovery instead of
+    following rank 0's layout, which comes only once the state is rebuilt. A generation that is
+    superseded before its layout leaves its thread blocked in the rendezvous, like the waits of
+    an abandoned generation."""
+
+    def __init__(self, store: dist.Store, gen: int, nodes: list[int], node: int, timeout_s: float) -> None:
+        self.gen, self.nodes, self.timeout_s = gen, nodes, timeout_s
+        self._box: list = []
+        self._thread = threading.Thread(target=self._build, args=(store, node), daemon=True,
+                                        name=f"keeper-group-g{gen}")
+        self._thread.start()
+
+    def _build(self, store: dist.Store, node: int) -> None:
+        try:
+            self._box.append(keeper_group(store, self.gen, self.nodes, node, self.timeout_s))
+        except Exception as e:  # noqa: BLE001 (raised by `take`)
+            self._box.append(e)
+
+    def take(self, layout: Layout) -> dist.ProcessGroup:
+        """The group, once built (bounded by the timeout); raises what the rendezvous raised."""
+        if layout.nodes != self.nodes:
+            raise RuntimeError(f"generation {self.gen}'s layout names nodes {layout.nodes}, its plan {self.nodes}")
+        self._thread.join(self.timeout_s)
+        if not self._box:
+            raise RuntimeError(f"the keepers of generation {self.gen} did not form their group "
+                               f"within {self.timeout_s:.0f}s")
+        if isinstance(self._box[0], Exception):
+            raise self._box[0]
+        return self._box[0]
+
+
+def _early_group(job: rt.Job, gen: int, node: int) -> EarlyGroup | None:
+    """Start generation `gen`'s keeper group if its plan is out and names this node."""
+    if not job.store.check([keys.plan(gen)]):
+        return None
+    nodes = sorted(set(read_plan(job.store, gen).node_of_rank))
+    return EarlyGroup(job.store, gen, nodes, node, job.timeout_s) if node in nodes else None
+
+
 def _superseded(plan: Drain, job: rt.Job) -> Callable[[], bool]:
     """Whether the drain `plan` became moot: the job shuts down or a later drain was announced."""
     later = keys.drain(plan.next_generation)
@@ -591,7 +638,10 @@ def main() -> None:
     node = job.node
     committed: Keeper | None = None   # the last generation whose protection is complete
     gen = 0
+    early: EarlyGroup | None = None
     while not job.shutdown_requested():
+        if early is None or early.gen != gen:
+            early = _early_group(job, gen, node)
         if job.store.check([keys.drain(gen)]):  # abandoned before it started: report the committed one
             plan = _read_drain(job, gen)
             job.store.set(keys.report(gen, node), _report(committed, plan, job).to_json())
@@ -604,7 +654,8 @@ def main() -> None:
         if node not in layout.nodes:
             gen += 1
             continue
-        current = Keeper(job.store, job.job_id, node, layout, job.timeout_s)
+        current = Keeper(job.store, job.job_id, node, layout, job.timeout_s,
+                         early.take(layout) if early is not None and early.gen == gen else None)
 
         def should_stop(gen: int = gen) -> str | None:
             if job.store.check([keys.drain(gen)]):

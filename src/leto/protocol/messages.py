@@ -157,7 +157,7 @@ class Command(_Flat):
     role: str = ""
     rank: int | None = None
     node: int = 0
-    boost: bool = False      # spawn at normal priority (a replacement keeper)
+    boost: bool = False      # spawn, or fork, at normal priority (a replacement keeper, an adopting shadow)
 
     def __post_init__(self) -> None:
         if self.kind not in COMMANDS:

@@ -77,13 +77,22 @@ def idle_priority() -> None:
 def normal_priority(pid: int | str = "self") -> None:
     """Give every thread of a process normal CPU priority again (SCHED_OTHER; raising a thread
     out of SCHED_IDLE is allowed unprivileged, unlike lowering a nice value)."""
+    _set_policy(pid, os.SCHED_OTHER)
+
+
+def idle_priority_of(pid: int) -> None:
+    """Put every thread of another process (of this user) back to SCHED_IDLE."""
+    _set_policy(pid, os.SCHED_IDLE)
+
+
+def _set_policy(pid: int | str, policy: int) -> None:
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return
     for tid in tids:
         try:
-            os.sched_setscheduler(int(tid), os.SCHED_OTHER, os.sched_param(0))
+            os.sched_setscheduler(int(tid), policy, os.sched_param(0))
         except (AttributeError, OSError):
             pass
 

@@ -17,7 +17,7 @@ from datetime import timedelta
 
 from leto.protocol import keys
 from leto.runtime import env as rt
-from leto.runtime import linux
+from leto.runtime import linux, trace
 
 REPARENT_TIMEOUT_S = 5.0
 
@@ -38,6 +38,7 @@ def serve(job: rt.Job) -> bool:
         except RuntimeError:  # timed out: check for shutdown, wait again
             continue
         request = json.loads(job.store.get(key))
+        trace.mark("zygote_request", shadow=request["proc_id"])
         seq += 1
         if _fork(job, request):
             return True
@@ -53,6 +54,7 @@ def _fork(job: rt.Job, request: dict) -> bool:
         os.environ.update({rt.ENV_ROLE: "shadow", rt.ENV_PROC_ID: job.proc_id, rt.ENV_NODE: str(job.node)})
         job.store = rt.connect(os.environ[rt.ENV_STORE], job.timeout_s)  # never share the zygote's socket
         job.store.set(keys.forked(job.proc_id), str(os.getpid()))
+        trace.mark("forked")
         return True
     except BaseException:  # a half-made shadow must not return into the zygote's loop
         os._exit(1)

@@ -465,6 +465,7 @@ class Trainer:
             except RuntimeError:
                 continue
             plan = read_plan(self.job.store, gen)
+            trace.mark("shadow_plan", generation=gen)
             if plan.rank_of(self.job.proc_id) is None:
                 gen += 1
                 continue
