@@ -100,3 +100,36 @@ def test_the_coordinator_acts_only_through_the_store(tmp_path: Path) -> None:
     failure = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(e["event"], e["rank"], e["cause"]) for e in failure] == [("failure", 1, "was killed by SIGKILL")]
     coord._exit.close()
+
+
+def test_a_recovery_names_a_forked_shadow_at_once_and_a_failed_fork_is_a_failure_of_it(tmp_path: Path) -> None:
+    """With no idle shadow left, the lost rank goes to a shadow forked from a live node's warm
+    zygote: the plan names it as soon as the fork is asked for (boosted: the zygote forks at
+    normal priority), before any pid. If the fork then fails, that is a failure during the
+    recovery: the next generation leaves the shadow out."""
+    cfg = dataclasses.replace(_config(tmp_path), recovery=RecoveryConfig(spares=1, zygotes=True))
+    store = dist.HashStore()
+    coord = Coordinator(store, cfg)
+    coord.prepare()
+    coord.start()
+    started = _commands(store)
+    zygotes = [c for c in started if c.role == "zygote"]
+    assert [c.node for c in zygotes] == [0, 1]
+    _report(store, *(ProcEvent("started", c.proc_id, c.role, c.rank, c.node, 100 + i) for i, c in enumerate(started)))
+    assert coord.tick() is None
+    store.set(keys.committed(0, 0), "1")
+    store.set(keys.warm(zygotes[1].proc_id), "1")
+    shadow = next(c for c in started if c.role == "shadow")
+    _report(store, ProcEvent("exited", "worker2-3", "worker", 2, 1, 102, -9, "was killed by SIGKILL"),
+            ProcEvent("exited", shadow.proc_id, "shadow", None, shadow.node, 104, -9, "was killed by SIGKILL"))
+    assert coord.tick() is None
+    fork = next(c for c in _commands(store)[len(started):] if c.kind == "fork")
+    assert (fork.node, fork.boost) == (1, True)
+    assert Plan.from_json(store.get(keys.plan(1))).proc_of_rank[2] == fork.proc_id
+    _report(store, ProcEvent("fork_failed", fork.proc_id, "shadow", None, 1))
+    assert coord.tick() is None
+    assert store.check([keys.plan(2)])
+    assert fork.proc_id not in Plan.from_json(store.get(keys.plan(2))).proc_of_rank
+    events = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert any(e.get("event") == "failure" and e.get("cause") == "its fork from the zygote failed" for e in events)
+    coord._exit.close()

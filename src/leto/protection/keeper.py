@@ -640,13 +640,13 @@ def main() -> None:
     gen = 0
     early: EarlyGroup | None = None
     while not job.shutdown_requested():
-        if early is None or early.gen != gen:
-            early = _early_group(job, gen, node)
         if job.store.check([keys.drain(gen)]):  # abandoned before it started: report the committed one
             plan = _read_drain(job, gen)
             job.store.set(keys.report(gen, node), _report(committed, plan, job).to_json())
             gen = plan.next_generation
             continue
+        if early is None or early.gen != gen:  # never for a drained generation (a new keeper passes
+            early = _early_group(job, gen, node)  # those): its group may have formed long ago
         if rt.await_keys(job.store, [keys.layout(gen)], 0.05) is not None:
             continue  # not yet: look for a drain and the shutdown again
         layout = Layout.from_json(job.store.get(keys.layout(gen)).decode())
