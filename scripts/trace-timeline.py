@@ -1,6 +1,8 @@
-"""Print a job's LETO_TRACE file merged with its metrics.jsonl, in seconds from one event.
+"""Print a job's LETO_TRACE files merged with its metrics.jsonl, in seconds from one event.
 
-    python scripts/trace-timeline.py TRACE [RUN_DIR] [--from EVENT] [--at UNIX_TIME]
+    python scripts/trace-timeline.py TRACE... [--run-dir RUN_DIR] [--from EVENT] [--at UNIX_TIME]
+
+Several files (one per host) are merged by time; the hosts' clocks differ by their NTP skew.
 
 Without --at, times count from the first metrics event or trace mark named EVENT (default
 `host_lost`, else the first line). Steps of metrics.jsonl are shown as `step N done`.
@@ -14,13 +16,13 @@ from pathlib import Path
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("trace", type=Path)
-    ap.add_argument("run_dir", type=Path, nargs="?")
+    ap.add_argument("trace", type=Path, nargs="+")
+    ap.add_argument("--run-dir", type=Path)
     ap.add_argument("--from", dest="origin", default="host_lost")
     ap.add_argument("--at", type=float, help="time zero (unix seconds), e.g. when a fault was made")
     args = ap.parse_args()
     rows = []
-    for line in args.trace.read_text().splitlines():
+    for line in (line for path in args.trace for line in path.read_text().splitlines()):
         r = json.loads(line)
         extra = {k: v for k, v in r.items() if k not in ("t", "pid", "role", "proc", "node", "what")}
         rows.append((r["t"], f"{r['role']:<10} n{r['node'] or '-':<2} {r['proc'] or r['pid']:<12}", r["what"], extra))

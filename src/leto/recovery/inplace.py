@@ -81,6 +81,8 @@ def join(m: Member, gen: int) -> RecoveryRecord:
     src = protection_source(m, plan, reports)
     m.fault("recovery", m.sharded.step + 1)
     rplan, held, holder = agree_on_step(m, plan, src)
+    if m.job.protection and not src.roles.reshard:  # the keepers set up while the state is decoded
+        m.publish_layout(gen, rplan.step, src.layout.geometry.n_chunks)
     phases.done("agree_on_step")
     t_decode = time.time()
     point = bring_to_step(m, gen, src, rplan, held, holder)

@@ -65,11 +65,13 @@ class Member(Protocol):
 
     def enter(self, generation: int, plan: Plan) -> None:
         """Become `plan`'s member: its rank and world size, a new process group (the old one
-        parked); RecoveryError if the plan does not name this process."""
+        parked); the process stops if the plan does not name it (it was declared lost)."""
     def fault(self, phase: str, step: int) -> None:
         """A fault injection point (tests)."""
     def restore_rank_state(self, step: int, lineage: list[str]) -> None:
         """Module buffers and registered state as at the end of `step` (a collective)."""
+    def publish_layout(self, generation: int, base_step: int, state_chunks: int) -> None:
+        """Rank 0: publish `generation`'s protection layout (its keepers set up from it)."""
     def protect(self, generation: int, base_step: int, state: torch.Tensor | None = None,
                 wait: bool = True) -> None:
         """Start `generation`'s protection from the state at `base_step`."""

@@ -84,6 +84,7 @@ class Trainer:
                                     replicated_grads=self.replicated_grads, protect_every=job.protect_every)
         self.generation = 0
         self.recoveries: list[RecoveryRecord] = []
+        self._layout_published: int | None = None  # the generation whose layout this rank 0 published
         specs = list(job.inject)
         self.injector = InProcessInjector(job.store, specs, job.run_dir, job.proc_id) if specs else None
         self._loss = torch.zeros(1, device=job.device)
@@ -172,11 +173,7 @@ class Trainer:
         if self.protector is not None:
             self.protector.close()
             self.protector = None
-        if self.rank == 0:
-            geometry = Geometry(state.shape[0], self.sharded.chunk_elems)
-            layout = Layout(generation, base_step, geometry, self.plan.node_of_rank, self.job.ec,
-                            protect_every=self.job.protect_every, replicated_grads=self.replicated_grads)
-            self.job.store.set(keys.layout(generation), layout.to_json())
+        self.publish_layout(generation, base_step, state.shape[0])
         layout = Layout.from_json(self.job.store.get(keys.layout(generation)))
         self.protector = Protector(self.job.store, layout, self.rank, self.job.job_id, self.job.timeout_s,
                                    self.watch.reason, self.job.device)
@@ -188,6 +185,17 @@ class Trainer:
             self.sharded.release_kept()
         if layout.protect_every > 1:  # the next protected step's deltas start from here
             self.sharded.snapshot(base_step, state)
+
+    def publish_layout(self, generation: int, base_step: int, state_chunks: int) -> None:
+        """Rank 0: publish `generation`'s protection layout, once (a recovery does it as soon as
+        the step is agreed, so the keepers set up while the lost state is decoded)."""
+        if self.rank != 0 or self._layout_published == generation:
+            return
+        geometry = Geometry(state_chunks, self.sharded.chunk_elems)
+        layout = Layout(generation, base_step, geometry, self.plan.node_of_rank, self.job.ec,
+                        protect_every=self.job.protect_every, replicated_grads=self.replicated_grads)
+        self.job.store.set(keys.layout(generation), layout.to_json())
+        self._layout_published = generation
 
     # ----- the training loop
     def steps(self, total: int) -> Iterator[int]:
