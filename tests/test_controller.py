@@ -1,6 +1,7 @@
 """`leto run`: supervision, procs.json, signals, crashes; never a process left behind."""
 from __future__ import annotations
 
+import re
 import signal
 import textwrap
 from pathlib import Path
@@ -61,6 +62,8 @@ def test_the_job_exit_code_is_zero_when_all_workers_finish(launcher, tmp_path: P
     res = launcher.run("run", "--workers", "2", "--spares", "1", "--run-dir", str(run_dir),
                        str(REPO / "examples" / "minimal.py"), "--steps", "30", run_dir=run_dir)
     assert res.returncode == 0, res.stderr[-2000:]
-    losses = [float(line.split()[-1]) for line in res.stdout.splitlines() if line.startswith("step ") and "loss" in line and "/" not in line]
+    # the example's own lines ("step 10 loss 5.6479"), not the console's ("step 1  loss ...  recoveries 0")
+    losses = [float(m.group(1)) for line in res.stdout.splitlines()
+              if (m := re.fullmatch(r"step \d+ loss ([0-9.]+)", line))]
     assert losses[0] > 5 * losses[-1]  # the example's regression loss falls
     assert len(summary(run_dir)["digest"]) == 64

@@ -20,9 +20,9 @@ STEPS = 16
 
 @pytest.mark.parametrize("model", ["dropout", "batchnorm"])
 def test_a_model_with_randomness_or_buffers_recovers_to_the_failure_free_digest(launcher, tmp_path, model) -> None:
-    args = ("--model", model, "--steps", str(STEPS))
+    args = ("--model", model, "--steps", str(STEPS), "--step-sleep", "0.1")  # the kill lands >= 0.5 s before the end
     ref_out, ref = run_user_script(launcher, tmp_path / "ref", SCRIPT, *args)
-    kill_step = random.Random(os.urandom(8)).randrange(2, STEPS - 3)
+    kill_step = random.Random(os.urandom(8)).randrange(2, STEPS - 5)
     out, s = run_user_script(launcher, tmp_path / "run", SCRIPT, *args, kill_step=kill_step)
     assert len(s["recoveries"]) == 1, f"killed at step {kill_step}: {s['recoveries']}"
     assert s["digest"] == ref["digest"], f"killed at step {kill_step}"

@@ -3,6 +3,7 @@
 nanoGPT's get_batch does); `--model batchnorm` updates BatchNorm buffers and reads its data from
 a stateful loader with its own generator, registered with the trainer."""
 import argparse
+import time
 
 import torch
 import torch.nn as nn
@@ -33,6 +34,8 @@ class Loader:
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=20)
 p.add_argument("--model", choices=["dropout", "batchnorm"], required=True)
+p.add_argument("--step-sleep", type=float, default=0.0, help="seconds of sleep per step (an outside kill must "
+               "land before the last steps: a step here takes ~10 ms)")
 args = p.parse_args()
 
 torch.set_num_threads(1)
@@ -53,6 +56,7 @@ for step in trainer.steps(args.steps):
             loader = Loader(seed=100 + trainer.rank)
             trainer.register_state("loader", loader)
         x, y = loader.next()
+    time.sleep(args.step_sleep)
     trainer.step(lambda: nn.functional.mse_loss(model(x), y))
 if loader is not None and job.rank is not None:
     print(f"rank {job.rank} loader served {loader.served}", flush=True)
