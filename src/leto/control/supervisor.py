@@ -110,8 +110,7 @@ class Supervisor:
         self.stopped = False
         self._next_command = 0
         self._forks: dict[str, int] = {}       # zygote -> fork requests sent
-        self._pending_forks: dict[str, tuple[Proc, float]] = {}  # shadow -> (its zygote, deadline)
-        self._boost_on_fork: set[str] = set()  # shadows to boost once forked
+        self._pending_forks: dict[str, tuple[Proc, float, bool]] = {}  # shadow -> (its zygote, deadline, boost)
         self._last_beat_check = 0.0
         self._last_step: tuple[int, float] | None = None
         self._state = Latest(store, keys.JOB_STATE)
@@ -226,8 +225,9 @@ class Supervisor:
             trace.mark("fork_command", shadow=cmd.proc_id)
             self._fork_shadow(cmd.node, cmd.proc_id, cmd.boost)
         elif cmd.kind == "boost":
-            if cmd.proc_id in self._pending_forks:
-                self._boost_on_fork.add(cmd.proc_id)
+            if cmd.proc_id in self._pending_forks:  # boosted once it is forked
+                zygote, deadline, _ = self._pending_forks[cmd.proc_id]
+                self._pending_forks[cmd.proc_id] = (zygote, deadline, True)
             for p in self.procs:
                 if p.proc_id == cmd.proc_id and p.popen.poll() is None:
                     linux.normal_priority(p.popen.pid)
@@ -284,36 +284,30 @@ class Supervisor:
         self._forks[zygote.proc_id] = seq + 1
         if boost:
             linux.normal_priority(zygote.popen.pid)
-            self._boost_on_fork.add(proc_id)
         self.store.set(keys.fork(zygote.proc_id, seq), ForkRequest(proc_id, node).to_json())
-        self._pending_forks[proc_id] = (zygote, time.monotonic() + self.cfg.timeouts.fork_s)
-
-    def _idle_again(self, zygote: Proc) -> None:
-        """A zygote boosted for a fork goes back to SCHED_IDLE once no boosted fork of it is pending."""
-        if not any(z is zygote and p in self._boost_on_fork for p, (z, _) in self._pending_forks.items()):
-            linux.idle_priority_of(zygote.popen.pid)
+        self._pending_forks[proc_id] = (zygote, time.monotonic() + self.cfg.timeouts.fork_s, boost)
 
     def _check_forks(self) -> None:
         """Adopt the shadows the zygotes have forked since the last call; give up on those
-        not delivered by the fork timeout."""
-        for proc_id, (zygote, deadline) in list(self._pending_forks.items()):
-            if self.store.check([keys.forked(proc_id)]):
-                del self._pending_forks[proc_id]
+        not delivered by the fork timeout. A zygote boosted for a fork goes back to SCHED_IDLE
+        once no boosted fork of it is pending."""
+        for proc_id, (zygote, deadline, boost) in list(self._pending_forks.items()):
+            forked = self.store.check([keys.forked(proc_id)])
+            if not forked and time.monotonic() <= deadline and zygote.popen.poll() is None:
+                continue
+            del self._pending_forks[proc_id]
+            if forked:
                 proc = Proc("shadow", None, zygote.node, proc_id, Forked(int(self.store.get(keys.forked(proc_id)))))
                 self.procs.append(proc)
-                if proc_id in self._boost_on_fork:
-                    self._boost_on_fork.discard(proc_id)
+                if boost:
                     linux.normal_priority(proc.popen.pid)
-                    self._idle_again(zygote)
                 self._report(SupervisorReport(events=(proc.event("started"),)))
                 self._procs_stale = True
-            elif time.monotonic() > deadline or zygote.popen.poll() is not None:
-                del self._pending_forks[proc_id]
-                if proc_id in self._boost_on_fork:
-                    self._boost_on_fork.discard(proc_id)
-                    self._idle_again(zygote)
+            else:
                 self._report(SupervisorReport(events=(ProcEvent("fork_failed", proc_id, "shadow", None,
                                                                 zygote.node),)))
+            if boost and not any(z is zygote and b for z, _, b in self._pending_forks.values()):
+                linux.idle_priority_of(zygote.popen.pid)
 
     def _write_procs(self) -> None:
         records = [{"role": "controller", "rank": None, "node": self.node, "pid": os.getpid(), "id": "controller",
