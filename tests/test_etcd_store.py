@@ -122,6 +122,32 @@ def test_a_mirror_whose_member_froze_is_not_read(tmp_path: Path) -> None:
         mirrored.close()
 
 
+def test_a_rendezvous_reads_each_group_once(etcd: tuple[str, int]) -> None:
+    """A rank of a group reads every other rank's key, one after the other: the first read of a
+    write-once key brings its whole folder, so the others cost no request; a key not yet written
+    is waited for, and a counter (add) is never kept."""
+    writer, reader = EtcdStore([etcd], "once", 5.0), EtcdStore([etcd], "once", 5.0)
+    for r in range(4):
+        writer.set(f"pg/g1/world//0/{r}", f"addr{r}")
+    calls: list[str] = []
+    request = reader.request
+    reader.request = lambda path, body, deadline=None: calls.append(path) or request(path, body, deadline)
+    assert [reader.get(f"pg/g1/world//0/{r}") for r in range(4)] == [b"addr0", b"addr1", b"addr2", b"addr3"]
+    assert calls == ["kv/range"]
+    threading.Timer(0.2, lambda: writer.set("pg/g1/world//0/4", "addr4")).start()
+    assert reader.get("pg/g1/world//0/4") == b"addr4"
+    reader.wait(["pg/g1/world//0/2", "pg/g1/world//0/4"], timedelta(seconds=1))  # kept: no request
+    assert reader.add("pg/g1/world/n", 2) == 2 and writer.add("pg/g1/world/n", 1) == 3
+    assert reader.get("pg/g1/world/n") == b"3"
+    with pytest.raises(dist.DistStoreError, match="wait timeout"):
+        reader.wait(["pg/g2/never"], timedelta(seconds=0.2))
+    outside = EtcdStore([etcd], "once", 5.0)
+    writer.set("control/x", "1")
+    assert outside.get("control/x") == b"1"
+    writer.set("control/x", "2")
+    assert outside.get("control/x") == b"2"  # not a write-once prefix: always read from etcd
+
+
 def test_concurrent_adds_lose_no_increment(etcd: tuple[str, int]) -> None:
     def bump() -> None:
         s = EtcdStore([etcd], "adds", 10.0)

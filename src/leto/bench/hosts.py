@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from leto.bench.runs import analyze_recovery, default_out, log, machine, median, ratio
+from leto.runtime.trace import mark
 
 STEPS = 30
 KILL_AFTER = 8          # the failure comes once this step is recorded
@@ -139,6 +140,7 @@ def run_one(nc, system: str, scenario: str, out: Path, trial: int, args: argpars
         node = lead if scenario == "coordinator" else (lead + 1) % hosts
         victim = lead_host if scenario == "coordinator" else job.host_of(node)
         t_fail = time.time()
+        mark("fault", scenario=scenario, host=victim)
         if scenario == "partition":
             cluster.cut_link(victim)
             job.procs[victim].wait(timeout=60)  # it leaves the job once its lease is gone

@@ -108,6 +108,16 @@ def keeper_pg(gen: int) -> str:
     return f"kpg/g{gen}/"
 
 
+def group(gen: int, name: str) -> str:
+    """The rendezvous prefix of generation `gen`'s process group `name` (workers' groups)."""
+    return f"pg/g{gen}/{name}/"
+
+
+# The keys of a process group's rendezvous: every group has a prefix of its own, and gloo and
+# NCCL write each of its keys once (an address, a unique id) and read it from the other ranks.
+RENDEZVOUS = ("pg/", "kpg/")
+
+
 def drain(gen: int) -> str:
     return f"prot/g{gen}/drain"
 

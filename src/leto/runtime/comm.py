@@ -19,6 +19,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from leto.protocol import keys
+
 
 class PeerFailure(RuntimeError):
     """A collective failed or was aborted because the membership changed."""
@@ -49,7 +51,7 @@ class Comm:
         self.device = device or torch.device("cpu")
         self.backend = backend or backend_for(self.device, world_size)
         self.via_host = self.backend == "gloo" and self.device.type == "cuda"  # gloo collectives are CPU ones
-        prefix = dist.PrefixStore(f"pg/g{generation}/{name}/", store)
+        prefix = dist.PrefixStore(keys.group(generation, name), store)
         timeout = timedelta(seconds=timeout_s)
         if self.backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()

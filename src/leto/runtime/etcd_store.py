@@ -10,6 +10,10 @@ etcd has no increment and no blocking get: `add` is a compare-and-swap transacti
 conflict, and `get`/`wait` watch the keys they wait for (etcd pushes the change), each with a
 deadline.
 
+A process group's rendezvous reads every rank's key, one after the other, and each key is
+written once (`keys.RENDEZVOUS`): such a read fetches the whole group's keys in one request and
+keeps them, so a group of N ranks costs each rank about one read instead of N.
+
 A store that polls (a supervisor's and the coordinator's: commands, reports, the job's state,
 the host records, every 10-100 ms) reads from a `Mirror` instead: a local copy of the keys under
 a prefix, kept current by one watch, so that a poll costs no request.
@@ -29,6 +33,8 @@ import requests
 import torch.distributed as dist
 import urllib3
 from etcd3gw import exceptions as gw
+
+from leto.protocol import keys as job_keys
 
 SCHEME = "etcd://"
 # One HTTP request. A member that is frozen (SIGSTOP) or whose host froze still accepts connections
@@ -199,10 +205,11 @@ class EtcdStore(dist.Store):
 
     def __init__(self, endpoints: Sequence[tuple[str, int]], namespace: str, timeout_s: float,
                  fence: tuple[str, int] | None = None, abort: Callable[[], str | None] | None = None,
-                 mirror: str | None = None) -> None:
+                 mirror: str | None = None, write_once: Sequence[str] = job_keys.RENDEZVOUS) -> None:
         """`abort`: a check that makes every retry give up at once with its reason (a
         supervisor whose host lost its lease stops waiting for etcd). `mirror`: reads of keys
-        under this prefix come from a `Mirror` (a store that polls them)."""
+        under this prefix come from a `Mirror` (a store that polls them). `write_once`: prefixes
+        whose keys are written once and never change (their reads are kept, `_get_once`)."""
         super().__init__()
         self.abort = abort
         if not endpoints:
@@ -215,6 +222,9 @@ class EtcdStore(dist.Store):
         session = requests.Session()
         self._clients = [etcd3gw.client(host=h, port=p, api_path="/v3/", session=session) for h, p in self.endpoints]
         self._shunned = [0.0] * len(self.endpoints)  # until when an endpoint that failed is tried last
+        self.write_once = tuple(write_once)
+        self._once: dict[str, bytes] = {}  # values read of write-once keys
+        self._once_lock = threading.Lock()
         self._mirror = Mirror(self, mirror) if mirror is not None else None
 
     @classmethod
@@ -232,7 +242,7 @@ class EtcdStore(dist.Store):
                timeout_s: float | None = None, mirror: str | None = None) -> EtcdStore:
         """Another client of the same store (its own connections: one per thread or role)."""
         return EtcdStore(self.endpoints, self.namespace, self.timeout_s if timeout_s is None else timeout_s,
-                         fence, abort, mirror)
+                         fence, abort, mirror, self.write_once)
 
     def close(self) -> None:
         """Stop the mirror's watch, if it has one."""
@@ -307,6 +317,37 @@ class EtcdStore(dist.Store):
             if left <= 0:
                 raise dist.DistStoreError(f"wait timeout after {timeout_s:.3f}s for keys {missing}")
             self._watch(missing[0], revision + 1, min(left, WATCH_S))
+
+    def _get_once(self, key: str, timeout_s: float) -> bytes:
+        """A write-once key's value: kept from an earlier read, or read with every key of its
+        folder (the other ranks' keys of one rendezvous) in one request; a watch while it is
+        missing. DistStoreError after `timeout_s`."""
+        with self._once_lock:
+            if key in self._once:
+                return self._once[key]
+        folder = self.prefix + key[:key.rfind("/") + 1]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            result = self.request("kv/range", {"key": _b64(folder), "range_end": _prefix_end(folder)},
+                                  max(deadline, time.monotonic() + 1))
+            n = len(self.prefix)
+            found = {base64.b64decode(kv["key"]).decode()[n:]: base64.b64decode(kv.get("value", ""))
+                     for kv in result.get("kvs") or []}
+            with self._once_lock:
+                self._once.update(found)
+            if key in found:
+                return found[key]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise dist.DistStoreError(f"wait timeout after {timeout_s:.3f}s for keys {[key]}")
+            self._watch(key, int(result["header"]["revision"]) + 1, min(left, WATCH_S))
+
+    def _forget(self, key: str) -> None:
+        with self._once_lock:
+            self._once.pop(key, None)
+
+    def _is_once(self, key: str) -> bool:
+        return key.startswith(self.write_once) if self.write_once else False
 
     def _watch(self, key: str, start_revision: int, seconds: float) -> None:
         """Return once `key` changes at or after `start_revision`, or after about `seconds`."""
@@ -422,11 +463,17 @@ class EtcdStore(dist.Store):
     # ----- the Store interface
     def set(self, key: str, value: str | bytes) -> None:
         self._write([{"request_put": {"key": _b64(self.prefix + key), "value": _b64(value)}}])
+        if self._is_once(key):
+            with self._once_lock:
+                self._once[key] = value.encode() if isinstance(value, str) else value
 
     def get(self, key: str) -> bytes:
+        if self._is_once(key):
+            return self._get_once(key, self.timeout_s)
         return self._await([key], self.timeout_s)[key]
 
     def add(self, key: str, value: int) -> int:
+        self._forget(key)  # a counter is not write-once, whatever its name
         full = _b64(self.prefix + key)
         deadline = time.monotonic() + self.timeout_s
         while True:
@@ -443,6 +490,7 @@ class EtcdStore(dist.Store):
             time.sleep(random.uniform(0, POLL_MIN_S))
 
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        self._forget(key)
         full = _b64(self.prefix + key)
         expect = expected.encode() if isinstance(expected, str) else expected
         compare = ({"key": full, "target": "VALUE", "result": "EQUAL", "value": _b64(expect)} if expect
@@ -453,6 +501,7 @@ class EtcdStore(dist.Store):
         return base64.b64decode(kv.get("value", "")) if kv else expect
 
     def delete_key(self, key: str) -> bool:
+        self._forget(key)
         result = self._write([{"request_delete_range": {"key": _b64(self.prefix + key)}}])
         return int(result["responses"][0]["response_delete_range"].get("deleted", 0)) > 0
 
@@ -469,7 +518,13 @@ class EtcdStore(dist.Store):
         self._write(ops)
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        self._await(keys, self.timeout_s if timeout is None else timeout.total_seconds())
+        timeout_s = self.timeout_s if timeout is None else timeout.total_seconds()
+        if keys and all(self._is_once(k) for k in keys):
+            deadline = time.monotonic() + timeout_s
+            for k in keys:
+                self._get_once(k, max(0.0, deadline - time.monotonic()))
+            return
+        self._await(keys, timeout_s)
 
     def num_keys(self) -> int:
         result = self.request("kv/range", {"key": _b64(self.prefix), "range_end": _prefix_end(self.prefix),
