@@ -325,14 +325,10 @@ class EtcdStore(dist.Store):
         with self._once_lock:
             if key in self._once:
                 return self._once[key]
-        folder = self.prefix + key[:key.rfind("/") + 1]
+        folder = key[:key.rfind("/") + 1]
         deadline = time.monotonic() + timeout_s
         while True:
-            result = self.request("kv/range", {"key": _b64(folder), "range_end": _prefix_end(folder)},
-                                  max(deadline, time.monotonic() + 1))
-            n = len(self.prefix)
-            found = {base64.b64decode(kv["key"]).decode()[n:]: base64.b64decode(kv.get("value", ""))
-                     for kv in result.get("kvs") or []}
+            found, revision = self._read_under(folder, max(deadline, time.monotonic() + 1))
             with self._once_lock:
                 self._once.update(found)
             if key in found:
@@ -340,14 +336,14 @@ class EtcdStore(dist.Store):
             left = deadline - time.monotonic()
             if left <= 0:
                 raise dist.DistStoreError(f"wait timeout after {timeout_s:.3f}s for keys {[key]}")
-            self._watch(key, int(result["header"]["revision"]) + 1, min(left, WATCH_S))
+            self._watch(key, revision + 1, min(left, WATCH_S))
 
     def _forget(self, key: str) -> None:
         with self._once_lock:
             self._once.pop(key, None)
 
     def _is_once(self, key: str) -> bool:
-        return key.startswith(self.write_once) if self.write_once else False
+        return key.startswith(self.write_once)
 
     def _watch(self, key: str, start_revision: int, seconds: float) -> None:
         """Return once `key` changes at or after `start_revision`, or after about `seconds`."""
@@ -455,10 +451,16 @@ class EtcdStore(dist.Store):
         """Every key that starts with `prefix` (relative to this store's), with its value."""
         if self._mirror is not None and self._mirror.covers([prefix]) and self._mirror.fresh():
             return self._mirror.under(prefix)
+        return self._read_under(prefix)[0]
+
+    def _read_under(self, prefix: str, deadline: float | None = None) -> tuple[dict[str, bytes], int]:
+        """Every key under `prefix` with its value, read from etcd; and the revision read at."""
         full = self.prefix + prefix
-        kvs = self.request("kv/range", {"key": _b64(full), "range_end": _prefix_end(full)}).get("kvs") or []
-        return {base64.b64decode(kv["key"]).decode()[len(self.prefix):]: base64.b64decode(kv.get("value", ""))
-                for kv in kvs}
+        result = self.request("kv/range", {"key": _b64(full), "range_end": _prefix_end(full)}, deadline)
+        n = len(self.prefix)
+        found = {base64.b64decode(kv["key"]).decode()[n:]: base64.b64decode(kv.get("value", ""))
+                 for kv in result.get("kvs") or []}
+        return found, int(result["header"]["revision"])
 
     # ----- the Store interface
     def set(self, key: str, value: str | bytes) -> None:
