@@ -200,6 +200,26 @@ def test_a_host_that_lost_its_lease_cannot_write(etcd: tuple[str, int]) -> None:
         child.set("k", "3")
 
 
+def test_only_a_host_still_in_the_job_can_fence_another_out(etcd: tuple[str, int]) -> None:
+    """`fence_out` deletes the other host's record under the caller's own fence, then ends its
+    lease: a host that is out itself (a cut-off coordinator heard late) removes no one."""
+    s = EtcdStore([etcd], "fence-out", 5.0)
+    leases = [s.grant(5) for _ in range(3)]
+    revs = [s.create(f"control/host/{n}", str(n), leases[n]) for n in range(3)]
+    s.create("control/coordinator", "2", leases[2])
+    hosts = [EtcdStore.from_url(s.url(fence=(f"control/host/{n}", revs[n])), 5.0) for n in range(3)]
+    hosts[0].fence_out("control/host/2", leases[2])
+    assert s.entry("control/host/2") is None and s.value("control/coordinator") is None  # the lease went too
+    with pytest.raises(Fenced):
+        hosts[2].fence_out("control/host/0", leases[0])  # the host taken out judges no one
+    assert s.entry("control/host/0") is not None and s.entry("control/host/1") is not None
+    hosts[1].fence_out("control/host/2", leases[2])  # twice (two hosts judging the same one) is fine
+    # a record of the same key bound to another lease (a new incarnation) is not removed
+    rev = s.create("control/host/2", "again", s.grant(5))
+    hosts[0].fence_out("control/host/2", leases[2])
+    assert s.entry("control/host/2") is not None and s.entry("control/host/2")[1] == rev
+
+
 def test_an_unreachable_etcd_is_a_clear_error_within_the_timeout() -> None:
     s = EtcdStore([("127.0.0.1", _free_port()), ("127.0.0.1", _free_port())], "gone", 0.5)
     t0 = time.monotonic()

@@ -42,14 +42,16 @@ class HostLost(RuntimeError):
 
 class Cluster:
     """The coordinator's view of the hosts: the lease-bound records, and a liveness connection
-    to every other supervisor for early evidence. A host found dead is fenced (its lease
-    revoked) before it is reported lost, so that none of its processes can write again."""
+    to every other supervisor for early evidence (a closed connection, or beats that report no
+    lease refresh for a lease time). A host found dead is fenced out (its record deleted under
+    this host's fence, its lease revoked) before it is reported lost, so that none of its
+    processes can write again."""
 
-    def __init__(self, store: EtcdStore, nodes: int, me: int) -> None:
+    def __init__(self, store: EtcdStore, nodes: int, me: int, lease: HostLease) -> None:
         self.store, self.nodes, self.me = store, nodes, me
         self.records: dict[int, HostRecord] = {}
         self._lost: set[int] = set()
-        self._watch = LivenessWatch()
+        self._watch = LivenessWatch(lease.ttl_s, lease.fresh)
         self._last_check = 0.0
         self.read()
 
@@ -66,11 +68,10 @@ class Cluster:
         return [n for n in range(self.nodes) if n not in self._lost]
 
     def lost(self) -> dict[int, str]:
-        out = {n: "its supervisor's connection closed (the host's processes died); lease revoked"
-               for n in self._watch.dead() if n not in self._lost}
+        out = {n: f"{why}; fenced out" for n, why in self._watch.dead().items() if n not in self._lost}
         for node in out:
             try:
-                self.store.revoke(self.records[node].lease)
+                self.store.fence_out(keys.host(node), self.records[node].lease)
             except StoreUnavailable:
                 pass  # the lease expires by itself; the fence holds from then on
         now = time.monotonic()
@@ -131,6 +132,7 @@ def run_host(config: JobConfig, summary_extra: dict | None = None) -> int:
     except (StoreUnavailable, EtcdError) as e:
         print(f"leto: cannot join job {r.job_id!r} at {r.url}: {e}", file=sys.stderr)
         return 1
+    liveness.beat(lease.age)
     coordinator: Coordinator | None = None
     supervisor: Supervisor | None = None
     code: int | None = None
@@ -149,7 +151,7 @@ def run_host(config: JobConfig, summary_extra: dict | None = None) -> int:
                                 host_store=host_store)
         supervisor.start()
         last_election = 0.0
-        leader = LeaderWatch(store, node)
+        leader = LeaderWatch(store, node, lease)
         while True:
             if (why := lease.lost()) is not None:
                 raise HostLost(why)
@@ -181,13 +183,13 @@ def run_host(config: JobConfig, summary_extra: dict | None = None) -> int:
 
 
 class LeaderWatch:
-    """A non-coordinator's liveness connection to the coordinator's host: when it closes, that
-    host is fenced (its lease revoked) and a new coordinator elected at once, instead of after
-    the lease time."""
+    """A non-coordinator's liveness connection to the coordinator's host: when it closes, or its
+    beats report no lease refresh for a lease time, that host is fenced out and a new
+    coordinator elected at once, instead of after etcd expires its lease."""
 
-    def __init__(self, store: EtcdStore, me: int) -> None:
+    def __init__(self, store: EtcdStore, me: int, lease: HostLease) -> None:
         self.store, self.me = store, me
-        self._watch = LivenessWatch()
+        self._watch = LivenessWatch(lease.ttl_s, lease.fresh)
         self._leader: HostRecord | None = None
 
     def follow(self) -> bool:
@@ -205,10 +207,10 @@ class LeaderWatch:
         return True
 
     def died(self) -> bool:
-        """The coordinator's host died (then it is fenced already)."""
+        """The coordinator's host died or went silent (then it is fenced out already)."""
         if self._leader is None or self._leader.node not in self._watch.dead():
             return False
-        self.store.revoke(self._leader.lease)
+        self.store.fence_out(keys.host(self._leader.node), self._leader.lease)
         self._leader = None
         return True
 
@@ -219,7 +221,7 @@ def _elect(store: EtcdStore, config: JobConfig, node: int, lease: HostLease, sup
     if store.create(keys.COORDINATOR, str(node), lease.id) is None:
         return None
     # the supervisor's store (this thread's, reading control/ from its mirror): the coordinator polls too
-    hosts = Cluster(store, config.training.nodes, node)
+    hosts = Cluster(store, config.training.nodes, node, lease)
     coordinator = Coordinator(store, config, serve=supervisor.serve_commands, summary_extra=summary_extra, hosts=hosts)
     if store.check([keys.plan(0)]):
         coordinator.restore(store.under(keys.COMMAND_PREFIX), store.under(keys.REPORT_PREFIX))

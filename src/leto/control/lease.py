@@ -5,16 +5,28 @@ processes is fenced by the lease-bound host key (`EtcdStore.fence`). A superviso
 refresh its lease within the lease time takes its host out of the job itself (`HostLease.lost`).
 
 The liveness socket is the early evidence: the coordinator keeps a TCP connection to every
-other host's supervisor; the kernel closes it the moment that process dies (a host's processes
-die with their supervisor), so a killed host is known at once, not after the lease time. A host
-that vanishes silently (power, a cut link, frozen) leaves the connection open: the lease decides.
+other host's supervisor (and every other supervisor one to the coordinator's host); the kernel
+closes it the moment that process dies (a host's processes die with their supervisor), so a
+killed host is known at once, not after the lease time.
+
+A host that vanishes silently (power, a cut link, frozen) leaves the connection open: the lease
+decides, as the host itself reports it. Over that connection every supervisor says, each BEAT_S,
+how long ago the last refresh of its lease that etcd confirmed began. A watcher that has heard of
+no refresh for one lease time plus one beat knows the lease is over by the host's own account,
+and fences the host out (`EtcdStore.fence_out`, under the watcher's own fence) instead of waiting
+for etcd to say so: etcd's lessor looks for expired leases every 0.5 s, and a new etcd leader
+extends every lease by its TTL, which made a cut host's loss known 2-3.4 s after the cut. A
+watcher judges only while its own lease is fresh: a watcher that is cut off itself hears from
+no one, and must not take the others out.
 """
 from __future__ import annotations
 
-import select
+import math
 import socket
+import struct
 import threading
 import time
+from collections.abc import Callable
 
 from leto.runtime.etcd_store import EtcdStore, StoreUnavailable
 
@@ -24,6 +36,8 @@ REFRESHES_PER_LEASE = 4
 # must not stop itself during one. Its lease may expire earlier at etcd; from then on etcd refuses
 # its writes (the fence) and no later generation includes it, so waiting is safe.
 SILENT_LEASES = 2
+BEAT_S = 0.1          # how often a supervisor tells its watchers its lease's age
+_BEAT = struct.Struct("!d")  # a beat: seconds since the last confirmed refresh began
 
 
 class HostLease:
@@ -52,6 +66,14 @@ class HostLease:
                 return
             self._ok = sent
 
+    def age(self) -> float:
+        """Seconds since the last refresh that etcd confirmed began (inf once it expired)."""
+        return math.inf if self._expired else time.monotonic() - self._ok
+
+    def fresh(self) -> bool:
+        """Refreshed within the last two refresh periods: this host may judge others' silence."""
+        return self.age() <= 2 * self.ttl_s / REFRESHES_PER_LEASE
+
     def lost(self) -> str | None:
         """Why this host is out of the job (None while its lease is sure to live)."""
         if self._expired:
@@ -73,14 +95,19 @@ class HostLease:
 
 
 class Liveness:
-    """The supervisor's side: a listening socket whose accepted connections it never answers;
-    they close only when this process dies."""
+    """The supervisor's side: a listening socket; every connection accepted gets this host's
+    lease age each BEAT_S once `beat` has started, and closes only when this process dies."""
 
     def __init__(self, addr: str) -> None:
         self._sock = socket.create_server((addr, 0))
         self.port = self._sock.getsockname()[1]
         self._peers: list[socket.socket] = []
+        self._lock = threading.Lock()
         threading.Thread(target=self._accept, name="leto-liveness", daemon=True).start()
+
+    def beat(self, age: Callable[[], float]) -> None:
+        """Send `age()` (the lease's, `HostLease.age`) to every watcher each BEAT_S from now on."""
+        threading.Thread(target=self._beat, args=(age,), name="leto-beat", daemon=True).start()
 
     def _accept(self) -> None:
         while True:
@@ -88,15 +115,37 @@ class Liveness:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
-            self._peers.append(conn)
+            conn.setblocking(False)
+            with self._lock:
+                self._peers.append(conn)
+
+    def _beat(self, age: Callable[[], float]) -> None:
+        while True:
+            frame = _BEAT.pack(min(age(), 1e9))
+            with self._lock:
+                for conn in list(self._peers):
+                    try:
+                        conn.send(frame)
+                    except BlockingIOError:
+                        pass  # its buffer is full (a cut link): the beat that matters is a later one
+                    except OSError:  # the watcher went away
+                        conn.close()
+                        self._peers.remove(conn)
+            time.sleep(BEAT_S)
 
 
 class LivenessWatch:
-    """The coordinator's side: one connection to every other host's supervisor; `dead()`
-    names the hosts whose connection the kernel closed or reset."""
+    """A watcher's side: one connection to each watched host's supervisor. `dead()` names the
+    hosts whose connection the kernel closed or reset, and (while `judge()` holds) the hosts
+    that have reported no refresh of their lease for one lease time plus one beat."""
 
-    def __init__(self) -> None:
+    def __init__(self, ttl_s: float, judge: Callable[[], bool]) -> None:
+        """`ttl_s`: the hosts' lease time; `judge`: whether this host may judge silence now
+        (`HostLease.fresh`)."""
+        self.ttl_s, self._judge = ttl_s, judge
         self._conns: dict[int, socket.socket] = {}
+        self._pending: dict[int, bytes] = {}    # a beat's bytes received so far
+        self._refreshed: dict[int, float] = {}  # when its last confirmed refresh began, at the latest
         self._refused: set[int] = set()
         self.gone: set[int] = set()
 
@@ -104,33 +153,65 @@ class LivenessWatch:
         if node in self._conns or node in self.gone:
             return
         try:
-            self._conns[node] = socket.create_connection((addr, port), timeout=0.2)
+            conn = socket.create_connection((addr, port), timeout=0.2)
         except OSError:  # refused: nothing listens there any more
             self._refused.add(node)
+            return
+        conn.setblocking(False)
+        self._conns[node], self._pending[node] = conn, b""
+        self._refreshed[node] = time.monotonic()  # the benefit of the doubt until it beats
 
-    def dead(self) -> set[int]:
-        """Hosts newly found dead since the last call."""
-        found, self._refused = self._refused, set()
-        if not self._conns:
-            self.gone |= found
-            return found
-        readable, _, broken = select.select(list(self._conns.values()), [], list(self._conns.values()), 0)
+    def dead(self) -> dict[int, str]:
+        """Hosts newly found dead since the last call, with the evidence."""
+        found = {n: "its supervisor's connection was refused (the host's processes died)" for n in self._refused}
+        self._refused = set()
         for node, conn in list(self._conns.items()):
-            if conn in broken or conn in readable and _closed(conn):
-                conn.close()
-                del self._conns[node]
-                found.add(node)
-        self.gone |= found
+            if not self._read(node, conn):
+                found[node] = "its supervisor's connection closed (the host's processes died)"
+        now = time.monotonic()
+        if self._judge():
+            for node, refreshed in self._refreshed.items():
+                if node in self._conns and node not in found and now - refreshed > self.ttl_s + BEAT_S:
+                    found[node] = (f"it reported no refresh of its etcd lease for {now - refreshed:.1f}s "
+                                   f"(cut off or frozen; lease {self.ttl_s:g}s)")
+        else:
+            # this host cannot refresh either: etcd may be electing a leader, and a new leader
+            # extends every lease by its TTL; each host's silence counts again from when this
+            # host's own refreshes go through
+            for node in self._refreshed:
+                self._refreshed[node] = now
+        for node in found:
+            if node in self._conns:
+                self._conns.pop(node).close()
+        self.gone |= set(found)
         return found
+
+    def _read(self, node: int, conn: socket.socket) -> bool:
+        """Take in every beat that arrived; False once the connection is closed or reset."""
+        data = b""
+        while True:
+            try:
+                chunk = conn.recv(4096)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:  # reset
+                return False
+            if not chunk:
+                return False
+            data += chunk
+        if not data:
+            return True
+        now = time.monotonic()
+        data = self._pending[node] + data
+        whole = len(data) - len(data) % _BEAT.size
+        self._pending[node] = data[whole:]
+        if whole:
+            (age,) = _BEAT.unpack_from(data, whole - _BEAT.size)  # the newest beat is all that counts
+            if math.isfinite(age) and age >= 0:  # anything else is no evidence of a refresh
+                self._refreshed[node] = max(self._refreshed[node], now - age)
+        return True
 
     def close(self) -> None:
         for conn in self._conns.values():
             conn.close()
         self._conns.clear()
-
-
-def _closed(conn: socket.socket) -> bool:
-    try:
-        return conn.recv(1, socket.MSG_PEEK) == b""
-    except OSError:  # reset
-        return True

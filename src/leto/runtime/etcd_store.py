@@ -423,6 +423,17 @@ class EtcdStore(dist.Store):
             if "lease not found" not in str(e):
                 raise
 
+    def fence_out(self, key: str, lease: int) -> None:
+        """Take another host out of the job: delete its lease-bound record `key` under this
+        process's own fence, then end `lease`. A process that is itself out (say, a cut-off
+        coordinator whose requests reach etcd only once the link is back) gets `Fenced` and
+        removes no one: only a host still in the job judges the others."""
+        full = _b64(self.prefix + key)
+        self._forget(key)
+        self._write([{"request_delete_range": {"key": full}}],
+                    [{"key": full, "target": "LEASE", "result": "EQUAL", "lease": str(lease)}])
+        self.revoke(lease)
+
     def create(self, key: str, value: str | bytes, lease: int | None = None) -> int | None:
         """Create `key` if it does not exist (bound to `lease`); its create revision, or None
         if it existed."""
