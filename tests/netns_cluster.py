@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import json
 import os
 import re
 import shutil
@@ -386,6 +387,22 @@ class Cluster:
         except subprocess.TimeoutExpired:
             return False
         return cp.returncode == 0 and '"health":"true"' in cp.stdout.replace(" ", "")
+
+    def etcd_leader(self) -> int | None:
+        """The host whose etcd member leads, if the members that answer (asked from inside host 0,
+        or the first host with a running member) agree on one."""
+        asker = next((i for i, p in sorted(self._etcd_procs.items()) if p.poll() is None), 0)
+        out = self.etcdctl(asker, "endpoint", "status", "-w", "json")
+        try:
+            status = json.loads(out.stdout)
+        except json.JSONDecodeError:
+            return None
+        leaders = {s["Status"]["leader"] for s in status}
+        if len(leaders) != 1:
+            return None
+        by_id = {s["Status"]["header"]["member_id"]: s["Endpoint"] for s in status}
+        endpoint = by_id.get(leaders.pop())
+        return None if endpoint is None else self.etcd_endpoints.index(endpoint)
 
     def wait_healthy(self, members: Sequence[int] | None = None,
                      timeout: float = ETCD_HEALTH_TIMEOUT) -> None:

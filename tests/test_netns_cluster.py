@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import wait_for
 from netns_cluster import Cluster, available, list_netns
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
@@ -43,6 +44,19 @@ def test_hosts_reach_each_other_and_nothing_touches_the_root_namespace(cluster: 
     # connections to any address.) From inside a host, everything off the subnet is unreachable:
     out = cluster.run_in(0, [sys.executable, "-c", TCP_CONNECT, "192.0.2.1", "80"], timeout=10)
     assert out.returncode != 0 and "unreachable" in out.stderr
+
+
+def test_etcd_leadership_moves_to_the_member_asked_for(cluster: Cluster) -> None:
+    """EtcdStore.lead_from: the coordinator's host keeps etcd's leader (control/hosts.py)."""
+    move = ("import sys; from leto.runtime.etcd_store import EtcdStore, parse_endpoints; "
+            "s = EtcdStore(parse_endpoints(sys.argv[1]), 't', 5.0); "
+            "print(s.lead_from(parse_endpoints(sys.argv[1])[int(sys.argv[2])]))")
+    for target in ((cluster.etcd_leader() + 1) % 3, (cluster.etcd_leader() + 2) % 3):
+        out = cluster.run_in(target, [sys.executable, "-c", move, cluster.rdzv, str(target)], timeout=20)
+        assert out.stdout.strip() == "True", out.stderr[-2000:]
+        wait_for(lambda t=target: cluster.etcd_leader() == t, 10, f"host {target}'s member to lead")
+        again = cluster.run_in(0, [sys.executable, "-c", move, cluster.rdzv, str(target)], timeout=20)
+        assert again.stdout.strip() == "False", again.stderr[-2000:]  # it leads already: nothing to do
 
 
 def test_a_cut_link_loses_packets_until_restored(cluster: Cluster) -> None:

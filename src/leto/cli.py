@@ -5,6 +5,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -248,9 +249,9 @@ def make_run_dir(path: Path | None, prog: str) -> Path:
         path = Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".write-test"
-        probe.write_text("")
-        probe.unlink()
+        # a name of its own: every host of a multi-host job may check a shared run dir at once
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
+            pass
     except OSError as e:
         raise UsageError(f"{prog}: error: run dir {path} is not writable: {e.strerror or e}") from e
     return path.resolve()

@@ -423,6 +423,28 @@ class EtcdStore(dist.Store):
             if "lease not found" not in str(e):
                 raise
 
+    def lead_from(self, endpoint: tuple[str, int]) -> bool:
+        """Make the member serving `endpoint` etcd's Raft leader (etcd's MoveLeader, asked of
+        whichever member leads now); False if it leads already."""
+        def post(client: etcd3gw.Etcd3Client, path: str, body: dict) -> dict:
+            client.timeout = REQUEST_TIMEOUT_S
+            return client.post(client.get_url(path), json=body)
+
+        try:
+            status = post(self._clients[self.endpoints.index(endpoint)], "maintenance/status", {})
+        except gw.Etcd3Exception as e:
+            raise StoreUnavailable(f"etcd member {endpoint[0]}:{endpoint[1]}: {e}") from e
+        member, leader = status["header"]["member_id"], status.get("leader")
+        if member == leader:
+            return False
+        for client in self._clients:  # only the leader takes the request; the others say "not leader"
+            try:
+                post(client, "maintenance/transfer-leadership", {"targetID": member})
+                return True
+            except gw.Etcd3Exception:
+                continue
+        raise StoreUnavailable(f"no member took the request to make {endpoint[0]}:{endpoint[1]} etcd's leader")
+
     def fence_out(self, key: str, lease: int) -> None:
         """Take another host out of the job: delete its lease-bound record `key` under this
         process's own fence, then end `lease`. A process that is itself out (say, a cut-off
