@@ -237,12 +237,14 @@ class LeaderWatch:
         if value is None:
             return False
         node = int(value)
-        if node == self.me or self._leader is not None and self._leader.node == node:
+        if node == self.me:
             return True
-        rec = self.store.value(keys.host(node))
-        if rec is not None:
+        if self._leader is None or self._leader.node != node:
+            rec = self.store.value(keys.host(node))
+            if rec is None:
+                return True
             self._leader = HostRecord.from_json(rec)
-            self._watch.watch(node, self._leader.addr, self._leader.port)
+        self._watch.watch(node, self._leader.addr, self._leader.port)  # (again, if a connect timed out)
         return True
 
     def died(self) -> bool:

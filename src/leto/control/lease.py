@@ -154,8 +154,10 @@ class LivenessWatch:
             return
         try:
             conn = socket.create_connection((addr, port), timeout=0.2)
-        except OSError:  # refused: nothing listens there any more
+        except ConnectionRefusedError:  # nothing listens there any more
             self._refused.add(node)
+            return
+        except OSError:  # no answer in time (a loaded or silent host): the caller watches again later
             return
         conn.setblocking(False)
         self._conns[node], self._pending[node] = conn, b""
