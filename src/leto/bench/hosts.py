@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -132,6 +133,7 @@ def run_one(nc, system: str, scenario: str, out: Path, trial: int, args: argpars
     else:
         flags += ["--spares", "0", "--protection", "off", "--persist", "on", "--persist-every", str(CKPT_EVERY)]
     rec: dict = {"system": system, "scenario": scenario, "run_dir": str(run_dir)}
+    shutil.rmtree(run_dir, ignore_errors=True)  # a run of an earlier bench in the same --out would be read as this one's
     with nc.Cluster(hosts=hosts) as cluster:
         job = _Job(cluster, run_dir, f"b{os.getpid()}-{system}-{scenario}-{trial}", flags)
         job.start(0, [])
