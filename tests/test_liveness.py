@@ -68,12 +68,15 @@ def test_a_frozen_host_is_judged_silent_after_one_lease_time_plus_a_beat(supervi
     watch.watch(1, "127.0.0.1", port)
     assert _watch_for(watch, TTL_S) == {}
     proc.send_signal(signal.SIGSTOP)
-    stopped = time.monotonic()
+    stopped, stopped_at = time.monotonic(), time.time()
     found: dict[int, str] = {}
     wait_for(lambda: found.update(watch.dead()) or found, 5 * TTL_S, "the silent host")
     # its last refresh began at most TTL_S / 4 before the stop: never judged before its lease ran out
     assert time.monotonic() - stopped >= TTL_S + BEAT_S - TTL_S / 4
     assert list(found) == [1] and "no refresh of its etcd lease" in found[1]
+    # the failure time a recovery record starts from: its last beat, sent just before the stop
+    # (and read by this watcher's next poll, 10 ms later at most)
+    assert stopped_at - 2 * BEAT_S <= watch.last_heard(1) <= stopped_at + BEAT_S
 
 
 def test_a_watcher_whose_own_lease_is_stale_judges_no_one_and_counts_silence_from_its_recovery(supervisor) -> None:

@@ -50,8 +50,8 @@ class Hosts(Protocol):
     def up(self) -> list[int]:
         """The nodes whose host is in the job."""
 
-    def lost(self) -> dict[int, str]:
-        """Hosts newly out of the job (fenced already), with why."""
+    def lost(self) -> dict[int, tuple[str, float]]:
+        """Hosts newly out of the job (fenced already): why, and when each was last heard from."""
 
 
 @dataclass
@@ -89,6 +89,7 @@ class Coordinator:
         self.members_before: dict[int, ProcView] = {}
         self.pending: list[dict] = []             # recoveries waiting for their first step
         self.dead_keeper_nodes: set[int] = set()
+        self.host_lost_at: dict[int, float] = {}  # a lost host's last sign of life (time.time())
         self.events: list[dict] = []
         self.max_step = 0
         self.plan = Plan(0, (), ())
@@ -249,10 +250,11 @@ class Coordinator:
                 del self.procs[e.proc_id]
             self._inbox.append(e)
 
-    def _on_lost_hosts(self, lost: dict[int, str]) -> None:
+    def _on_lost_hosts(self, lost: dict[int, tuple[str, float]]) -> None:
         """Every process of a lost host is gone with it (the host is fenced already)."""
-        for node, why in sorted(lost.items()):
-            self.event("host_lost", node=node, cause=why)
+        for node, (why, last_heard) in sorted(lost.items()):
+            self.host_lost_at[node] = last_heard
+            self.event("host_lost", node=node, cause=why, last_heard=round(last_heard, 4))
             for p in self.procs.values():
                 if p.node == node and p.alive:
                     p.code = -signal.SIGKILL
@@ -456,10 +458,13 @@ class Coordinator:
                    for g in range(self.plan.generation + 1) for n in range(self.cfg.training.nodes))
 
     def _failure_time(self, p: ProcView, t_detect: float) -> float:
-        """When the failure happened: the injector's record, else the last heartbeat before it."""
+        """When the failure happened: the injector's record, else the last sign of life of its
+        host (a host loss), else the last heartbeat before it."""
         key = keys.inject_time(p.proc_id)
         if self.store.check([key]):
             return float(self.store.get(key))
+        if p.node in self.host_lost_at:
+            return min(t_detect, self.host_lost_at[p.node])
         key = keys.heartbeat(p.proc_id)
         beat = parse_beat(self.store.get(key).decode()) if p.role in ("worker", "keeper") and self.store.check([key]) \
             else None

@@ -69,8 +69,11 @@ class Cluster:
     def up(self) -> list[int]:
         return [n for n in range(self.nodes) if n not in self._lost]
 
-    def lost(self) -> dict[int, str]:
-        out = {n: f"{why}; fenced out" for n, why in self._watch.dead().items() if n not in self._lost}
+    def lost(self) -> dict[int, tuple[str, float]]:
+        """Hosts newly out of the job (fenced out already): why, and when (time.time()) each was
+        last heard from."""
+        out = {n: (f"{why}; fenced out", self._watch.last_heard(n) or time.time())
+               for n, why in self._watch.dead().items() if n not in self._lost}
         for node in out:
             try:
                 self.store.fence_out(keys.host(node), self.records[node].lease)
@@ -80,7 +83,8 @@ class Cluster:
         if now - self._last_check >= HOST_CHECK_S:
             self._last_check = now
             live = self.read()
-            out.update({n: "its etcd lease ended" for n in range(self.nodes)  # every host joined at the start
+            out.update({n: ("its etcd lease ended", self._watch.last_heard(n) or time.time())
+                        for n in range(self.nodes)  # every host joined at the start
                         if n not in live and n not in self._lost and n not in out})
         self._lost |= set(out)
         return out

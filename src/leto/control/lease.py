@@ -146,6 +146,7 @@ class LivenessWatch:
         self._conns: dict[int, socket.socket] = {}
         self._pending: dict[int, bytes] = {}    # a beat's bytes received so far
         self._refreshed: dict[int, float] = {}  # when its last confirmed refresh began, at the latest
+        self._heard: dict[int, float] = {}      # when it last sent anything (or was connected to)
         self._refused: set[int] = set()
         self.gone: set[int] = set()
 
@@ -161,7 +162,7 @@ class LivenessWatch:
             return
         conn.setblocking(False)
         self._conns[node], self._pending[node] = conn, b""
-        self._refreshed[node] = time.monotonic()  # the benefit of the doubt until it beats
+        self._refreshed[node] = self._heard[node] = time.monotonic()  # the benefit of the doubt until it beats
 
     def dead(self) -> dict[int, str]:
         """Hosts newly found dead since the last call, with the evidence."""
@@ -203,7 +204,7 @@ class LivenessWatch:
             data += chunk
         if not data:
             return True
-        now = time.monotonic()
+        now = self._heard[node] = time.monotonic()
         data = self._pending[node] + data
         whole = len(data) - len(data) % _BEAT.size
         self._pending[node] = data[whole:]
@@ -212,6 +213,11 @@ class LivenessWatch:
             if math.isfinite(age) and age >= 0:  # anything else is no evidence of a refresh
                 self._refreshed[node] = max(self._refreshed[node], now - age)
         return True
+
+    def last_heard(self, node: int) -> float | None:
+        """When (time.time()) `node` last sent a beat, or was connected to; None if never watched."""
+        heard = self._heard.get(node)
+        return None if heard is None else time.time() - (time.monotonic() - heard)
 
     def close(self) -> None:
         for conn in self._conns.values():
