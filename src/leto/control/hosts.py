@@ -49,11 +49,13 @@ class Cluster:
     this host's fence, its lease revoked) before it is reported lost, so that none of its
     processes can write again."""
 
-    def __init__(self, store: EtcdStore, nodes: int, me: int, lease: HostLease) -> None:
+    def __init__(self, store: EtcdStore, nodes: int, me: int, watch: LivenessWatch) -> None:
+        """`watch`: this host's follower's (`LeaderWatch.watch`), which knows when the previous
+        coordinator's host was last heard from."""
         self.store, self.nodes, self.me = store, nodes, me
         self.records: dict[int, HostRecord] = {}
         self._lost: set[int] = set()
-        self._watch = LivenessWatch(lease.ttl_s, lease.fresh)
+        self._watch = watch
         self._last_check = 0.0
         self.read()
 
@@ -202,7 +204,7 @@ def run_host(config: JobConfig, summary_extra: dict | None = None) -> int:
             if coordinator is None and (leader.died() or now - last_election >= ELECTION_CHECK_S):
                 last_election = now
                 if not leader.follow():  # a read; the election is a write, tried only without a coordinator
-                    coordinator = _elect(store, config, node, lease, supervisor, summary_extra)
+                    coordinator = _elect(store, config, node, lease, supervisor, leader, summary_extra)
                     if coordinator is not None and own is not None:
                         etcd_leader = EtcdLeaderHere(base, own)
             if coordinator is not None and (code := coordinator.tick()) is not None:
@@ -232,7 +234,7 @@ class LeaderWatch:
 
     def __init__(self, store: EtcdStore, me: int, lease: HostLease) -> None:
         self.store, self.me = store, me
-        self._watch = LivenessWatch(lease.ttl_s, lease.fresh)
+        self.watch = LivenessWatch(lease.ttl_s, lease.fresh)
         self._leader: HostRecord | None = None
 
     def follow(self) -> bool:
@@ -248,12 +250,12 @@ class LeaderWatch:
             if rec is None:
                 return True
             self._leader = HostRecord.from_json(rec)
-        self._watch.watch(node, self._leader.addr, self._leader.port)  # (again, if a connect timed out)
+        self.watch.watch(node, self._leader.addr, self._leader.port)  # (again, if a connect timed out)
         return True
 
     def died(self) -> bool:
         """The coordinator's host died or went silent (then it is fenced out already)."""
-        if self._leader is None or self._leader.node not in self._watch.dead():
+        if self._leader is None or self._leader.node not in self.watch.dead():
             return False
         self.store.fence_out(keys.host(self._leader.node), self._leader.lease)
         self._leader = None
@@ -261,12 +263,12 @@ class LeaderWatch:
 
 
 def _elect(store: EtcdStore, config: JobConfig, node: int, lease: HostLease, supervisor: Supervisor,
-           summary_extra: dict | None) -> Coordinator | None:
+           leader: LeaderWatch, summary_extra: dict | None) -> Coordinator | None:
     """Become the coordinator if there is none (the key is bound to this host's lease)."""
     if store.create(keys.COORDINATOR, str(node), lease.id) is None:
         return None
     # the supervisor's store (this thread's, reading control/ from its mirror): the coordinator polls too
-    hosts = Cluster(store, config.training.nodes, node, lease)
+    hosts = Cluster(store, config.training.nodes, node, leader.watch)
     coordinator = Coordinator(store, config, serve=supervisor.serve_commands, summary_extra=summary_extra, hosts=hosts)
     if store.check([keys.plan(0)]):
         coordinator.restore(store.under(keys.COMMAND_PREFIX), store.under(keys.REPORT_PREFIX))
