@@ -212,6 +212,9 @@ def test_only_a_host_still_in_the_job_can_fence_another_out(etcd: tuple[str, int
     assert s.entry("control/host/2") is None and s.value("control/coordinator") is None  # the lease went too
     with pytest.raises(Fenced):
         hosts[2].fence_out("control/host/0", leases[0])  # the host taken out judges no one
+    with pytest.raises(Fenced):
+        hosts[2].confirm_fence()
+    hosts[0].confirm_fence()
     assert s.entry("control/host/0") is not None and s.entry("control/host/1") is not None
     hosts[1].fence_out("control/host/2", leases[2])  # twice (two hosts judging the same one) is fine
     # a record of the same key bound to another lease (a new incarnation) is not removed

@@ -165,6 +165,29 @@ def test_a_host_cut_off_or_frozen_is_fenced_and_never_comes_back(cluster: Cluste
     _recovered(cluster, run_dir, node, reference)
 
 
+def test_a_cut_off_coordinator_is_replaced_and_takes_no_host_out_when_its_link_returns(
+        cluster: Cluster, tmp_path: Path, reference: str) -> None:
+    """The coordinator's host (which holds etcd's leader too) is cut off: the others hear no lease
+    refresh from it, fence it out, elect a new coordinator and recover its ranks. Cut off, it hears
+    from no one, and judges no one: when the link returns, it leaves, and the others finish."""
+    run_dir = tmp_path / "run"
+    hosts = start(cluster, run_dir)
+    at_step(run_dir, 4)
+    lead = coordinator(cluster)
+    victim = host_of(cluster, run_dir, lead)
+    wait_for(lambda: cluster.etcd_leader() == victim, 10, "the coordinator's member to lead")
+    cluster.cut_link(victim)
+    wait_for(lambda: "takeover" in (run_dir / "metrics.jsonl").read_text(), 30, "another host to take over")
+    cluster.restore_link(victim)
+    results = finish(hosts, run_dir)
+    code, err = results[victim]
+    assert code == 1 and "leaves the job" in err, err[-2000:]
+    assert all(c == 0 for i, (c, _) in enumerate(results) if i != victim), failed(results, victim)
+    _recovered(cluster, run_dir, lead, reference)
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [e["node"] for e in events if e.get("event") == "host_lost"] == [lead]
+
+
 def test_etcd_below_quorum_stops_the_job_and_its_checkpoints_resume_it_on_the_same_hosts(
         cluster: Cluster, tmp_path: Path, reference: str) -> None:
     run_dir = tmp_path / "run"

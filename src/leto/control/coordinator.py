@@ -53,6 +53,9 @@ class Hosts(Protocol):
     def lost(self) -> dict[int, tuple[str, float]]:
         """Hosts newly out of the job (fenced already): why, and when each was last heard from."""
 
+    def confirm(self) -> None:
+        """Raise unless this host is still in the job."""
+
 
 @dataclass
 class ProcView:
@@ -323,6 +326,8 @@ class Coordinator:
         """Decide generation g+1 and announce it; returns an exit code when the job must stop."""
         t_detect = time.time()
         trace.mark("failures", procs=[p.proc_id for p, _ in failed])
+        if self.hosts is not None:
+            self.hosts.confirm()  # a deposed coordinator (its link back) records nothing in the shared run dir
         if self.store.check([keys.FATAL]):
             msg = self.store.get(keys.FATAL).decode()
             self.event("fatal", cause=msg)

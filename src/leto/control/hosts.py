@@ -55,6 +55,7 @@ class Cluster:
         self.store, self.nodes, self.me = store, nodes, me
         self.records: dict[int, HostRecord] = {}
         self._lost: set[int] = set()
+        self._fencing: dict[int, tuple[str, float]] = {}  # found dead, not yet fenced out
         self._watch = watch
         self._last_check = 0.0
         self.read()
@@ -73,23 +74,37 @@ class Cluster:
 
     def lost(self) -> dict[int, tuple[str, float]]:
         """Hosts newly out of the job (fenced out already): why, and when (time.time()) each was
-        last heard from."""
-        out = {n: (f"{why}; fenced out", self._watch.last_heard(n) or time.time())
-               for n, why in self._watch.dead().items() if n not in self._lost}
-        for node in out:
+        last heard from. Raises `Fenced` when this host is out itself: a deposed coordinator
+        (cut off, its link back) reports no one, and so records nothing in the shared run dir."""
+        for n, why in self._watch.dead().items():
+            if n not in self._lost:
+                self._fencing[n] = (f"{why}; fenced out", self._watch.last_heard(n) or time.time())
+        out: dict[int, tuple[str, float]] = {}
+        for node in list(self._fencing):
             try:
                 self.store.fence_out(keys.host(node), self.records[node].lease)
             except StoreUnavailable:
-                pass  # the lease expires by itself; the fence holds from then on
+                continue  # not reported before it is fenced: tried again at the next round
+            out[node] = self._fencing.pop(node)
         now = time.monotonic()
         if now - self._last_check >= HOST_CHECK_S:
             self._last_check = now
             live = self.read()
-            out.update({n: ("its etcd lease ended", self._watch.last_heard(n) or time.time())
-                        for n in range(self.nodes)  # every host joined at the start
-                        if n not in live and n not in self._lost and n not in out})
+            if self.me not in live:
+                raise Fenced(f"this host's record ({keys.host(self.me)}) is gone, its lease revoked or expired: "
+                             f"it is no longer part of the job")
+            for n in range(self.nodes):  # every host joined at the start
+                if n not in live and n not in self._lost and n not in out:
+                    self._fencing.pop(n, None)
+                    out[n] = ("its etcd lease ended", self._watch.last_heard(n) or time.time())
+        if out:
+            self.store.confirm_fence()  # read from etcd, not the mirror
         self._lost |= set(out)
         return out
+
+    def confirm(self) -> None:
+        """Raise `Fenced` unless this host is still in the job (as etcd says now)."""
+        self.store.confirm_fence()
 
     def close(self) -> None:
         self._watch.close()

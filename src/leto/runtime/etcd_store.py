@@ -445,6 +445,15 @@ class EtcdStore(dist.Store):
                 continue
         raise StoreUnavailable(f"no member took the request to make {endpoint[0]}:{endpoint[1]} etcd's leader")
 
+    def confirm_fence(self) -> None:
+        """Raise `Fenced` unless this process's fence holds now: its host record, read from etcd
+        (a linearizable read: the quorum's answer, not this member's or the mirror's)."""
+        if self.fence is None:
+            return
+        kv = self._range(self.fence[0])
+        if kv is None or int(kv["create_revision"]) != self.fence[1]:
+            raise Fenced(f"this host lost its lease ({self.fence[0]} is gone): it is no longer part of the job")
+
     def fence_out(self, key: str, lease: int) -> None:
         """Take another host out of the job: delete its lease-bound record `key` under this
         process's own fence, then end `lease`. A process that is itself out (say, a cut-off
