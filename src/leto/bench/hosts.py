@@ -4,7 +4,8 @@ Every host runs `leto train --rdzv` (one etcd member each, tests/netns_cluster.p
 (`--workers 2×hosts`, tier 2 across hosts) is failed three ways:
 - `host`: SIGKILL of every process of a host that is not the coordinator, with its etcd member;
 - `coordinator`: the same for the coordinator's host;
-- `partition`: the link of a host that is not the coordinator cut, then restored.
+- `partition`: the link of a host that is not the coordinator cut, then restored;
+- `coordinator-partition`: the same for the coordinator's host (which holds etcd's leader too).
 
 Systems, side by side in one run:
 - `leto`: in-place recovery with 2 spares;
@@ -38,7 +39,8 @@ STEPS = 30
 KILL_AFTER = 8          # the failure comes once this step is recorded
 CKPT_EVERY = 5          # checkpoint-restart's K
 TARGETS_S = {"host": 3.0, "coordinator": 4.0}  # partition: the lease time + 1 s
-SCENARIOS = ("host", "coordinator", "partition")
+SCENARIOS = ("host", "coordinator", "partition", "coordinator-partition")
+CUTS = ("partition", "coordinator-partition")
 REPO = Path(__file__).resolve().parents[3]
 
 
@@ -139,11 +141,12 @@ def run_one(nc, system: str, scenario: str, out: Path, trial: int, args: argpars
         job.start(0, [])
         _wait(lambda: _last_step(run_dir) >= KILL_AFTER, 300, f"step {KILL_AFTER}")
         lead, lead_host = job.coordinator_host(0)
-        node = lead if scenario == "coordinator" else (lead + 1) % hosts
-        victim = lead_host if scenario == "coordinator" else job.host_of(node)
+        on_lead = scenario in ("coordinator", "coordinator-partition")
+        node = lead if on_lead else (lead + 1) % hosts
+        victim = lead_host if on_lead else job.host_of(node)
         t_fail = time.time()
         mark("fault", scenario=scenario, host=victim)
-        if scenario == "partition":
+        if scenario in CUTS:
             cluster.cut_link(victim)
             job.procs[victim].wait(timeout=60)  # it leaves the job once its lease is gone
             rec["victim_left_s"] = round(time.time() - t_fail, 3)
@@ -152,7 +155,7 @@ def run_one(nc, system: str, scenario: str, out: Path, trial: int, args: argpars
             cluster.kill_host(victim)
         if system == "checkpoint-restart":
             job.wait(120)  # every host stops: nothing protects the lost state
-            if scenario != "partition":
+            if scenario not in CUTS:
                 cluster.start_etcd(victim)
             cluster.wait_healthy()
             job.start(1, ["--resume", str(run_dir)])
@@ -195,6 +198,11 @@ def main(args: argparse.Namespace) -> int:
         "coordinator_host_loss_training_again_s": {"measured": table["leto/coordinator"]["regain_s"],
                                                    "target": TARGETS_S["coordinator"]},
         "partition_training_again_s": {"measured": table["leto/partition"]["regain_s"], "target": lease_s + 1.0},
+        # a cut coordinator's host is both a coordinator's host lost and a partition: checked against both
+        "coordinator_host_partition_vs_coordinator_target_s": {
+            "measured": table["leto/coordinator-partition"]["regain_s"], "target": TARGETS_S["coordinator"]},
+        "coordinator_host_partition_vs_partition_target_s": {
+            "measured": table["leto/coordinator-partition"]["regain_s"], "target": lease_s + 1.0},
     }
     for t in targets.values():
         t["met"] = t["measured"] is not None and t["measured"] <= t["target"]
