@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 from conftest import wait_for
 
-from leto.control.lease import _BEAT, BEAT_S, LivenessWatch
+from leto.control.lease import _BEAT, BEAT_S, LivenessWatch, reaches_any
 
 TTL_S = 0.6
 # a supervisor whose lease is refreshed every TTL_S / 4, as HostLease does
@@ -79,10 +79,14 @@ def test_a_frozen_host_is_judged_silent_after_one_lease_time_plus_a_beat(supervi
     assert stopped_at - 2 * BEAT_S <= watch.last_heard(1) <= stopped_at + BEAT_S
 
 
-def test_a_watcher_whose_own_lease_is_stale_judges_no_one_and_counts_silence_from_its_recovery(supervisor) -> None:
+@pytest.mark.parametrize("reaches", [None, lambda: False], ids=["unknown", "reaches_no_one"])
+def test_a_watcher_whose_own_lease_is_stale_judges_no_one_and_counts_silence_from_its_recovery(supervisor,
+                                                                                                reaches) -> None:
+    """A watcher that cannot refresh and reaches no other host is the one cut off: what it did
+    not hear meanwhile is no evidence (beats queued in a cut link arrive late)."""
     proc, port = supervisor
     fresh = [False]
-    watch = LivenessWatch(TTL_S, judge=lambda: fresh[0])
+    watch = LivenessWatch(TTL_S, judge=lambda: fresh[0], reaches=reaches)
     watch.watch(1, "127.0.0.1", port)
     proc.send_signal(signal.SIGSTOP)
     assert _watch_for(watch, 3 * TTL_S) == {}  # silent for three lease times, but this watcher may not judge
@@ -132,3 +136,62 @@ def test_liveness_serves_every_watcher(supervisor) -> None:
     for w in watches:
         w.watch(0, "127.0.0.1", port)
     assert all(_watch_for(w, TTL_S) == {} for w in watches)
+
+
+def test_during_an_etcd_election_a_host_that_says_nothing_keeps_its_clock(supervisor) -> None:
+    """The watcher cannot refresh but reaches the others: etcd is electing a leader. A host whose
+    connection is silent all along is judged as soon as the watcher may judge again; it does
+    not get another lease time."""
+    proc, port = supervisor
+    fresh = [True]
+    watch = LivenessWatch(TTL_S, judge=lambda: fresh[0], reaches=lambda: True)
+    watch.watch(1, "127.0.0.1", port)
+    assert _watch_for(watch, TTL_S) == {}
+    proc.send_signal(signal.SIGSTOP)
+    fresh[0] = False
+    assert _watch_for(watch, 3 * TTL_S) == {}  # no judgment while this watcher is stale
+    fresh[0] = True
+    found = watch.dead()
+    assert list(found) == [1] and "no refresh" in found[1]
+
+
+def test_during_an_etcd_election_a_host_that_still_talks_gets_the_benefit_of_the_doubt() -> None:
+    """Its beats report no refresh (etcd has no leader for it either): its silence counts again
+    from when the watcher's own refreshes go through."""
+    server = socket.create_server(("127.0.0.1", 0))
+    fresh = [False]
+    watch = LivenessWatch(TTL_S, judge=lambda: fresh[0], reaches=lambda: True)
+    watch.watch(1, "127.0.0.1", server.getsockname()[1])
+    conn, _ = server.accept()
+    stale = _BEAT.pack(5 * TTL_S)
+    try:
+        end = time.monotonic() + 3 * TTL_S
+        while time.monotonic() < end:
+            conn.send(stale)
+            assert watch.dead() == {}
+            time.sleep(BEAT_S / 2)
+        fresh[0] = True
+        recovered = time.monotonic()
+        found: dict[int, str] = {}
+        while not found and time.monotonic() - recovered < 5 * TTL_S:
+            conn.send(stale)
+            found = watch.dead()
+            time.sleep(BEAT_S / 2)
+        assert list(found) == [1] and time.monotonic() - recovered >= TTL_S
+    finally:
+        conn.close()
+        server.close()
+
+
+def test_reaches_any_tells_whether_one_of_the_addresses_answers() -> None:
+    server = socket.create_server(("127.0.0.1", 0))
+    open_port = server.getsockname()[1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed_port = s.getsockname()[1]
+    try:
+        assert reaches_any([("127.0.0.1", closed_port), ("127.0.0.1", open_port)])()
+        assert not reaches_any([("127.0.0.1", closed_port)])()
+        assert not reaches_any([])()
+    finally:
+        server.close()

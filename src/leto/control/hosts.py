@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from leto.config import JobConfig
 from leto.control.coordinator import POLL_S, Coordinator
-from leto.control.lease import HostLease, Liveness, LivenessWatch
+from leto.control.lease import HostLease, Liveness, LivenessWatch, reaches_any
 from leto.control.supervisor import Supervisor
 from leto.protocol import keys
 from leto.protocol.messages import HostRecord
@@ -207,7 +207,7 @@ def run_host(config: JobConfig, summary_extra: dict | None = None) -> int:
                                 host_store=host_store)
         supervisor.start()
         last_election = 0.0
-        leader = LeaderWatch(store, node, lease)
+        leader = LeaderWatch(store, node, lease, [e for e in endpoints if e != own])
         while True:
             if (why := lease.lost()) is not None:
                 raise HostLost(why)
@@ -247,9 +247,11 @@ class LeaderWatch:
     beats report no lease refresh for a lease time, that host is fenced out and a new
     coordinator elected at once, instead of after etcd expires its lease."""
 
-    def __init__(self, store: EtcdStore, me: int, lease: HostLease) -> None:
+    def __init__(self, store: EtcdStore, me: int, lease: HostLease, others: list[tuple[str, int]]) -> None:
+        """`others`: the etcd endpoints on other hosts (whether this host reaches them tells a
+        cut-off host from an etcd election)."""
         self.store, self.me = store, me
-        self.watch = LivenessWatch(lease.ttl_s, lease.fresh)
+        self.watch = LivenessWatch(lease.ttl_s, lease.fresh, reaches_any(others))
         self._leader: HostRecord | None = None
 
     def follow(self) -> bool:

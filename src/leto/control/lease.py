@@ -37,6 +37,8 @@ REFRESHES_PER_LEASE = 4
 # its writes (the fence) and no later generation includes it, so waiting is safe.
 SILENT_LEASES = 2
 BEAT_S = 0.1          # how often a supervisor tells its watchers its lease's age
+RETRY_S = 0.05        # the pause before a failed refresh is tried again
+REACH_TIMEOUT_S = 0.1  # a connect that says whether this host reaches another
 _BEAT = struct.Struct("!d")  # a beat: seconds since the last confirmed refresh began
 
 
@@ -55,16 +57,21 @@ class HostLease:
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.ttl_s / REFRESHES_PER_LEASE):
+        pause = self.ttl_s / REFRESHES_PER_LEASE
+        while not self._stop.wait(pause):
             sent = time.monotonic()
             try:  # each try is short: a frozen member must not hold it past the lease time
                 ttl = self._store.keepalive(self.id, deadline=sent + self.ttl_s / REFRESHES_PER_LEASE)
             except StoreUnavailable:
-                continue  # lost() decides once the lease time has passed
+                # lost() decides once the lease time has passed; till then try again soon: after
+                # an etcd election, the first refresh makes this host fresh (a judge) again
+                pause = RETRY_S
+                continue
             if ttl <= 0:
                 self._expired = True
                 return
             self._ok = sent
+            pause = self.ttl_s / REFRESHES_PER_LEASE
 
     def age(self) -> float:
         """Seconds since the last refresh that etcd confirmed began (inf once it expired)."""
@@ -139,10 +146,12 @@ class LivenessWatch:
     hosts whose connection the kernel closed or reset, and (while `judge()` holds) the hosts
     that have reported no refresh of their lease for one lease time plus one beat."""
 
-    def __init__(self, ttl_s: float, judge: Callable[[], bool]) -> None:
+    def __init__(self, ttl_s: float, judge: Callable[[], bool], reaches: Callable[[], bool] | None = None) -> None:
         """`ttl_s`: the hosts' lease time; `judge`: whether this host may judge silence now
-        (`HostLease.fresh`)."""
-        self.ttl_s, self._judge = ttl_s, judge
+        (`HostLease.fresh`); `reaches`: whether this host's network reaches the others now
+        (`reaches_any`; None: unknown)."""
+        self.ttl_s, self._judge, self._reaches = ttl_s, judge, reaches
+        self._reached: tuple[float, bool] = (-math.inf, False)  # the last probe: when, and its answer
         self._conns: dict[int, socket.socket] = {}
         self._pending: dict[int, bytes] = {}    # a beat's bytes received so far
         self._refreshed: dict[int, float] = {}  # when its last confirmed refresh began, at the latest
@@ -178,16 +187,28 @@ class LivenessWatch:
                     found[node] = (f"it reported no refresh of its etcd lease for {now - refreshed:.1f}s "
                                    f"(cut off or frozen; lease {self.ttl_s:g}s)")
         else:
-            # this host cannot refresh either: etcd may be electing a leader, and a new leader
-            # extends every lease by its TTL; each host's silence counts again from when this
-            # host's own refreshes go through
+            # This host cannot refresh either. If it reaches no one, it is the one cut off: every
+            # host's silence counts again from when its own refreshes go through. If it does, etcd
+            # is electing a leader (a new leader extends every lease by its TTL): a host whose
+            # connection still talks gets the same benefit of the doubt, but one that has said
+            # nothing for two beats keeps its clock - its silence is its own, not etcd's.
+            cut_off = not self._probe(now)
             for node in self._refreshed:
-                self._refreshed[node] = now
+                if cut_off or now - self._heard[node] <= 2 * BEAT_S:
+                    self._refreshed[node] = now
         for node in found:
             if node in self._conns:
                 self._conns.pop(node).close()
         self.gone |= set(found)
         return found
+
+    def _probe(self, now: float) -> bool:
+        """Whether this host reaches the others (asked at most once a beat)."""
+        if self._reaches is None:
+            return False
+        if now - self._reached[0] >= BEAT_S:
+            self._reached = (now, self._reaches())
+        return self._reached[1]
 
     def _read(self, node: int, conn: socket.socket) -> bool:
         """Take in every beat that arrived; False once the connection is closed or reset."""
@@ -223,3 +244,16 @@ class LivenessWatch:
         for conn in self._conns.values():
             conn.close()
         self._conns.clear()
+
+
+def reaches_any(addrs: list[tuple[str, int]]) -> Callable[[], bool]:
+    """A probe: does a TCP connect to one of `addrs` (the other hosts' etcd members) succeed?"""
+    def reaches() -> bool:
+        for addr in addrs:
+            try:
+                socket.create_connection(addr, timeout=REACH_TIMEOUT_S).close()
+                return True
+            except OSError:
+                continue
+        return False
+    return reaches
