@@ -3,6 +3,7 @@ closed connection; a silent one (frozen, cut off) once it has reported no lease 
 lease time plus one beat - and only by a watcher whose own lease is fresh."""
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import socket
@@ -97,27 +98,42 @@ def test_a_watcher_whose_own_lease_is_stale_judges_no_one_and_counts_silence_fro
     assert time.monotonic() - recovered >= TTL_S and list(found) == [1]
 
 
+@contextlib.contextmanager
+def _peer(watch: LivenessWatch, node: int) -> Iterator[socket.socket]:
+    """A hand-made supervisor: its end of `watch`'s connection to `node`, to send beats on."""
+    server = socket.create_server(("127.0.0.1", 0))
+    watch.watch(node, "127.0.0.1", server.getsockname()[1])
+    conn, _ = server.accept()
+    try:
+        yield conn
+    finally:
+        conn.close()
+        server.close()
+
+
+def _beat_until_judged(watch: LivenessWatch, conn: socket.socket, beat: float, limit_s: float) -> dict[int, str]:
+    """Send `beat` every half beat (each in two pieces) until `watch` judges a host, or `limit_s`."""
+    end = time.monotonic() + limit_s
+    found: dict[int, str] = {}
+    while not found and time.monotonic() < end:
+        frame = _BEAT.pack(beat)
+        conn.send(frame[:5])  # beats split across reads are put together
+        conn.send(frame[5:])
+        found = watch.dead()
+        time.sleep(BEAT_S / 2)
+    return found
+
+
 @pytest.mark.parametrize("beat", [math.nan, -1.0, 5 * TTL_S], ids=["nan", "negative", "stale"])
 def test_beats_that_claim_no_recent_refresh_do_not_keep_a_host_in(beat: float) -> None:
     """A peer that speaks garbage (or whose lease is old) gets no benefit from it: only a beat
     reporting a refresh within the lease time counts."""
-    server = socket.create_server(("127.0.0.1", 0))
     watch = LivenessWatch(TTL_S, judge=lambda: True)
-    watch.watch(1, "127.0.0.1", server.getsockname()[1])
-    conn, _ = server.accept()
-    try:
+    with _peer(watch, 1) as conn:
         connected = time.monotonic()
-        found: dict[int, str] = {}
-        while not found and time.monotonic() - connected < 5 * TTL_S:
-            conn.send(_BEAT.pack(beat)[:5])  # beats split across reads are put together
-            conn.send(_BEAT.pack(beat)[5:])
-            found = watch.dead()
-            time.sleep(BEAT_S / 2)
+        found = _beat_until_judged(watch, conn, beat, 5 * TTL_S)
         assert list(found) == [1] and "no refresh" in found[1]
         assert time.monotonic() - connected >= TTL_S + BEAT_S  # the benefit of the doubt from the connection
-    finally:
-        conn.close()
-        server.close()
 
 
 def test_a_supervisor_that_is_gone_is_refused_at_once() -> None:
@@ -158,29 +174,14 @@ def test_during_an_etcd_election_a_host_that_says_nothing_keeps_its_clock(superv
 def test_during_an_etcd_election_a_host_that_still_talks_gets_the_benefit_of_the_doubt() -> None:
     """Its beats report no refresh (etcd has no leader for it either): its silence counts again
     from when the watcher's own refreshes go through."""
-    server = socket.create_server(("127.0.0.1", 0))
     fresh = [False]
     watch = LivenessWatch(TTL_S, judge=lambda: fresh[0], reaches=lambda: True)
-    watch.watch(1, "127.0.0.1", server.getsockname()[1])
-    conn, _ = server.accept()
-    stale = _BEAT.pack(5 * TTL_S)
-    try:
-        end = time.monotonic() + 3 * TTL_S
-        while time.monotonic() < end:
-            conn.send(stale)
-            assert watch.dead() == {}
-            time.sleep(BEAT_S / 2)
+    with _peer(watch, 1) as conn:
+        assert _beat_until_judged(watch, conn, 5 * TTL_S, 3 * TTL_S) == {}
         fresh[0] = True
         recovered = time.monotonic()
-        found: dict[int, str] = {}
-        while not found and time.monotonic() - recovered < 5 * TTL_S:
-            conn.send(stale)
-            found = watch.dead()
-            time.sleep(BEAT_S / 2)
+        found = _beat_until_judged(watch, conn, 5 * TTL_S, 5 * TTL_S)
         assert list(found) == [1] and time.monotonic() - recovered >= TTL_S
-    finally:
-        conn.close()
-        server.close()
 
 
 def test_reaches_any_tells_whether_one_of_the_addresses_answers() -> None:
