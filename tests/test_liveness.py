@@ -17,7 +17,7 @@ from conftest import wait_for
 
 from leto.control.lease import _BEAT, BEAT_S, LivenessWatch, reaches_any
 
-TTL_S = 0.6
+TTL_S = 1.0  # short, to keep the tests short; long enough that a loaded machine does not starve a beat that long
 # a supervisor whose lease is refreshed every TTL_S / 4, as HostLease does
 SUPERVISOR = f"""
 import time
