@@ -93,12 +93,13 @@ class Cluster:
             if self.me not in live:
                 raise Fenced(f"this host's record ({keys.host(self.me)}) is gone, its lease revoked or expired: "
                              f"it is no longer part of the job")
-            for n in range(self.nodes):  # every host joined at the start
-                if n not in live and n not in self._lost and n not in out:
-                    self._fencing.pop(n, None)
-                    out[n] = ("its etcd lease ended", self._watch.last_heard(n) or time.time())
-        if out:
-            self.store.confirm_fence()  # read from etcd, not the mirror
+            ended = [n for n in range(self.nodes)  # every host joined at the start
+                     if n not in live and n not in self._lost and n not in out]
+            if ended:  # seen in the mirror, not proved by a fenced write of this host's: ask etcd
+                self.store.confirm_fence()
+            for n in ended:
+                self._fencing.pop(n, None)
+                out[n] = ("its etcd lease ended", self._watch.last_heard(n) or time.time())
         self._lost |= set(out)
         return out
 
