@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from leto.protection.layout import Layout
+from leto.runtime import linux
 
 SHM_DIR = Path("/dev/shm")
 
@@ -66,19 +67,9 @@ def owner_path(job: str) -> Path:
     return SHM_DIR / f"leto-{job}-owner"
 
 
-def _start_time(pid: int) -> str | None:
-    """The kernel's start time of process `pid` (clock ticks since boot), None if it is gone
-    or a zombie."""
-    from leto.runtime.linux import proc_stat
-    fields = proc_stat(pid)
-    if fields is None or fields[0] in ("Z", "X") or len(fields) < 20:
-        return None
-    return fields[19]
-
-
 def write_owner(job: str, pid: int) -> None:
     """Record that `pid` (alive now) owns job `job`'s segments."""
-    owner_path(job).write_text(json.dumps({"pid": pid, "start": _start_time(pid)}))
+    owner_path(job).write_text(json.dumps({"pid": pid, "start": linux.start_time(pid)}))
 
 
 def _job_alive(shm_dir: Path, job: str) -> bool:
@@ -90,10 +81,10 @@ def _job_alive(shm_dir: Path, job: str) -> bool:
     if isinstance(owner, dict) and isinstance(owner.get("pid"), int):
         pid = owner["pid"]
     elif named is not None:  # no owner record (yet, or an older Leto): a live pid keeps its segments
-        return _start_time(int(named.group(1))) is not None
+        return linux.start_time(int(named.group(1))) is not None
     else:
         return True  # nothing says whose they are: keep them
-    start = _start_time(pid)
+    start = linux.start_time(pid)
     return start is not None and owner.get("start") in (None, start)
 
 

@@ -127,3 +127,21 @@ def interface_of(addr: str) -> str | None:
         if socket.inet_ntoa(raw[20:24]) == addr:
             return name
     return None
+
+
+def start_time(pid: int) -> str | None:
+    """The kernel's start time of process `pid` (clock ticks since boot, as /proc writes it):
+    with the pid, it names one process (a pid is reused, a (pid, start time) pair is not until
+    a reboot). None if `pid` is not a positive int, or the process is gone or a zombie."""
+    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+        return None
+    fields = proc_stat(pid)
+    if fields is None or fields[0] in ("Z", "X") or len(fields) < 20:
+        return None
+    return fields[19]
+
+
+def same_process(pid: int, start: str | None) -> bool:
+    """Whether `pid` is still the live process that had start time `start` (False when `start`
+    is None: an unknown start time cannot vouch for a pid)."""
+    return start is not None and start_time(pid) == start
