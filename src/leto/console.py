@@ -18,7 +18,7 @@ def parse_records(lines: list[bytes] | list[str]) -> list[dict]:
     for line in lines:
         try:
             rec = json.loads(line)
-        except json.JSONDecodeError:
+        except ValueError:  # not JSON, or not UTF-8 (a line torn inside a character)
             continue
         if isinstance(rec, dict):
             out.append(rec)
@@ -26,11 +26,22 @@ def parse_records(lines: list[bytes] | list[str]) -> list[dict]:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """Every record of a metrics.jsonl-style file ([] when it does not exist yet)."""
+    """Every record of a metrics.jsonl-style file ([] when it does not exist yet); the one
+    reader of those files, so that a torn line (an appender that died or ran out of disk
+    mid-line, hosts appending to one file on shared storage) is skipped everywhere."""
     try:
-        return parse_records(path.read_text().splitlines())
+        return parse_records(path.read_bytes().splitlines())
     except FileNotFoundError:
         return []
+
+
+def say(text: str, err: bool = False) -> None:
+    """Print one line to stdout (`err`: stderr) now. A console that cannot be written (redirected
+    to a file on a full disk) loses the line rather than stopping the job."""
+    try:
+        print(text, file=sys.stderr if err else sys.stdout, flush=True)
+    except OSError:
+        pass
 
 
 class StepDisplay:
@@ -89,10 +100,13 @@ class StepDisplay:
             self._last_plain = now
             of = f"/{self.total}" if self.total else ""
             left = f"  eta {eta:.0f}s" if eta is not None else ""
-            print(f"step {rec['step']}{of}{left}  {info}", flush=True)
+            say(f"step {rec['step']}{of}{left}  {info}")
 
     def message(self, text: str) -> None:
-        if self._progress is not None:
+        if self._progress is None:
+            say(text)
+            return
+        try:
             self._progress.console.print(text)
-        else:
-            print(text, flush=True)
+        except OSError:
+            pass

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import signal
-import sys
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -20,7 +19,7 @@ from typing import Protocol
 import torch.distributed as dist
 
 from leto.config import JobConfig
-from leto.console import StepDisplay
+from leto.console import StepDisplay, read_jsonl, say
 from leto.control.decision import Spare, grow_plan, next_plan
 from leto.protection.placement import degradation
 from leto.protocol import keys
@@ -37,6 +36,7 @@ from leto.protocol.messages import (
 )
 from leto.protocol.protection import Drain
 from leto.runtime import runlog, trace
+from leto.runtime.durable import write_atomic
 
 POLL_S = 0.01
 MAX_GENERATIONS = 100  # a job that needs more recoveries than this is failing in a loop
@@ -109,9 +109,15 @@ class Coordinator:
     # ----- start and end
     def prepare(self) -> None:
         """Before anything starts: a fresh metrics.jsonl and summary.json, and config.json."""
-        for stale in ("metrics.jsonl", "summary.json"):
+        for stale in (runlog.METRICS, runlog.SUMMARY):
             (self.run_dir / stale).unlink(missing_ok=True)
-        (self.run_dir / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=1))
+        try:
+            write_atomic(self.run_dir / "config.json", json.dumps(self.cfg.to_dict(), indent=1).encode())
+        except OSError as e:
+            if not runlog.is_disk_error(e):
+                raise
+            say(f"leto: cannot write {self.run_dir / 'config.json'} ({e.strerror}); the job goes on without it "
+                f"(a --resume of this run then needs the job's flags)", err=True)
 
     def start(self) -> None:
         """Ask for generation 0's workers, the shadows, zygotes and keepers, and announce plan 0."""
@@ -164,9 +170,7 @@ class Coordinator:
             if (p in self.members.values() and p.code not in (None, 0)) or (keeper_gone and p.code is not None):
                 self._inbox.append(ProcEvent("exited", p.proc_id, p.role, p.rank, p.node, p.pid, p.code,
                                              "exited before the coordinator was lost"))
-        metrics = self.run_dir / runlog.METRICS
-        if metrics.exists():
-            self.events = [r for r in map(json.loads, metrics.read_text().splitlines()) if "event" in r]
+        self.events = [r for r in read_jsonl(self.run_dir / runlog.METRICS) if "event" in r]
         self.event("takeover", generation=gen)
         self.display.message(f"leto: this host took over as coordinator at generation {gen}")
 
@@ -238,8 +242,8 @@ class Coordinator:
         if report.shm_removed:
             self.event("shm_cleanup", removed=list(report.shm_removed))
             if not self.cfg.quiet:
-                print(f"leto: removed {len(report.shm_removed)} shared-memory segment(s) left behind by dead jobs",
-                      file=sys.stderr)
+                say(f"leto: removed {len(report.shm_removed)} shared-memory segment(s) left behind by dead jobs",
+                    err=True)
         for e in report.events:
             view = self.procs.get(e.proc_id)
             if view is None:
@@ -550,6 +554,8 @@ class Coordinator:
         self.max_step = max(self.max_step, rec.step)
 
     def write_summary(self, wall_s: float, code: int) -> None:
+        """`summary.json` (atomically and durably; retried a few times on a full disk, else said
+        on stderr: the job's exit code stays the job's)."""
         result: dict = {"steps": None, "final_loss": None, "digest": None}
         if self.store.check([keys.RESULT]):
             result.update(json.loads(self.store.get(keys.RESULT)))
@@ -560,4 +566,5 @@ class Coordinator:
                    "resizes": [e for e in self.events if e["event"] == "resize"],
                    "degraded": [e for e in self.events if e["event"] == "degraded"], **self.summary_extra,
                    "config": self.cfg.to_dict()}
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        runlog.flush()
+        runlog.write_summary(self.run_dir, summary)

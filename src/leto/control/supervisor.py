@@ -14,18 +14,21 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import torch.distributed as dist
 
 from leto.config import ENV_CONFIG, JobConfig
+from leto.errors import BadValue
 from leto.control.latest import Latest
 from leto.control.prefork import ForkServer, forkable, prepare
 from leto.control.progress import ProgressCheck
 from leto.protection import doorbell, shm
 from leto.protocol import keys
-from leto.protocol.messages import Command, ForkRequest, JobState, Plan, ProcEvent, StepProgress, SupervisorReport, parse_beat
+from leto.protocol.messages import (Command, ForkRequest, JobState, Plan, ProcEvent, StepProgress, SupervisorReport,
+                                    parse_beat, parse_pid)
 from leto.runtime import env as rt
 from leto.runtime import linux, trace
 from leto.runtime.runlog import write_procs
@@ -35,11 +38,13 @@ FAILURE_SETTLE_S = 0.005  # after a death: signals sent in one burst (a node's p
 DYING_GRACE_S = 0.5       # the longest wait for killed processes to be reaped, to decide one event
 HEARTBEAT_CHECK_S = 0.1
 _PF_EXITING = 0x4
+M = TypeVar("M", JobState, StepProgress, Plan)
 
 
 class Forked:
     """The Popen-like handle of a shadow forked by a zygote and reparented to this process
-    (a child subreaper): poll, wait, signal and returncode like a Popen."""
+    (a child subreaper): poll, wait, signal and returncode like a Popen. Made only for a pid
+    checked to be this process's child (`Supervisor._adoptable`)."""
 
     def __init__(self, pid: int) -> None:
         self.pid, self.returncode, self.args = pid, None, [f"<forked {pid}>"]
@@ -70,14 +75,24 @@ class Forked:
 
 @dataclass
 class Proc:
+    """One process of this host: a child of this process, named by its pid and start time
+    (`start`, read when it was adopted; a signal goes to that process or to none)."""
+
     role: str
     rank: int | None
     node: int
     proc_id: str
     popen: subprocess.Popen | Forked
+    start: str | None = None
+    since: float = field(default_factory=time.time)  # adopted then
+
+    def __post_init__(self) -> None:
+        if self.start is None:
+            self.start = linux.start_time(self.popen.pid)
 
     def record(self) -> dict:
-        return {"role": self.role, "rank": self.rank, "node": self.node, "pid": self.popen.pid, "id": self.proc_id}
+        return {"role": self.role, "rank": self.rank, "node": self.node, "pid": self.popen.pid, "start": self.start,
+                "id": self.proc_id}
 
     def event(self, kind: str, code: int | None = None, cause: str = "") -> ProcEvent:
         return ProcEvent(kind, self.proc_id, self.role, self.rank, self.node, self.popen.pid, code, cause)
@@ -95,6 +110,9 @@ class Supervisor:
         `child_env`: more environment for this host's children (its gloo interface, its
         `host_store`'s address). `host_store`: where this host's processes heartbeat, where it is
         not the job's store (a multi-host job)."""
+        problem = shm.check_job_id(job_id)
+        if problem is not None:
+            raise ValueError(problem)
         self.store, self.cfg, self.store_addr, self.job_id = store, config, store_addr, job_id
         self.command_poll_s = command_poll_s
         self.node = node
@@ -120,6 +138,9 @@ class Supervisor:
         self._old_handlers: dict = {}
         self._procs_stale = False
         self._forker: ForkServer | None = None
+        self._beats: dict[str, tuple[float, int]] = {}  # the last well-formed heartbeat of each process
+        self._rejected: dict[str, bytes] = {}           # a key's value refused already (logged once)
+        self._start = linux.start_time(os.getpid())
 
     # ----- start and end
     def start(self) -> None:
@@ -148,14 +169,14 @@ class Supervisor:
         self.store.set(keys.SHUTDOWN, "1")
         live = [p for p in self.procs if p.popen.poll() is None]
         for p in live:
-            _signal_quietly(p.popen, signal.SIGTERM)
+            _signal_quietly(p, signal.SIGTERM)
         self._close_forker()
         deadline = time.monotonic() + self.cfg.timeouts.stop_grace_s
         for p in live:
             try:
                 p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                _kill(p.popen, self.cfg.timeouts.stop_grace_s)
+                _kill(p, self.cfg.timeouts.stop_grace_s)
         self._write_procs()
         self._remove_segments()
         self.stopped = True
@@ -167,7 +188,7 @@ class Supervisor:
         self._close_forker()
         for p in self.procs:
             if p.popen.poll() is None:
-                _kill(p.popen, self.cfg.timeouts.stop_grace_s)
+                _kill(p, self.cfg.timeouts.stop_grace_s)
         self._remove_segments()
         self.stopped = True
         self._write_procs()
@@ -177,9 +198,9 @@ class Supervisor:
             self._forker.close()
 
     def _remove_segments(self) -> None:
-        """The keepers' shared memory dies with the job."""
-        for f in Path("/dev/shm").glob(f"leto-{self.job_id}-*"):
-            f.unlink(missing_ok=True)
+        """The keepers' shared memory dies with the job (this job's segments only: names that
+        parse to exactly its id)."""
+        shm.remove_job_segments(self.job_id)
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self._signal = signum
@@ -207,8 +228,13 @@ class Supervisor:
         """Carry out every command the coordinator has written so far, in order."""
         self._last_command_check = time.monotonic()
         while not self.stopped and self.store.check([keys.command(self._next_command)]):
-            cmd = Command.from_json(self.store.get(keys.command(self._next_command)))
+            key = keys.command(self._next_command)
             self._next_command += 1
+            try:
+                cmd = Command.from_json(self.store.get(key), key)
+            except BadValue as e:  # that one command is not carried out
+                self._refuse(e, b"")
+                continue
             self._do(cmd)
         self._check_forks()
 
@@ -234,7 +260,7 @@ class Supervisor:
         elif cmd.kind == "wake_keepers":  # keepers sleep between doorbells: wake them to read a drain
             for p in self.procs:
                 if p.role == "keeper" and p.popen.poll() is None:
-                    _signal_quietly(p.popen, doorbell.CONTROL)
+                    _signal_quietly(p, doorbell.CONTROL)
         elif cmd.kind == "stop":
             self.stop_all()
 
@@ -292,12 +318,12 @@ class Supervisor:
         not delivered by the fork timeout. A zygote boosted for a fork goes back to SCHED_IDLE
         once no boosted fork of it is pending."""
         for proc_id, (zygote, deadline, boost) in list(self._pending_forks.items()):
-            forked = self.store.check([keys.forked(proc_id)])
-            if not forked and time.monotonic() <= deadline and zygote.popen.poll() is None:
+            forked = self._forked(proc_id)
+            if forked is None and time.monotonic() <= deadline and zygote.popen.poll() is None:
                 continue
             del self._pending_forks[proc_id]
-            if forked:
-                proc = Proc("shadow", None, zygote.node, proc_id, Forked(int(self.store.get(keys.forked(proc_id)))))
+            if forked is not None:
+                proc = Proc("shadow", None, zygote.node, proc_id, Forked(forked[0]), forked[1])
                 self.procs.append(proc)
                 if boost:
                     linux.normal_priority(proc.popen.pid)
@@ -309,15 +335,53 @@ class Supervisor:
             if boost and not any(z is zygote and b for z, _, b in self._pending_forks.values()):
                 linux.idle_priority_of(zygote.popen.pid)
 
+    def _forked(self, proc_id: str) -> tuple[int, str | None] | None:
+        """(pid, start time) of the shadow its zygote forked as `proc_id`, once the zygote has
+        written it; None until then, and for a value that names no new child of this process
+        (logged once: a stray or hostile value is never adopted, so never waited for or signalled)."""
+        key = keys.forked(proc_id)
+        if not self.store.check([key]):
+            return None
+        value = self.store.get(key)
+        if self._rejected.get(key) == value:
+            return None
+        try:
+            pid = parse_pid(value, key)
+            return pid, self._adoptable(pid, key)
+        except BadValue as e:
+            self._refuse(e, value)
+            return None
+
+    def _adoptable(self, pid: int, key: str) -> str | None:
+        """The start time of `pid` if it is a child of this process that no handle holds yet (a
+        forked shadow is reparented here before its zygote names it); else `BadValue`. Only a
+        child can be reaped here, and an unreaped child's pid is never reused."""
+        fields = linux.proc_stat(pid)
+        if fields is None or len(fields) < 20 or fields[1] != str(os.getpid()):
+            raise BadValue(key, f"pid {pid} is not a child of this supervisor")
+        held = {p.popen.pid for p in self.procs if p.popen.returncode is None}
+        if self._forker is not None:
+            held.add(self._forker.popen.pid)
+        if pid in held:
+            raise BadValue(key, f"pid {pid} is another process of this job")
+        return fields[19]
+
+    def _refuse(self, e: BadValue, value: bytes) -> None:
+        """Log a malformed store value once (per key and value); the caller goes on without it."""
+        if self._rejected.get(e.key) != value:
+            print(f"leto: ignored a malformed value of {e}", file=sys.stderr)
+        if len(self._rejected) < 10_000:
+            self._rejected[e.key] = value
+
     def _write_procs(self) -> None:
-        records = [{"role": "controller", "rank": None, "node": self.node, "pid": os.getpid(), "id": "controller",
-                    "job": self.job_id, "store": self.store_addr}]
+        records = [{"role": "controller", "rank": None, "node": self.node, "pid": os.getpid(), "start": self._start,
+                    "id": "controller", "job": self.job_id, "store": self.store_addr}]
         name = "procs.json" if self.node is None else f"procs-host{self.node}.json"
         if self._forker is not None and self._forker.popen.poll() is None:
             records.append({"role": "fork-server", "rank": None, "node": self.node, "pid": self._forker.popen.pid,
-                            "id": f"fork-server-{self.node or 0}"})
-        write_procs(self.run_dir, records + [p.record() for p in self.procs if p.popen.returncode is None], name)
-        self._procs_stale = False
+                            "start": linux.start_time(self._forker.popen.pid), "id": f"fork-server-{self.node or 0}"})
+        self._procs_stale = not write_procs(self.run_dir, records + [p.record() for p in self.procs
+                                                                     if p.popen.returncode is None], name)
 
     # ----- exits and hangs
     def _await_dying(self) -> list[ProcEvent]:
@@ -350,7 +414,7 @@ class Supervisor:
                 continue
             why = self._hung(p, now) if check_beats and p.role in ("worker", "keeper") else None
             if why is not None:
-                code = _kill(p.popen, self.cfg.timeouts.stop_grace_s)  # fence: a stopped process must never come back
+                code = _kill(p, self.cfg.timeouts.stop_grace_s)  # fence: a stopped process must never come back
                 out.append(p.event("fenced", code, f"{why}; fenced with SIGKILL"))
         self.handled |= {e.proc_id for e in out}
         return out
@@ -358,27 +422,37 @@ class Supervisor:
     def _read_job_state(self) -> None:
         """The coordinator's generation and recovery flag, and rank 0's step times (for the
         progress timeout): what the hang checks need."""
-        text = self._state.read()
-        if text is not None:
-            state = JobState.from_json(text)
+        state = self._read(self._state.read(), JobState, keys.JOB_STATE)
+        if state is not None:
             if state.generation != self.state.generation or not self.members:
                 self._adopt_plan(state.generation)
             self.state = state
         if self.state.recovering:  # a recovery or resize runs: its phases are no steps
             self.progress.reset()
-        text = self._progress.read()
-        if text is not None:
-            rec = StepProgress.from_json(text)
+        rec = self._read(self._progress.read(), StepProgress, keys.PROGRESS)
+        if rec is not None:
             if (rec.step, rec.time) != self._last_step and rec.step_s is not None:
-                self.progress.record_step(float(rec.step_s))
+                self.progress.record_step(rec.step_s)
             self._last_step = (rec.step, rec.time)
+
+    def _read(self, value: bytes | None, cls: type[M], key: str) -> M | None:
+        """`value` of `key` parsed as `cls`; None if absent or malformed (logged once)."""
+        if value is None:
+            return None
+        try:
+            return cls.from_json(value, key)
+        except BadValue as e:
+            self._refuse(e, value)
+            return None
 
     def _adopt_plan(self, generation: int) -> None:
         """A new generation: its members are workers of their new ranks (procs.json says so)."""
         key = keys.plan(generation)
         if not self.store.check([key]):
             return
-        plan = Plan.from_json(self.store.get(key))
+        plan = self._read(self.store.get(key), Plan, key)
+        if plan is None:
+            return
         self.members = set(plan.proc_of_rank)
         for p in self.procs:
             if p.proc_id in self.members:
@@ -404,11 +478,21 @@ class Supervisor:
                 f"timeout {self.progress.timeout_s():.1f}s)")
 
     def _beat(self, p: Proc) -> tuple[float, int] | None:
-        """The last heartbeat (time, progress), or None (not started yet, or left on purpose)."""
+        """The last heartbeat (time, progress), or None (not started yet, or left on purpose).
+        A malformed one is no sign of life: the last well-formed one stands (or, before any,
+        the process's start), so a process whose beats cannot be read is judged hung in time."""
         key = keys.heartbeat(p.proc_id)
         if not self.beats.check([key]):
             return None
-        return parse_beat(self.beats.get(key).decode())
+        value = self.beats.get(key)
+        try:
+            beat = parse_beat(value, key)
+        except BadValue as e:
+            self._refuse(e, value)
+            return self._beats.get(p.proc_id, (p.since, 0))
+        if beat is not None:
+            self._beats[p.proc_id] = beat
+        return beat
 
     def _report(self, report: SupervisorReport) -> None:
         seq = self.store.add(keys.REPORTS, 1) - 1
@@ -430,17 +514,21 @@ def _dying(pid: int) -> bool:
         return False
 
 
-def _kill(popen: subprocess.Popen | Forked, timeout_s: float) -> int:
+def _kill(p: Proc, timeout_s: float) -> int:
     """SIGKILL and reap; the status (-SIGKILL if it is not reaped in time: stuck in the kernel)."""
-    _signal_quietly(popen, signal.SIGKILL)
+    _signal_quietly(p, signal.SIGKILL)
     try:
-        return popen.wait(timeout=timeout_s)
+        return p.popen.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return -signal.SIGKILL
 
 
-def _signal_quietly(popen: subprocess.Popen | Forked, sig: int) -> None:
+def _signal_quietly(p: Proc, sig: int) -> None:
+    """Signal `p` if it is still the process adopted (same pid and start time); an exited one
+    (a zombie, not yet reaped) needs no signal."""
+    if p.popen.poll() is not None or not linux.same_process(p.popen.pid, p.start):
+        return
     try:
-        popen.send_signal(sig)
+        p.popen.send_signal(sig)
     except ProcessLookupError:
         pass
