@@ -174,9 +174,13 @@ class Coordinator:
         self.event("takeover", generation=gen)
         self.display.message(f"leto: this host took over as coordinator at generation {gen}")
 
+    def release(self) -> None:
+        """Give the console back (the end, or this host leaves the job to another coordinator)."""
+        self._exit.close()
+
     def stop(self) -> None:
         """Ask the supervisors to stop every process and wait until they have (with a timeout)."""
-        self._exit.close()
+        self.release()
         self._command(Command("stop"))
         self._flush()
         deadline = time.monotonic() + self.cfg.timeouts.stop_grace_s + self.cfg.timeouts.collective_s

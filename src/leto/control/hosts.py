@@ -193,6 +193,7 @@ def run_host(config: JobConfig, summary_extra: dict | None = None) -> int:
     supervisor: Supervisor | None = None
     etcd_leader: EtcdLeaderHere | None = None
     code: int | None = None
+    left = local_error = False  # this host left the job (fenced: never the job-wide stop)
     try:
         node, rev = _join(base, config, lease, addr, liveness)
         fence = (keys.host(node), rev)
@@ -230,17 +231,32 @@ def run_host(config: JobConfig, summary_extra: dict | None = None) -> int:
                 break
             time.sleep(POLL_S)
     except (HostLost, Fenced, StoreUnavailable) as e:
-        print(f"leto: host {addr} leaves the job: {e}; stopping its processes", file=sys.stderr)
-        if supervisor is not None:
-            supervisor.fence()
-        code = 1
+        _leave(addr, str(e), supervisor, coordinator)
+        code, left = 1, True
+    except Exception as e:  # this host's own trouble: it leaves, and the job goes on without it
+        _leave(addr, f"unexpected error: {type(e).__name__}: {e}", supervisor, coordinator)
+        code, left, local_error = 1, True, True
     finally:
         if etcd_leader is not None:
             etcd_leader.close()
-        if supervisor is not None and not supervisor.stopped:
+        if supervisor is not None and not supervisor.stopped and not left:
             supervisor.close()
-        lease.close(revoke=code == 0)
+        # a host that leaves on its own error ends its lease at once: the others see it lost now
+        lease.close(revoke=code == 0 or local_error)
     return code if code is not None else 1
+
+
+def _leave(addr: str, why: str, supervisor: Supervisor | None, coordinator: Coordinator | None) -> None:
+    """This host is out of the job: SIGKILL its processes (fenced like a lost host), never the
+    job-wide stop (`Supervisor.stop_all`): the other hosts go on without it."""
+    print(f"leto: host {addr} leaves the job: {why}; stopping its processes", file=sys.stderr, flush=True)
+    if coordinator is not None:
+        coordinator.release()
+    if supervisor is not None:
+        try:
+            supervisor.fence()
+        except Exception as e:  # its processes are killed first; what failed after is only said
+            print(f"leto: host {addr}: while stopping its processes: {type(e).__name__}: {e}", file=sys.stderr)
 
 
 class LeaderWatch:

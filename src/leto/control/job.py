@@ -7,6 +7,7 @@ on in the same round.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from datetime import timedelta
 
@@ -39,6 +40,10 @@ def run_job(config: JobConfig, summary_extra: dict | None = None) -> int:
                 if code is not None:
                     break
                 time.sleep(POLL_S)
+        except Exception as e:  # one host: an error of its controller ends the job, with one line
+            print(f"leto: stopping the job after an unexpected error in its controller: {type(e).__name__}: {e}",
+                  file=sys.stderr, flush=True)
+            code = 1
         finally:
             coordinator.stop()
     finally:
