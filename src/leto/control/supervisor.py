@@ -110,7 +110,7 @@ class Supervisor:
         `child_env`: more environment for this host's children (its gloo interface, its
         `host_store`'s address). `host_store`: where this host's processes heartbeat, where it is
         not the job's store (a multi-host job)."""
-        problem = shm.check_job_id(job_id)
+        problem = shm.check_job_id(job_id, per_host=True)
         if problem is not None:
             raise ValueError(problem)
         self.store, self.cfg, self.store_addr, self.job_id = store, config, store_addr, job_id

@@ -11,11 +11,13 @@ import mmap
 import os
 import platform
 import re
+import stat
 import warnings
 from pathlib import Path
 
 import numpy as np
 
+from leto.errors import UsageError
 from leto.protection.layout import Layout
 from leto.runtime import linux
 
@@ -52,30 +54,116 @@ def check_store_order() -> None:
                       stacklevel=2)
 
 
+# ----- names. A job's files are "leto-<job>-g<generation>-n<node>" (a keeper's region) and
+# "leto-<job>-owner" (its supervisor's record), where <job> is "<controller pid>-<store port>"
+# (one host) or "<job id>-h<node>" (one host of a multi-host job). A job's id is letters, digits,
+# '_', '.' and '-' only, and a name parses to one job only (its suffix is fixed and anchored at
+# the end), so `job_files` finds exactly one job's files: never those of job "exp-h0" for job "exp".
+_ID = r"[A-Za-z0-9_.-]"
+_JOB_ID = re.compile(f"{_ID}{{1,64}}")         # a multi-host job's --job-id
+_HOST_JOB = re.compile(f"{_ID}{{1,80}}")       # what names one host's files
+_JOB_FILE = re.compile(f"leto-({_ID}+)-(?:g\\d+-n\\d+|owner)")
+_ONE_HOST_JOB = re.compile(r"(\d+)-\d+")
+
+
+class NameTaken(UsageError):
+    """A file this job must create in /dev/shm exists already (another job of the same id on
+    this host, or a file someone else made): the job does not start."""
+
+
+def check_job_id(job: str, per_host: bool = False) -> str | None:
+    """What is wrong with `job` as a job id (a multi-host job's --job-id; with `per_host`, the
+    id that names one host's files), or None if nothing is."""
+    if (_HOST_JOB if per_host else _JOB_ID).fullmatch(job):
+        return None
+    return (f"a job id is 1-{80 if per_host else 64} letters, digits, '_', '.' or '-'; got {job[:100]!r}")
+
+
 def region_name(job: str, generation: int, node: int) -> str:
     return f"leto-{job}-g{generation}-n{node}"
-
-
-# ----- leftovers of dead jobs. A job id is "<controller pid>-<store port>" (one host) or
-# "<job id>-h<node>" (one host of a multi-host job); the supervisor writes an owner record naming
-# its pid and start time, so a reused pid is not taken for it.
-_JOB_FILE = re.compile(r"leto-(.+?)-(?:g\d+-n\d+|owner)")
-_ONE_HOST_JOB = re.compile(r"(\d+)-\d+")
 
 
 def owner_path(job: str) -> Path:
     return SHM_DIR / f"leto-{job}-owner"
 
 
+def job_files(job: str, shm_dir: Path | None = None) -> list[Path]:
+    """Job `job`'s files in /dev/shm: exactly those whose names parse to `job`."""
+    shm_dir = SHM_DIR if shm_dir is None else shm_dir
+    out = []
+    for name in _listdir(shm_dir):
+        m = _JOB_FILE.fullmatch(name)
+        if m is not None and m.group(1) == job:
+            out.append(shm_dir / name)
+    return sorted(out)
+
+
+def remove_job_segments(job: str, shm_dir: Path | None = None) -> list[str]:
+    """Remove job `job`'s files (this user's only); returns their names."""
+    return [p.name for p in job_files(job, shm_dir) if _unlink_own(p)]
+
+
+def _listdir(d: Path) -> list[str]:
+    try:
+        return os.listdir(d)
+    except OSError:
+        return []
+
+
+def _unlink_own(path: Path) -> bool:
+    """Remove `path` (never followed, if a link) if this user owns it; whether it did."""
+    try:
+        if os.lstat(path).st_uid != os.getuid():
+            return False
+        path.unlink()
+        return True
+    except OSError:
+        return False
+
+
+def _taken(path: Path, what: str) -> NameTaken:
+    try:
+        st = os.lstat(path)
+        whose = (f"a symbolic link of user {st.st_uid}" if stat.S_ISLNK(st.st_mode)
+                 else f"made by user {st.st_uid}")
+    except OSError:
+        whose = "gone again"
+    return NameTaken(f"leto: {what} {path} exists already ({whose}): another job with this id runs on this host, "
+                     f"or someone else made it; remove it or choose another job id")
+
+
 def write_owner(job: str, pid: int) -> None:
-    """Record that `pid` (alive now) owns job `job`'s segments."""
-    owner_path(job).write_text(json.dumps({"pid": pid, "start": linux.start_time(pid)}))
+    """Record that `pid` (alive now) owns job `job`'s segments: a new file, mode 0600, never
+    through a link; `NameTaken` if the name exists already."""
+    path = owner_path(job)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except FileExistsError:
+        raise _taken(path, "the owner record") from None
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps({"pid": pid, "start": linux.start_time(pid)}))
+
+
+def _read_own(path: Path) -> str | None:
+    """The text of a regular file of this user at `path` (never through a link), else None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    with os.fdopen(fd) as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size > 4096:
+            return None
+        try:
+            return f.read()
+        except (OSError, ValueError):
+            return None
 
 
 def _job_alive(shm_dir: Path, job: str) -> bool:
     try:
-        owner = json.loads((shm_dir / owner_path(job).name).read_text())
-    except (OSError, ValueError):
+        owner = json.loads(_read_own(shm_dir / owner_path(job).name) or "null")
+    except ValueError:
         owner = None
     named = _ONE_HOST_JOB.fullmatch(job)
     if isinstance(owner, dict) and isinstance(owner.get("pid"), int):
@@ -94,16 +182,15 @@ def remove_dead_segments(shm_dir: Path | None = None) -> list[str]:
     shm_dir = SHM_DIR if shm_dir is None else shm_dir
     removed: list[str] = []
     verdict: dict[str, bool] = {}
-    for path in shm_dir.glob("leto-*"):
-        m = _JOB_FILE.fullmatch(path.name)
+    for name in _listdir(shm_dir):
+        m = _JOB_FILE.fullmatch(name)
         if m is None:
             continue
         job = m.group(1)
         if job not in verdict:
             verdict[job] = _job_alive(shm_dir, job)
-        if not verdict[job]:
-            path.unlink(missing_ok=True)
-            removed.append(path.name)
+        if not verdict[job] and _unlink_own(shm_dir / name):
+            removed.append(name)
     return sorted(removed)
 
 
@@ -164,14 +251,20 @@ class Region:
             offsets.append(size)
             size += int(np.prod(shape)) * np.dtype(dtype).itemsize
         self.nbytes = size
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
         if create:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                fd = os.open(self.path, flags | os.O_CREAT | os.O_EXCL, 0o600)
+            except FileExistsError:
+                raise _taken(self.path, "the shared-memory segment") from None
             os.ftruncate(fd, size)
         else:
-            fd = os.open(self.path, os.O_RDWR)
-            if os.fstat(fd).st_size != size:
+            fd = os.open(self.path, flags)
+            st = os.fstat(fd)
+            if st.st_uid != os.getuid() or not stat.S_ISREG(st.st_mode) or st.st_size != size:
                 os.close(fd)
-                raise RuntimeError(f"shared region {self.path} has the wrong size for generation {layout.generation}")
+                raise RuntimeError(f"shared region {self.path} is not this job's region of generation "
+                                   f"{layout.generation} (its owner, type or size differ)")
         try:
             self._mm = mmap.mmap(fd, size)
         finally:

@@ -1,11 +1,31 @@
-"""Typed messages written to the store (each with to/from JSON), and the heartbeat format."""
+"""Typed messages written to the store (each with to/from JSON), and the heartbeat format.
+
+Every value read from the store is parsed here and checked before it is used: each field has
+its declared type (numbers finite, ints not bools), pids and counters are positive, names come
+from their known sets. Anything else raises `BadValue` naming the key and what is wrong with it
+(anyone who can reach the store can write any key: a reader never acts on what it did not check).
+"""
 from __future__ import annotations
 
+import functools
 import json
-from dataclasses import asdict, dataclass, field, fields
-from typing import Self
+import math
+import re
+import signal
+import types
+import typing
+from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
+from typing import Any, Self, TypeVar
+
+from leto.errors import BadValue
 
 DONE = "done"  # the heartbeat of a process that left the job on purpose
+PID_MAX = 1 << 22  # the kernel's largest pid_max
+ROLES = ("worker", "shadow", "zygote", "keeper")
+_PROC_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_INT = re.compile(r"-?\d{1,19}")
+
+T = TypeVar("T")
 
 
 def format_beat(t: float, progress: int = 0) -> str:
@@ -13,12 +33,137 @@ def format_beat(t: float, progress: int = 0) -> str:
     return f"{t} {progress}"
 
 
-def parse_beat(value: str) -> tuple[float, int] | None:
-    """(time, progress) of a heartbeat, or None for a process that left the job on purpose."""
-    if value == DONE:
+def parse_beat(value: str | bytes, key: str = "") -> tuple[float, int] | None:
+    """(time, progress) of a heartbeat, or None for a process that left the job on purpose;
+    `BadValue` unless the time is a finite number and the progress a count."""
+    text = _text(value, key)
+    if text == DONE:
         return None
-    t, _, progress = value.partition(" ")
-    return float(t), int(progress or 0)
+    t, _, progress = text.partition(" ")
+    return parse_float(t, key), parse_int(progress or "0", key, minimum=0)
+
+
+def parse_int(value: str | bytes, key: str = "", minimum: int | None = None, maximum: int | None = None) -> int:
+    """A decimal integer within [minimum, maximum] (a counter, a pid, an exit code), else `BadValue`."""
+    text = _text(value, key).strip()
+    if not _INT.fullmatch(text):
+        raise BadValue(key, f"{text[:40]!r} is not an integer")
+    n = int(text)
+    if minimum is not None and n < minimum:
+        raise BadValue(key, f"{n} is below {minimum}")
+    if maximum is not None and n > maximum:
+        raise BadValue(key, f"{n} is above {maximum}")
+    return n
+
+
+def parse_pid(value: str | bytes, key: str = "") -> int:
+    """A process id: a positive integer no larger than any pid_max (never 0 or -1, which
+    `kill` and `waitpid` read as a process group or every process)."""
+    return parse_int(value, key, minimum=1, maximum=PID_MAX)
+
+
+def parse_float(value: str | bytes, key: str = "") -> float:
+    """A finite number, else `BadValue`."""
+    text = _text(value, key).strip()
+    try:
+        x = float(text)
+    except ValueError:
+        raise BadValue(key, f"{text[:40]!r} is not a number") from None
+    if not math.isfinite(x):
+        raise BadValue(key, f"{text[:40]!r} is not a finite number")
+    return x
+
+
+def parse(cls: type[T], value: str | bytes, key: str = "") -> T:
+    """The message `cls` (a dataclass) from its JSON: every field of its declared type, fields it
+    does not know ignored (a newer writer's), then its own `problem()` check; else `BadValue`."""
+    try:
+        d = json.loads(value)
+    except (ValueError, UnicodeDecodeError, TypeError) as e:
+        raise BadValue(key, f"not JSON: {e}") from None
+    try:
+        return _build(cls, d, cls.__name__)
+    except _Invalid as e:
+        raise BadValue(key, str(e)) from None
+
+
+class _Invalid(Exception):
+    pass
+
+
+def _text(value: str | bytes, key: str) -> str:
+    if isinstance(value, bytes):
+        try:
+            return value.decode()
+        except UnicodeDecodeError:
+            raise BadValue(key, "not UTF-8 text") from None
+    return value
+
+
+def _build(cls: type[T], d: Any, where: str) -> T:
+    if not isinstance(d, dict):
+        raise _Invalid(f"{where} is {_show(d)}, not an object")
+    hints = _hints(cls)
+    kw = {}
+    for f in fields(cls):  # type: ignore[arg-type]
+        if f.name in d:
+            kw[f.name] = _value(d[f.name], hints[f.name], f"{where}.{f.name}", f.metadata.get("finite", True))
+        elif f.default is MISSING and f.default_factory is MISSING:
+            raise _Invalid(f"{where} has no {f.name!r}")
+    try:
+        obj = cls(**kw)
+    except (TypeError, ValueError) as e:
+        raise _Invalid(f"{where}: {e}") from None
+    problem = obj.problem() if hasattr(obj, "problem") else None
+    if problem:
+        raise _Invalid(f"{where}: {problem}")
+    return obj
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _value(v: Any, tp: Any, where: str, finite: bool = True) -> Any:
+    """`v` as type `tp`, or `_Invalid`."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (types.UnionType, typing.Union):
+        if v is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _value(v, inner, where, finite)
+    if tp is bool and isinstance(v, bool):
+        return v
+    if tp is int and isinstance(v, int) and not isinstance(v, bool):
+        return v
+    if tp is float and isinstance(v, (int, float)) and not isinstance(v, bool):
+        if finite and not math.isfinite(v):
+            raise _Invalid(f"{where} is {v}, not a finite number")
+        return float(v)
+    if tp is str and isinstance(v, str):
+        return v
+    if origin is tuple and isinstance(v, (list, tuple)):
+        return tuple(_value(x, args[0], f"{where}[{i}]", finite) for i, x in enumerate(v))
+    if origin is dict and isinstance(v, dict):
+        return {_value(k, args[0], where): _value(x, args[1], f"{where}[{k!r}]", finite) for k, x in v.items()}
+    if is_dataclass(tp) and isinstance(v, dict):
+        return _build(tp, v, where)  # type: ignore[arg-type]
+    raise _Invalid(f"{where} is {_show(v)}, not {getattr(tp, '__name__', tp)}")
+
+
+def _show(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _proc_id_problem(proc_id: str, what: str = "proc_id") -> str | None:
+    return None if _PROC_ID.fullmatch(proc_id) else f"{what} {_show(proc_id)} is not a process id"
+
+
+def _negative(**values: int | None) -> str | None:
+    """The first of `values` that is negative, in words."""
+    return next((f"{k} {v} is negative" for k, v in values.items() if v is not None and v < 0), None)
 
 
 def node_of_rank(rank: int, workers: int, nodes: int) -> int:
@@ -43,10 +188,17 @@ class Plan:
                            "failed_nodes": list(self.failed_nodes), "cause": self.cause})
 
     @staticmethod
-    def from_json(text: str | bytes) -> Plan:
-        d = json.loads(text)
-        return Plan(d["generation"], tuple(d["node_of_rank"]), tuple(d["proc_of_rank"]),
-                    tuple(d["failed_ranks"]), tuple(d["failed_nodes"]), d["cause"])
+    def from_json(text: str | bytes, key: str = "") -> Plan:
+        return parse(Plan, text, key)
+
+    def problem(self) -> str | None:
+        if len(self.node_of_rank) != len(self.proc_of_rank) or not self.proc_of_rank:
+            return "node_of_rank and proc_of_rank must name the same ranks, at least one"
+        if len(set(self.proc_of_rank)) != len(self.proc_of_rank):
+            return "a process holds two ranks"
+        return (_negative(generation=self.generation, node=min(self.node_of_rank),
+                          failed_rank=min(self.failed_ranks, default=0), failed_node=min(self.failed_nodes, default=0))
+                or next(filter(None, map(_proc_id_problem, self.proc_of_rank)), None))
 
     def rank_of(self, proc_id: str) -> int | None:
         return self.proc_of_rank.index(proc_id) if proc_id in self.proc_of_rank else None
@@ -77,17 +229,11 @@ class RecoveryRecord:
         return json.dumps(asdict(self))
 
     @staticmethod
-    def from_json(text: str | bytes) -> RecoveryRecord:
-        d = json.loads(text)
-        for name in ("failed_ranks", "failed_nodes", "repaired"):
-            d[name] = tuple(d.get(name, ()))
-        return RecoveryRecord(**d)
+    def from_json(text: str | bytes, key: str = "") -> RecoveryRecord:
+        return parse(RecoveryRecord, text, key)
 
-
-def _known(cls: type, d: dict) -> dict:
-    """The fields of `cls` in `d` (a newer writer's extra fields are ignored)."""
-    names = {f.name for f in fields(cls)}
-    return {k: v for k, v in d.items() if k in names}
+    def problem(self) -> str | None:
+        return _negative(generation=self.generation, step=self.step, world_size=self.world_size)
 
 
 class _Flat:
@@ -97,8 +243,8 @@ class _Flat:
         return json.dumps(asdict(self))  # type: ignore[call-overload]  (subclasses are dataclasses)
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> Self:
-        return cls(**_known(cls, json.loads(text)))
+    def from_json(cls, text: str | bytes, key: str = "") -> Self:
+        return parse(cls, text, key)
 
 
 # ----- supervisor <-> coordinator (keys.sup_report, keys.command)
@@ -122,6 +268,11 @@ class ProcEvent:
         if self.kind not in PROC_EVENTS:
             raise ValueError(f"unknown process event {self.kind!r}")
 
+    def problem(self) -> str | None:
+        if self.role not in ROLES:
+            return f"unknown role {_show(self.role)}"
+        return _negative(rank=self.rank, node=self.node, pid=self.pid) or _proc_id_problem(self.proc_id)
+
 
 @dataclass(frozen=True)
 class SupervisorReport:
@@ -137,10 +288,13 @@ class SupervisorReport:
                            "shm_removed": list(self.shm_removed)})
 
     @staticmethod
-    def from_json(text: str | bytes) -> SupervisorReport:
-        d = json.loads(text)
-        return SupervisorReport(tuple(ProcEvent(**_known(ProcEvent, e)) for e in d.get("events", ())),
-                                d.get("signal"), tuple(d.get("shm_removed", ())))
+    def from_json(text: str | bytes, key: str = "") -> SupervisorReport:
+        return parse(SupervisorReport, text, key)
+
+    def problem(self) -> str | None:
+        if self.signal is not None and self.signal not in (signal.SIGINT, signal.SIGTERM):
+            return f"signal {self.signal} is neither SIGINT nor SIGTERM"
+        return None
 
 
 COMMANDS = ("spawn", "fork", "boost", "wake_keepers", "stop")
@@ -163,6 +317,13 @@ class Command(_Flat):
         if self.kind not in COMMANDS:
             raise ValueError(f"unknown command {self.kind!r}")
 
+    def problem(self) -> str | None:
+        if self.kind in ("spawn", "fork", "boost"):
+            if self.kind != "boost" and self.role not in ROLES:
+                return f"unknown role {_show(self.role)}"
+            return _proc_id_problem(self.proc_id) or _negative(rank=self.rank, node=self.node)
+        return None
+
 
 @dataclass(frozen=True)
 class JobState(_Flat):
@@ -171,6 +332,9 @@ class JobState(_Flat):
 
     generation: int
     recovering: bool
+
+    def problem(self) -> str | None:
+        return _negative(generation=self.generation)
 
 
 @dataclass(frozen=True)
@@ -184,6 +348,11 @@ class HostRecord(_Flat):
     pid: int
     lease: int
 
+    def problem(self) -> str | None:
+        if not 0 < self.port < 65536 or not 0 < self.pid <= PID_MAX or not self.addr:
+            return f"port {self.port}, pid {self.pid} or address {_show(self.addr)} is not one"
+        return _negative(node=self.node)
+
 
 @dataclass(frozen=True)
 class StepProgress(_Flat):
@@ -191,9 +360,13 @@ class StepProgress(_Flat):
 
     step: int
     time: float
-    loss: float
+    loss: float = field(metadata={"finite": False})  # a diverged run's loss is reported as it is
     step_s: float | None = None
     tokens_per_s: float | None = None
+
+    def problem(self) -> str | None:
+        return _negative(step=self.step) or (f"step_s {self.step_s} is negative"
+                                             if self.step_s is not None and self.step_s < 0 else None)
 
     def record(self) -> dict:
         return asdict(self)
@@ -205,3 +378,6 @@ class ForkRequest(_Flat):
 
     proc_id: str
     node: int
+
+    def problem(self) -> str | None:
+        return _proc_id_problem(self.proc_id) or _negative(node=self.node)
