@@ -55,6 +55,7 @@ class Timeouts:
     progress_floor_s: float = 30.0    # the floor of the progress timeout (--progress-floor)
     fork_s: float = 2.0               # a zygote that delivers no shadow by then is passed over
     stop_grace_s: float = 5.0         # SIGTERM to SIGKILL when the job stops
+    persist_write_s: float = 600.0    # a checkpoint write still unfinished then is reported and abandoned (--persist-timeout)
 
 
 @dataclass(frozen=True)
