@@ -7,6 +7,7 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -82,6 +83,9 @@ def _add_persist_flags(p: argparse.ArgumentParser) -> None:
                         f"Young/Daly interval for it and the measured cost of a checkpoint [{DEFAULT_MTBF}]")
     p.add_argument("--persist-every", type=int, default=None, metavar="K",
                    help="checkpoint every K steps instead of Young/Daly's K")
+    p.add_argument("--persist-timeout", type=float, default=Timeouts.persist_write_s, metavar="S",
+                   help="a checkpoint write unfinished after S seconds (a hung file system) is reported and "
+                        f"abandoned; the next checkpoints go on [{Timeouts.persist_write_s:g}]")
     p.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
                    help="continue the run in RUN_DIR from its newest complete checkpoint (same flags)")
 
@@ -161,6 +165,9 @@ def _check_job(args: argparse.Namespace, prog: str) -> None:
         raise UsageError(f"{prog}: error: --nodes ({args.nodes}) cannot exceed --workers ({args.workers})")
     if args.timeout <= 0:
         raise UsageError(f"{prog}: error: --timeout must be positive, got {args.timeout}")
+    if not 0 < args.persist_timeout < float("inf"):
+        raise UsageError(f"{prog}: error: --persist-timeout must be a positive number of seconds, "
+                         f"got {args.persist_timeout}")
     if args.protect_every < 1:
         raise UsageError(f"{prog}: error: --protect-every must be at least 1, got {args.protect_every}")
     args.ec = _tier2_code(args.ec, args.nodes, prog)
@@ -267,6 +274,7 @@ def _config(args: argparse.Namespace, command: list[str], run_dir: Path, child_e
         t = Timeouts(args.timeout, heartbeat_s=args.heartbeat_timeout, progress_floor_s=args.progress_floor)
         recovery = RecoveryConfig(args.spares, args.no_spare, args.zygotes == "on", args.progress_factor,
                                   tuple(args.inject))
+    t = replace(t, persist_write_s=args.persist_timeout)
     return JobConfig(TrainingConfig(tuple(command), args.workers, args.nodes, steps, args.fork_server == "on"),
                      ProtectionConfig(args.protection == "on", args.ec, args.protect_every, args.protect_grads == "on"),
                      recovery, t, RendezvousConfig(args.rdzv, args.job_id or "", args.lease), run_dir=str(run_dir),
