@@ -2,7 +2,8 @@
 
 The injector watches `run_dir/metrics.jsonl` (rank 0 appends `{"step": n, ...}` after each
 completed step) and, when step n >= the target is recorded, signals processes listed in
-`run_dir/procs.json` - by PID, never by name.
+`run_dir/procs.json` - by PID and start time, never by name: a process listed there that has
+exited and whose pid was reused since is never signalled.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from leto.runtime.linux import proc_stat
+from leto.runtime.linux import signal_process
 
 POLL_S = 0.005
 
@@ -72,19 +73,21 @@ class _StepWatch:
         return best
 
 
-def _targets(run_dir: Path, rank: int | None, node: int | None) -> list[int]:
+def _targets(run_dir: Path, rank: int | None, node: int | None) -> list[tuple[int, str | None]]:
+    """(pid, start time) of the processes procs.json lists for `rank` (a worker) or `node`
+    (all but the controller)."""
     try:
         procs = json.loads((run_dir / "procs.json").read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+    except (OSError, ValueError):
         return []
+    if not isinstance(procs, list):
+        return []
+    procs = [p for p in procs if isinstance(p, dict) and isinstance(p.get("pid"), int) and p["pid"] > 0]
     if rank is not None:
-        return [p["pid"] for p in procs if p.get("role") == "worker" and p.get("rank") == rank]
-    return [p["pid"] for p in procs if p.get("role") != "controller" and p.get("node") == node]
-
-
-def _is_zombie(pid: int) -> bool:
-    fields = proc_stat(pid)
-    return fields is None or fields[0] == "Z"  # gone counts as dead
+        chosen = [p for p in procs if p.get("role") == "worker" and p.get("rank") == rank]
+    else:
+        chosen = [p for p in procs if p.get("role") != "controller" and p.get("node") == node]
+    return [(p["pid"], p.get("start")) for p in chosen]
 
 
 def inject_at_step(run_dir: Path, *, rank: int | None = None, node: int | None = None, step: int,
@@ -105,16 +108,8 @@ def inject_at_step(run_dir: Path, *, rank: int | None = None, node: int | None =
         if latest is not None:
             seen = latest if seen is None else max(seen, latest)
         if seen is not None and seen >= step:
-            pids = _targets(Path(run_dir), rank, node)
-            sent = []
-            for pid in pids:
-                if _is_zombie(pid):  # died, not yet reaped by its controller
-                    continue
-                try:
-                    os.kill(pid, sig)
-                    sent.append(pid)
-                except ProcessLookupError:
-                    pass
+            # a zombie (died, not yet reaped) or a reused pid has another start time: not signalled
+            sent = [pid for pid, start in _targets(Path(run_dir), rank, node) if signal_process(pid, start, sig)]
             if sent:
                 spec = {"kind": "kill" if rank is not None else "node-kill", "rank": rank, "node": node,
                         "step": step, "signal": signal.Signals(sig).name}

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from leto.config import JobConfig
 from leto.console import StepDisplay, read_jsonl, say
 from leto.control.decision import Spare, grow_plan, next_plan
+from leto.errors import BadValue
 from leto.protection.placement import degradation
 from leto.protocol import keys
 from leto.protocol.messages import (
@@ -33,6 +34,7 @@ from leto.protocol.messages import (
     SupervisorReport,
     node_of_rank,
     parse_beat,
+    parse_float,
 )
 from leto.protocol.protection import Drain
 from leto.runtime import runlog, trace
@@ -474,13 +476,19 @@ class Coordinator:
         """When the failure happened: the injector's record, else the last sign of life of its
         host (a host loss), else the last heartbeat before it."""
         key = keys.inject_time(p.proc_id)
-        if self.store.check([key]):
-            return float(self.store.get(key))
+        try:  # a malformed value is no evidence: the next one is tried
+            if self.store.check([key]):
+                return parse_float(self.store.get(key), key)
+        except BadValue:
+            pass
         if p.node in self.host_lost_at:
             return min(t_detect, self.host_lost_at[p.node])
         key = keys.heartbeat(p.proc_id)
-        beat = parse_beat(self.store.get(key).decode()) if p.role in ("worker", "keeper") and self.store.check([key]) \
-            else None
+        try:
+            beat = parse_beat(self.store.get(key), key) if p.role in ("worker", "keeper") and self.store.check([key]) \
+                else None
+        except BadValue:
+            beat = None
         return min(t_detect, beat[0]) if beat is not None else t_detect
 
     def _live_nodes(self, lost_nodes: set[int]) -> list[int]:

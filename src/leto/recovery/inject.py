@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from leto.protocol import keys
+from leto.runtime import linux
 
 KINDS = ("kill", "stop", "hang", "node-kill")
 PHASES = ("forward", "backward", "reduce-scatter", "grads", "update", "all-gather", "parity", "recovery")
@@ -110,8 +111,5 @@ class InProcessInjector:
             for p in procs:
                 if p["node"] == inj.node and p["pid"] != os.getpid():
                     self.store.set(keys.inject_time(p['id']), str(time.time()))
-                    try:
-                        os.kill(p["pid"], signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+                    linux.signal_process(p["pid"], p.get("start"), signal.SIGKILL)  # never a reused pid
         os.kill(os.getpid(), signal.SIGKILL)

@@ -145,3 +145,27 @@ def same_process(pid: int, start: str | None) -> bool:
     """Whether `pid` is still the live process that had start time `start` (False when `start`
     is None: an unknown start time cannot vouch for a pid)."""
     return start is not None and start_time(pid) == start
+
+
+def signal_process(pid: int, start: str | None, sig: int) -> bool:
+    """Send `sig` to the process (pid, start time), never to a later process that reuses the
+    pid: the pid is pinned (a pidfd) before its start time is compared. Whether it was sent."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError) as e:  # gone, or a kernel without pidfds (< 5.3): check, then kill
+        if isinstance(e, ProcessLookupError) or not same_process(pid, start):
+            return False
+        try:
+            os.kill(pid, sig)
+            return True
+        except ProcessLookupError:
+            return False
+    try:
+        if not same_process(pid, start):
+            return False
+        signal.pidfd_send_signal(fd, sig)
+        return True
+    except ProcessLookupError:
+        return False
+    finally:
+        os.close(fd)

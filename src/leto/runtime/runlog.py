@@ -25,6 +25,7 @@ from pathlib import Path
 
 from leto.console import say
 from leto.runtime.durable import write_atomic
+from leto.runtime.linux import start_time
 
 METRICS = "metrics.jsonl"
 PROCS = "procs.json"
@@ -170,7 +171,9 @@ def rewrite(run_dir: Path, records: list[dict]) -> None:
 
 def write_procs(run_dir: Path, records: list[dict], name: str = PROCS) -> bool:
     """Replace `procs.json` (or one host's `name`) with `records` (one per live process)
-    atomically. False if the disk refused it (said once): call again later."""
+    atomically. False if the disk refused it (said once): call again later. A record without
+    its process's start time ("start": with the pid, it names the process) gets it here."""
+    records = [r if "start" in r else {**r, "start": start_time(r["pid"])} for r in records]
     path = run_dir / name
     trouble = _replaced.get(path) or _replaced.setdefault(path, _Trouble(path))
     if not trouble.due():

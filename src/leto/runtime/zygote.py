@@ -11,11 +11,13 @@ reparented to the controller (a child subreaper), which supervises it like any c
 """
 from __future__ import annotations
 
-import json
 import os
+import sys
 from datetime import timedelta
 
+from leto.errors import BadValue
 from leto.protocol import keys
+from leto.protocol.messages import ForkRequest
 from leto.runtime import env as rt
 from leto.runtime import linux, trace
 
@@ -37,20 +39,28 @@ def serve(job: rt.Job) -> bool:
             job.store.wait([key], timedelta(seconds=0.5))
         except RuntimeError:  # timed out: check for shutdown, wait again
             continue
-        request = json.loads(job.store.get(key))
-        trace.mark("zygote_request", shadow=request["proc_id"])
         seq += 1
+        try:
+            request = ForkRequest.from_json(job.store.get(key), key)
+        except BadValue as e:  # that request is not served; the supervisor gives up on it in time
+            print(f"leto: zygote {job.proc_id} ignored a malformed value of {e}", file=sys.stderr)
+            continue
+        if request.node != job.node:
+            print(f"leto: zygote {job.proc_id} of node {job.node} ignored {key}: it asks for node {request.node}",
+                  file=sys.stderr)
+            continue
+        trace.mark("zygote_request", shadow=request.proc_id)
         if _fork(job, request):
             return True
     return False
 
 
-def _fork(job: rt.Job, request: dict) -> bool:
+def _fork(job: rt.Job, request: ForkRequest) -> bool:
     if not linux.fork_adopted(os.getppid(), REPARENT_TIMEOUT_S):
         return False
     try:
         os.setsid()
-        job.role, job.proc_id, job.node = "shadow", request["proc_id"], int(request["node"])
+        job.role, job.proc_id, job.node = "shadow", request.proc_id, request.node
         os.environ.update({rt.ENV_ROLE: "shadow", rt.ENV_PROC_ID: job.proc_id, rt.ENV_NODE: str(job.node)})
         job.store = rt.connect(os.environ[rt.ENV_STORE], job.timeout_s)  # never share the zygote's socket
         job.store.set(keys.forked(job.proc_id), str(os.getpid()))
