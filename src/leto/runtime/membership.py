@@ -62,7 +62,8 @@ class Heartbeat:
 
 
 def read_plan(store: dist.Store, gen: int) -> Plan:
-    return Plan.from_json(store.get(keys.plan(gen)))
+    key = keys.plan(gen)
+    return Plan.from_json(store.get(key), key)
 
 
 class GenerationWatch:
