@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from leto.console import parse_records
 from leto.runtime.linux import signal_process
 
 POLL_S = 0.005
@@ -60,12 +61,8 @@ class _StepWatch:
         lines = (self.partial + data).split(b"\n")
         self.partial = lines.pop()
         best: int | None = None
-        for line in lines:
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if not isinstance(rec, dict) or "event" in rec or not isinstance(rec.get("step"), int):
+        for rec in parse_records(lines):
+            if "event" in rec or not isinstance(rec.get("step"), int):
                 continue
             if rec.get("time", self.since) < self.since:  # a record of an earlier run in this folder
                 continue

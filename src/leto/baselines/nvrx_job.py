@@ -43,6 +43,7 @@ import torch.distributed as dist
 from leto.baselines.ckpt_job import write_whole
 from leto.baselines.torchft_job import stop_processes
 from leto.config import DEFAULT_TIMEOUT_S
+from leto.console import read_jsonl
 from leto.protocol.messages import node_of_rank
 from leto.runtime import runlog
 from leto.runtime.env import Job
@@ -582,16 +583,7 @@ def run(*, workers: int, steps: int, seed: int, model: str, run_dir: Path, injec
 
 
 def _records(run_dir: Path) -> list[dict]:
-    out = []
-    try:
-        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    except FileNotFoundError:
-        pass
-    return out
+    return read_jsonl(run_dir / runlog.METRICS)
 
 
 def _recoveries(records: list[dict], kills: list) -> list[dict]:

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from leto.config import DEFAULT_TIMEOUT_S
+from leto.console import read_jsonl
 from leto.protocol.messages import node_of_rank
 from leto.runtime import runlog
 from leto.runtime.linux import describe_exit
@@ -292,11 +293,7 @@ def run(*, workers: int, steps: int, seed: int, model: str, run_dir: Path, injec
 
 
 def _recoveries(run_dir: Path, failures: list[dict], kills: list) -> list[dict]:
-    recs = []
-    try:
-        recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    except FileNotFoundError:
-        pass
+    recs = read_jsonl(run_dir / runlog.METRICS)
     steps = [r for r in recs if "event" not in r and "step" in r]
     out = []
     for fail in failures:

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from leto.bench.runs import analyze_recovery, default_out, log, machine, median, ratio
+from leto.console import read_jsonl
 from leto.runtime.trace import mark
 
 STEPS = 30
@@ -61,12 +62,7 @@ def _harness():
 def _records(run_dir: Path) -> list[dict]:
     out = []
     for path in sorted(run_dir.glob("metrics.jsonl.attempt*")) + [run_dir / "metrics.jsonl"]:
-        if path.exists():
-            for line in path.read_text().splitlines():
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
+        out += read_jsonl(path)
     return out
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from leto.bench.cpu import CpuSampler
 from leto.config import JobConfig, ProtectionConfig, RecoveryConfig, TrainingConfig
+from leto.console import read_jsonl
 from leto.control import job as leto_job
 from leto.training.model import PRESETS
 
@@ -36,7 +37,7 @@ def run_job(workers: int, steps: int, model: str, run_dir: Path, extra: list[str
         code = leto_job.run_job(config)
     if code != 0:
         raise RuntimeError(f"benchmark job failed with exit code {code}; see {run_dir}")
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_jsonl(run_dir / "metrics.jsonl")
     steps_ = [r for r in records if "event" not in r]
     measured = steps_[WARMUP_STEPS - 1:] if len(steps_) > WARMUP_STEPS else steps_
     used = cpu.between(measured[0]["time"], measured[-1]["time"]) if len(measured) > 1 else {}
