@@ -30,11 +30,13 @@ from leto.protocol.messages import (
     Plan,
     ProcEvent,
     RecoveryRecord,
+    Refusals,
     StepProgress,
     SupervisorReport,
     node_of_rank,
     parse_beat,
     parse_float,
+    parse_int,
 )
 from leto.protocol.protection import Drain
 from leto.runtime import runlog, trace
@@ -100,6 +102,7 @@ class Coordinator:
         self.plan = Plan(0, (), ())
         self.display = StepDisplay(config.training.steps, quiet=config.quiet)
         self._inbox: list[ProcEvent] = []
+        self._refused = Refusals()               # malformed store values seen (said once)
         self._signal: int | None = None
         self._next_report = 0
         self._last_step: tuple[int, float] | None = None
@@ -218,11 +221,17 @@ class Coordinator:
         self._progress_set = self._progress_set or self.store.check([keys.PROGRESS])
         if self._progress_set:
             count, progress = self.store.multi_get([keys.REPORTS, keys.PROGRESS])
-            self._on_progress(StepProgress.from_json(progress))
+            try:
+                self._on_progress(StepProgress.from_json(progress, keys.PROGRESS))
+            except BadValue as e:  # malformed values are logged and ignored (messages.py)
+                self._refused.refuse(e, progress)
         else:
             count = self.store.get(keys.REPORTS)  # a read: `add(..., 0)` would be a write in etcd
-        if int(count) > self._next_report:
-            self._read_reports()
+        try:
+            if parse_int(count, keys.REPORTS, minimum=0) > self._next_report:
+                self._read_reports()
+        except BadValue as e:
+            self._refused.refuse(e, count)
 
     def _on_progress(self, rec: StepProgress) -> None:
         """A step record: the display, and closing recoveries (once per step seen)."""
@@ -237,8 +246,13 @@ class Coordinator:
         """Every report the supervisors wrote since the last call: apply it to the process views
         and keep its events for the decisions."""
         while self.store.check([keys.sup_report(self._next_report)]):
-            report = SupervisorReport.from_json(self.store.get(keys.sup_report(self._next_report)))
+            key = keys.sup_report(self._next_report)
             self._next_report += 1
+            try:
+                report = SupervisorReport.from_json(self.store.get(key), key)
+            except BadValue as e:
+                self._refused.refuse(e)
+                continue
             self._apply(report)
 
     def _apply(self, report: SupervisorReport) -> None:

@@ -27,8 +27,8 @@ from leto.control.prefork import ForkServer, forkable, prepare
 from leto.control.progress import ProgressCheck
 from leto.protection import doorbell, shm
 from leto.protocol import keys
-from leto.protocol.messages import (Command, ForkRequest, JobState, Plan, ProcEvent, StepProgress, SupervisorReport,
-                                    parse_beat, parse_pid)
+from leto.protocol.messages import (Command, ForkRequest, JobState, Plan, ProcEvent, Refusals, StepProgress,
+                                    SupervisorReport, parse_beat, parse_pid)
 from leto.runtime import env as rt
 from leto.runtime import linux, trace
 from leto.runtime.runlog import write_procs
@@ -139,7 +139,7 @@ class Supervisor:
         self._procs_stale = False
         self._forker: ForkServer | None = None
         self._beats: dict[str, tuple[float, int]] = {}  # the last well-formed heartbeat of each process
-        self._rejected: dict[str, bytes] = {}           # a key's value refused already (logged once)
+        self._refused = Refusals()
         self._start = linux.start_time(os.getpid())
 
     # ----- start and end
@@ -233,7 +233,7 @@ class Supervisor:
             try:
                 cmd = Command.from_json(self.store.get(key), key)
             except BadValue as e:  # that one command is not carried out
-                self._refuse(e, b"")
+                self._refused.refuse(e)
                 continue
             self._do(cmd)
         self._check_forks()
@@ -343,13 +343,13 @@ class Supervisor:
         if not self.store.check([key]):
             return None
         value = self.store.get(key)
-        if self._rejected.get(key) == value:
+        if self._refused.known(key, value):
             return None
         try:
             pid = parse_pid(value, key)
             return pid, self._adoptable(pid, key)
         except BadValue as e:
-            self._refuse(e, value)
+            self._refused.refuse(e, value)
             return None
 
     def _adoptable(self, pid: int, key: str) -> str | None:
@@ -365,13 +365,6 @@ class Supervisor:
         if pid in held:
             raise BadValue(key, f"pid {pid} is another process of this job")
         return fields[19]
-
-    def _refuse(self, e: BadValue, value: bytes) -> None:
-        """Log a malformed store value once (per key and value); the caller goes on without it."""
-        if self._rejected.get(e.key) != value:
-            print(f"leto: ignored a malformed value of {e}", file=sys.stderr)
-        if len(self._rejected) < 10_000:
-            self._rejected[e.key] = value
 
     def _write_procs(self) -> None:
         records = [{"role": "controller", "rank": None, "node": self.node, "pid": os.getpid(), "start": self._start,
@@ -442,7 +435,7 @@ class Supervisor:
         try:
             return cls.from_json(value, key)
         except BadValue as e:
-            self._refuse(e, value)
+            self._refused.refuse(e, value)
             return None
 
     def _adopt_plan(self, generation: int) -> None:
@@ -488,7 +481,7 @@ class Supervisor:
         try:
             beat = parse_beat(value, key)
         except BadValue as e:
-            self._refuse(e, value)
+            self._refused.refuse(e, value)
             return self._beats.get(p.proc_id, (p.since, 0))
         if beat is not None:
             self._beats[p.proc_id] = beat

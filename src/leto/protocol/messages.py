@@ -12,6 +12,7 @@ import json
 import math
 import re
 import signal
+import sys
 import types
 import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
@@ -360,7 +361,7 @@ class StepProgress(_Flat):
 
     step: int
     time: float
-    loss: float = field(metadata={"finite": False})  # a diverged run's loss is reported as it is
+    loss: float | None = field(metadata={"finite": False})  # a diverged run's loss is reported as it is
     step_s: float | None = None
     tokens_per_s: float | None = None
 
@@ -381,3 +382,22 @@ class ForkRequest(_Flat):
 
     def problem(self) -> str | None:
         return _proc_id_problem(self.proc_id) or _negative(node=self.node)
+
+
+class Refusals:
+    """The malformed store values a reader has refused: each (key, value) is said once on stderr,
+    so a value read every round is not said every round."""
+
+    def __init__(self, who: str = "leto") -> None:
+        self.who = who
+        self._seen: dict[str, bytes | str | None] = {}
+
+    def known(self, key: str, value: bytes | str | None) -> bool:
+        """Whether `value` of `key` was refused already (the reader need not parse it again)."""
+        return key in self._seen and self._seen[key] == value
+
+    def refuse(self, e: BadValue, value: bytes | str | None = None) -> None:
+        if not self.known(e.key, value):
+            print(f"{self.who}: ignored a malformed value of {e}", file=sys.stderr, flush=True)
+        if len(self._seen) < 10_000:
+            self._seen[e.key] = value
