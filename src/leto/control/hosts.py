@@ -13,9 +13,6 @@ import os
 import sys
 import threading
 import time
-from datetime import timedelta
-
-import torch.distributed as dist
 
 from leto.config import JobConfig
 from leto.control.coordinator import POLL_S, Coordinator
@@ -24,7 +21,7 @@ from leto.control.supervisor import Supervisor
 from leto.protocol import keys
 from leto.protocol.messages import HostRecord
 from leto.runtime import linux, trace
-from leto.runtime.env import ENV_HOST_STORE
+from leto.runtime.env import ENV_HOST_STORE, LOOPBACK, loopback_store, network_env
 from leto.runtime.etcd_store import (
     EtcdError,
     EtcdStore,
@@ -199,11 +196,10 @@ def run_host(config: JobConfig, summary_extra: dict | None = None) -> int:
         fence = (keys.host(node), rev)
         store = base.client(fence, abort=lease.lost, mirror="control/")  # it polls: reads from a mirror
         url = store.url()
-        host_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=config.timeouts.collective_s))
-        child_env = {ENV_HOST_STORE: f"127.0.0.1:{host_store.port}"}
-        if iface := linux.interface_of(addr):
-            child_env["GLOO_SOCKET_IFNAME"] = iface
+        # the host's store serves only its own processes (loopback); gloo and NCCL listen only on
+        # the job's network address, as the liveness socket does
+        host_store = loopback_store(config.timeouts.collective_s)
+        child_env = {ENV_HOST_STORE: f"{LOOPBACK}:{host_store.port}", **network_env(addr)}
         _await_hosts(store, config, lease)
         supervisor = Supervisor(store, config, url, f"{r.job_id}-h{node}", node=node, child_env=child_env,
                                 host_store=host_store)

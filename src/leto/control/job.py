@@ -2,31 +2,29 @@
 
 The two share nothing but the store (each has its own client): this process hosts the store,
 and one loop gives each its round, the supervisor first, so that a failure it reports is decided
-on in the same round.
+on in the same round. Nothing of the job listens beyond loopback: the store is bound to
+127.0.0.1, and every child's gloo and NCCL to the loopback interface.
 """
 from __future__ import annotations
 
 import os
 import sys
 import time
-from datetime import timedelta
-
-import torch.distributed as dist
 
 from leto.config import JobConfig
 from leto.control.coordinator import POLL_S, Coordinator
 from leto.control.supervisor import HEARTBEAT_CHECK_S, Supervisor
-from leto.runtime.env import connect
+from leto.runtime.env import LOOPBACK, connect, loopback_store, network_env
 
 
 def run_job(config: JobConfig, summary_extra: dict | None = None) -> int:
     """Run the job to its end; returns the exit code for `leto run`."""
     t0 = time.monotonic()
-    timeout = timedelta(seconds=config.timeouts.collective_s)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
-    addr = f"127.0.0.1:{store.port}"
+    store = loopback_store(config.timeouts.collective_s)
+    addr = f"{LOOPBACK}:{store.port}"
     # the coordinator has the supervisor serve each command at once: its own look is a fallback
-    supervisor = Supervisor(store, config, addr, f"{os.getpid()}-{store.port}", command_poll_s=HEARTBEAT_CHECK_S)
+    supervisor = Supervisor(store, config, addr, f"{os.getpid()}-{store.port}", command_poll_s=HEARTBEAT_CHECK_S,
+                            child_env=network_env(LOOPBACK))
     coordinator = Coordinator(connect(addr, config.timeouts.collective_s), config,
                               serve=supervisor.serve_commands, summary_extra=summary_extra)
     coordinator.prepare()

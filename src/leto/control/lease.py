@@ -21,7 +21,9 @@ no one, and must not take the others out.
 """
 from __future__ import annotations
 
+import errno
 import math
+import selectors
 import socket
 import struct
 import threading
@@ -40,6 +42,14 @@ BEAT_S = 0.1          # how often a supervisor tells its watchers its lease's ag
 RETRY_S = 0.05        # the pause before a failed refresh is tried again
 REACH_TIMEOUT_S = 0.1  # a connect that says whether this host reaches another
 _BEAT = struct.Struct("!d")  # a beat: seconds since the last confirmed refresh began
+# A watcher's first bytes: what it is, and the version of this protocol. A connection that has
+# not sent them whole within HELLO_TIMEOUT_S is dropped; at most MAX_PENDING connections wait
+# to (the oldest is dropped for a new one), and at most MAX_WATCHERS are served.
+_HELLO = struct.Struct("!8sI")
+_HELLO_BYTES = _HELLO.pack(b"leto-liv", 1)
+HELLO_TIMEOUT_S = 1.0
+MAX_PENDING = 64
+MAX_WATCHERS = 256
 
 
 class HostLease:
@@ -102,10 +112,14 @@ class HostLease:
 
 
 class Liveness:
-    """The supervisor's side: a listening socket; every connection accepted gets this host's
-    lease age each BEAT_S once `beat` has started, and closes only when this process dies."""
+    """The supervisor's side: a listening socket; every connection that says it is a watcher
+    (`_HELLO`, within HELLO_TIMEOUT_S) gets this host's lease age each BEAT_S once `beat` has
+    started, and closes only when this process dies. Anything else is dropped: a connection that
+    says nothing in time, or something else, and the oldest unidentified one when MAX_PENDING
+    wait already, so that idle connections never keep a watcher out."""
 
     def __init__(self, addr: str) -> None:
+        """Listen on `addr` only (the job's network address)."""
         self._sock = socket.create_server((addr, 0))
         self.port = self._sock.getsockname()[1]
         self._peers: list[socket.socket] = []
@@ -116,15 +130,72 @@ class Liveness:
         """Send `age()` (the lease's, `HostLease.age`) to every watcher each BEAT_S from now on."""
         threading.Thread(target=self._beat, args=(age,), name="leto-beat", daemon=True).start()
 
+    def watchers(self) -> int:
+        """How many watchers are served now."""
+        with self._lock:
+            return len(self._peers)
+
     def _accept(self) -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(self._sock, selectors.EVENT_READ)
+        pending: dict[socket.socket, tuple[float, bytes]] = {}  # oldest first: its deadline, bytes so far
+
+        def settle(conn: socket.socket, watcher: bool) -> None:
+            sel.unregister(conn)
+            pending.pop(conn)
+            if watcher:
+                with self._lock:
+                    if len(self._peers) < MAX_WATCHERS:
+                        self._peers.append(conn)
+                        return
+            conn.close()
+
         while True:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            conn.setblocking(False)
-            with self._lock:
-                self._peers.append(conn)
+            now = time.monotonic()
+            wait = min((d for d, _ in pending.values()), default=now + HELLO_TIMEOUT_S) - now
+            events = sel.select(max(0.0, wait))
+            # what waiting connections said first, then at most one new connection: a flood of
+            # new ones never keeps a watcher's hello from being read
+            for key, _ in sorted(events, key=lambda e: e[0].fileobj is self._sock):
+                conn = key.fileobj
+                if conn is not self._sock:
+                    if (verdict := self._hello(conn, pending)) is not None:
+                        settle(conn, verdict)
+                    continue
+                try:
+                    conn, _ = self._sock.accept()
+                except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                    continue
+                except OSError as e:
+                    if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                        time.sleep(RETRY_S)  # out of descriptors or memory for now: not for ever
+                        continue
+                    return  # the socket is closed
+                if len(pending) >= MAX_PENDING:
+                    settle(next(iter(pending)), False)
+                conn.setblocking(False)
+                pending[conn] = (time.monotonic() + HELLO_TIMEOUT_S, b"")
+                sel.register(conn, selectors.EVENT_READ)
+            now = time.monotonic()
+            for conn in [c for c, (deadline, _) in pending.items() if deadline <= now]:
+                settle(conn, False)
+
+    @staticmethod
+    def _hello(conn: socket.socket, pending: dict[socket.socket, tuple[float, bytes]]) -> bool | None:
+        """Read what a waiting connection sent: True once it has sent `_HELLO` whole, False if
+        it sent anything else or closed, None while it may still."""
+        deadline, got = pending[conn]
+        try:
+            chunk = conn.recv(_HELLO.size - len(got))
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError:
+            return False
+        got += chunk
+        if not chunk or _HELLO_BYTES[:len(got)] != got:
+            return False
+        pending[conn] = (deadline, got)
+        return len(got) == _HELLO.size or None
 
     def _beat(self, age: Callable[[], float]) -> None:
         while True:
@@ -143,8 +214,10 @@ class Liveness:
 
 class LivenessWatch:
     """A watcher's side: one connection to each watched host's supervisor. `dead()` names the
-    hosts whose connection the kernel closed or reset, and (while `judge()` holds) the hosts
-    that have reported no refresh of their lease for one lease time plus one beat."""
+    hosts whose connection the kernel refused, or closed or reset after it served a beat, and
+    (while `judge()` holds) the hosts that have reported no refresh of their lease for one lease
+    time plus one beat. A connection closed before its first beat is no evidence (the host
+    dropped it, a flood of others there): the next `watch` connects again, and a refusal then is."""
 
     def __init__(self, ttl_s: float, judge: Callable[[], bool], reaches: Callable[[], bool] | None = None) -> None:
         """`ttl_s`: the hosts' lease time; `judge`: whether this host may judge silence now
@@ -157,6 +230,7 @@ class LivenessWatch:
         self._refreshed: dict[int, float] = {}  # when its last confirmed refresh began, at the latest
         self._heard: dict[int, float] = {}      # when it last sent anything (or was connected to)
         self._refused: set[int] = set()
+        self._beaten: set[int] = set()          # whose connection has delivered a beat
         self.gone: set[int] = set()
 
     def watch(self, node: int, addr: str, port: int) -> None:
@@ -169,17 +243,29 @@ class LivenessWatch:
             return
         except OSError:  # no answer in time (a loaded or silent host): the caller watches again later
             return
+        try:
+            conn.sendall(_HELLO_BYTES)
+        except OSError:
+            conn.close()
+            return
         conn.setblocking(False)
         self._conns[node], self._pending[node] = conn, b""
-        self._refreshed[node] = self._heard[node] = time.monotonic()  # the benefit of the doubt until it beats
+        now = time.monotonic()  # the benefit of the doubt until it beats, once: not again at a reconnect
+        self._refreshed.setdefault(node, now)
+        self._heard.setdefault(node, now)
+        self._beaten.discard(node)
 
     def dead(self) -> dict[int, str]:
         """Hosts newly found dead since the last call, with the evidence."""
         found = {n: "its supervisor's connection was refused (the host's processes died)" for n in self._refused}
         self._refused = set()
         for node, conn in list(self._conns.items()):
-            if not self._read(node, conn):
+            if self._read(node, conn):
+                continue
+            if node in self._beaten:
                 found[node] = "its supervisor's connection closed (the host's processes died)"
+            else:  # closed before it served this watcher (a flood of connections there?): connect again
+                self._conns.pop(node).close()
         now = time.monotonic()
         if self._judge():
             for node, refreshed in self._refreshed.items():
@@ -225,6 +311,7 @@ class LivenessWatch:
             data += chunk
         if not data:
             return True
+        self._beaten.add(node)
         now = self._heard[node] = time.monotonic()
         data = self._pending[node] + data
         whole = len(data) - len(data) % _BEAT.size

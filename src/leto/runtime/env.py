@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ import torch.distributed as dist
 
 from leto.config import ENV_CONFIG, JobConfig
 from leto.protocol import keys
-from leto.runtime import etcd_store
+from leto.runtime import etcd_store, linux
 
 # The job's configuration reaches a child whole, in `config.ENV_CONFIG`; these variables say
 # where the running job is and, per process, who this process is.
@@ -24,6 +25,7 @@ ENV_RANK = "LETO_RANK"            # worker rank (absent for shadows)
 ENV_NODE = "LETO_NODE"
 ENV_PROC_ID = "LETO_PROC_ID"      # the coordinator's id for this process (unique in the job)
 ENV_HOST_STORE = "LETO_HOST_STORE"  # host:port of the host's own TCPStore, for heartbeats (multi-host jobs)
+LOOPBACK = "127.0.0.1"
 
 
 @dataclass
@@ -68,6 +70,29 @@ def connect(addr: str, timeout_s: float) -> dist.Store:
     host, port = addr.rsplit(":", 1)
     return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
                          wait_for_workers=False)
+
+
+def loopback_store(timeout_s: float) -> dist.TCPStore:
+    """A TCPStore server that listens on 127.0.0.1 only. torch's server binds every interface
+    (and authenticates no one) for a port it opens itself, so it is handed a socket bound here."""
+    sock = socket.create_server((LOOPBACK, 0))
+    port = sock.getsockname()[1]
+    fd = sock.detach()  # the store owns it from here on
+    try:
+        return dist.TCPStore(LOOPBACK, port, is_master=True, wait_for_workers=False,
+                             timeout=timedelta(seconds=timeout_s), master_listen_fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def network_env(addr: str) -> dict[str, str]:
+    """The environment that makes a child's gloo and NCCL listen only on the interface that holds
+    IPv4 address `addr` (127.0.0.1: loopback); empty if no interface holds it."""
+    iface = linux.interface_of(addr)
+    if iface is None:
+        return {}
+    return {"GLOO_SOCKET_IFNAME": iface, "NCCL_SOCKET_IFNAME": f"={iface}"}  # "=": this name exactly
 
 
 def await_keys(store: dist.Store, names: list[str], timeout_s: float,
