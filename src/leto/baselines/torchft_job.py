@@ -14,6 +14,8 @@ second model from its own step 0).
 
 The harness (`run`) starts the lighthouse in its own process (the Rust server from the wheel),
 the workers, keeps run_dir/procs.json current, restarts dead workers and writes summary.json.
+Every server of the job (the lighthouse, each replica's store, manager server, checkpoint server
+and gloo) listens on, and is advertised at, 127.0.0.1 only.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from leto.config import DEFAULT_TIMEOUT_S
 from leto.console import read_jsonl
 from leto.protocol.messages import node_of_rank
 from leto.runtime import runlog
+from leto.runtime.env import LOOPBACK, loopback_store, network_env
 from leto.runtime.linux import describe_exit
 from leto.training import job as base_job
 from leto.training.corpus import load_tokens
@@ -89,7 +92,7 @@ def worker_main(argv: list[str]) -> None:
     ours, rest = p.parse_known_args(argv)
     args = base_job.parse(rest)
     _quiet_rust_logs()
-    from torch.distributed import ReduceOp, TCPStore
+    from torch.distributed import ReduceOp
     from torchft import Manager, ProcessGroupGloo
 
     torch.set_num_threads(1)
@@ -111,13 +114,15 @@ def worker_main(argv: list[str]) -> None:
         flat.copy_(state[MASTER])
         heal_s.append(time.perf_counter() - t0)
 
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # this replica group's own
+    store = loopback_store(ours.timeout)  # this replica group's own
     timeout = timedelta(seconds=ours.timeout)
+    transport = _loopback_transport(timeout)  # (before the manager is made: it binds its server too)
     manager = Manager(pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load_state_dict,
                       state_dict=lambda: {"state": state}, min_replica_size=1, use_async_quorum=False,
-                      replica_id=f"replica{ours.replica}", store_addr="127.0.0.1", store_port=store.port,
+                      replica_id=f"replica{ours.replica}", store_addr=LOOPBACK, store_port=store.port,
                       rank=0, world_size=1, lighthouse_addr=ours.lighthouse, timeout=timeout,
-                      quorum_timeout=timeout, init_sync=False)
+                      quorum_timeout=timeout, init_sync=False, hostname=LOOPBACK,
+                      checkpoint_transport=transport)
     run_dir = ours.run_dir
     runlog.event(run_dir, "replica_up", replica=ours.replica, startup_s=round(time.time() - t_start, 3))
     _barrier(run_dir, ours.replica, ours.expect, ours.timeout)
@@ -167,11 +172,41 @@ def worker_main(argv: list[str]) -> None:
         manager.shutdown(wait=False)
 
 
+def _loopback_transport(timeout: timedelta) -> object:
+    """torchft's HTTP checkpoint transport, bound to and advertised at 127.0.0.1; and its
+    manager server bound there. torchft binds both to every interface (`[::]`) and advertises the
+    host name, with no option to say otherwise: its module globals are replaced here."""
+    from http.server import ThreadingHTTPServer
+
+    from torchft import manager
+    from torchft.checkpointing import http_transport
+
+    class LoopbackServer(ThreadingHTTPServer):
+        request_queue_size = 1024
+
+        def __init__(self, address: tuple, handler: type) -> None:
+            super().__init__((LOOPBACK, address[1]), handler)
+
+    class LoopbackTransport(http_transport.HTTPTransport):
+        def address(self) -> str:
+            return f"http://{LOOPBACK}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
+    server = manager.ManagerServer
+
+    def manager_server(*, bind: str, **kw: object) -> object:
+        return server(bind=f"{LOOPBACK}:{bind.rsplit(':', 1)[1]}", **kw)
+
+    http_transport._IPv6HTTPServer = LoopbackServer
+    manager.ManagerServer = manager_server
+    return LoopbackTransport(timeout=timeout, num_chunks=0)
+
+
 # ----- the harness
 def _spawn(cmd: list[str], log: Path) -> subprocess.Popen:
     with open(log, "a") as f:
         return subprocess.Popen([sys.executable, *cmd], stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=dict(os.environ, RUST_LOG=os.environ.get("RUST_LOG", "warn")))
+                                env=dict(os.environ, RUST_LOG=os.environ.get("RUST_LOG", "warn"),
+                                         **network_env(LOOPBACK)))
 
 
 def _write_procs(run_dir: Path, procs: dict[int, subprocess.Popen], lighthouse: subprocess.Popen,
@@ -215,9 +250,10 @@ def lighthouse_main(argv: list[str]) -> None:
     _quiet_rust_logs()
     from torchft._torchft import LighthouseServer
     min_replicas = int(argv[0]) if argv else 1
-    server = LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=JOIN_TIMEOUT_MS,
+    server = LighthouseServer(bind=f"{LOOPBACK}:0", min_replicas=min_replicas, join_timeout_ms=JOIN_TIMEOUT_MS,
                               quorum_tick_ms=QUORUM_TICK_MS, heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
-    print(f"LIGHTHOUSE {server.address()}", flush=True)
+    port = server.address().rsplit(":", 1)[1]  # it advertises the host name
+    print(f"LIGHTHOUSE http://{LOOPBACK}:{port}", flush=True)
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     try:
