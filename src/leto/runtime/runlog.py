@@ -189,7 +189,7 @@ def write_procs(run_dir: Path, records: list[dict], name: str = PROCS) -> bool:
     except OSError as e:
         if not is_disk_error(e):
             raise
-        trouble.failed(e, "it is written again at the next change once it can")
+        trouble.failed(e, "it is written again once it can")
         return False
     trouble.since = None
     return True
