@@ -19,6 +19,7 @@ from conftest import (JOB, Launcher, alive, no_process_left, read_procs, referen
                       wait_for)
 from leto.persistence import loader, resume, store
 from leto.persistence.interval import parse_duration, steps_between
+from leto.runtime import plain
 from leto.simulation.model import daly_interval_s
 
 SMALL = ("--workers", "2", "--nodes", "1", "--spares", "0", "--steps", "8", "--seed", "0", "--persist-every", "2")
@@ -241,8 +242,8 @@ def test_a_checkpoint_loads_into_another_world_size(tmp_path: Path) -> None:
 
     _, old = shards(3)
     for r, state in enumerate(old):
-        sd = {"state": state, "step": torch.tensor(5), "extra": __import__("io").BytesIO(
-            __import__("pickle").dumps({"rank": r}))}
+        sd = {"state": state, "step": torch.tensor(5),
+              "extra": torch.frombuffer(bytearray(plain.dumps({"rank": r})), dtype=torch.uint8)}
         if r == 0:
             sd["params"] = full[0].clone()
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(store.part_dir(ck, r))), no_dist=True)

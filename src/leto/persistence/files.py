@@ -2,15 +2,14 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
+
+from leto.runtime.durable import write_atomic
 
 
 def write_json_atomic(path: Path, obj: dict) -> None:
-    """Write `obj` to `path` so that a reader sees the old file or the whole new one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj))
-    os.replace(tmp, path)
+    """Write `obj` to `path` so that a reader (or a reboot) sees the old file or the whole new one."""
+    write_atomic(path, json.dumps(obj).encode())
 
 
 def read_json(path: Path) -> dict | None:

@@ -8,10 +8,8 @@ its shard out of the overlapping ones.
 """
 from __future__ import annotations
 
-import io
 import json
 import os
-import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +17,8 @@ import torch
 
 from leto.persistence import store
 from leto.persistence.files import read_json
-from leto.persistence.writer import ENV_RESUME
+from leto.persistence.writer import ENV_RESUME, EXTRA
+from leto.runtime import plain
 
 _ROWS = 3  # master, exp_avg, exp_avg_sq
 
@@ -44,20 +43,24 @@ def resume_target() -> tuple[Path, int] | None:
 
 
 def _load(path: Path, sd: dict) -> dict:
-    import torch.distributed.checkpoint as dcp
+    from leto.persistence import safe_dcp
     try:
-        dcp.load(sd, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
-    except Exception as e:  # DCP raises several kinds (CheckpointException, RuntimeError, OSError)
+        return safe_dcp.load(sd, path)
+    except Exception as e:  # noqa: BLE001 - DCP raises several kinds (RuntimeError, OSError, refusals)
         raise store.CheckpointError(f"cannot load checkpoint part {path}: {e}") from e
-    return sd
 
 
-def _state_shape(path: Path) -> torch.Size:
-    import torch.distributed.checkpoint as dcp
+def _shape(path: Path, name: str, dtype: torch.dtype | None = None) -> torch.Size:
+    """The size of tensor `name` in the checkpoint part `path` (CheckpointError unless it is a
+    tensor, of `dtype` if given)."""
+    from leto.persistence import safe_dcp
     try:
-        return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata["state"].size
-    except Exception as e:  # noqa: BLE001 - a missing or corrupt .metadata
+        md = safe_dcp.metadata(path).state_dict_metadata.get(name)
+    except Exception as e:  # noqa: BLE001 - a missing, corrupt or refused .metadata
         raise store.CheckpointError(f"cannot read the metadata of checkpoint part {path}: {e}") from e
+    if getattr(md, "properties", None) is None or dtype not in (None, md.properties.dtype):
+        raise store.CheckpointError(f"checkpoint part {path} holds no {dtype} tensor {name!r} (another format?)")
+    return md.size
 
 
 def load(path: Path, step: int, rank: int, world_size: int, numel: int, n_chunks: int, chunk_elems: int) -> Loaded:
@@ -69,7 +72,7 @@ def load(path: Path, step: int, rank: int, world_size: int, numel: int, n_chunks
     shard_elems = n_chunks * chunk_elems
     lo, hi = rank * shard_elems, min(numel, (rank + 1) * shard_elems)
     rows = torch.zeros(_ROWS, shard_elems)
-    old_shard = _state_shape(store.part_dir(path, 0))
+    old_shard = _shape(store.part_dir(path, 0), "state")
     old_elems = old_shard[0] * old_shard[2]
     for r in range(old_world):
         a, b = max(lo, r * old_elems), min(hi, (r + 1) * old_elems)
@@ -87,5 +90,12 @@ def load(path: Path, step: int, rank: int, world_size: int, numel: int, n_chunks
     shard = rows.view(_ROWS, n_chunks, chunk_elems).transpose(0, 1).contiguous()
     params = _load(store.part_dir(path, 0), {"params": torch.empty(numel)})["params"]
     own = rank if rank < old_world else 0
-    blob = _load(store.part_dir(path, own), {"extra": io.BytesIO()})["extra"]
-    return Loaded(step, shard, params, pickle.loads(blob.getvalue()))
+    own_part = store.part_dir(path, own)
+    blob = _load(own_part, {EXTRA: torch.empty(_shape(own_part, EXTRA, torch.uint8), dtype=torch.uint8)})[EXTRA]
+    try:
+        extra = plain.loads(blob.numpy().tobytes(), f"the extra state in {own_part}")
+    except plain.NotPlainData as e:
+        raise store.CheckpointError(str(e)) from None
+    if not isinstance(extra, dict):
+        raise store.CheckpointError(f"the extra state in {own_part} is not a dict")
+    return Loaded(step, shard, params, extra)

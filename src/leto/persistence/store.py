@@ -6,7 +6,9 @@
 
 A checkpoint is complete when its COMMIT and all `world_size` part markers are present and
 agree; anything else (a rank killed mid-write, a marker deleted) is torn and never loaded. The
-file checksums catch a corrupt file before anything is loaded.
+file checksums catch a corrupt file before anything is loaded. Markers are written atomically
+and durably (`leto.runtime.durable`), after the part's folder entries are synced, so a marker
+that survives a power loss names files that survived it too.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from pathlib import Path
 import xxhash
 
 from leto.persistence.files import read_json, write_json_atomic
+from leto.runtime.durable import fsync_dir
 
 COMMIT = "COMMIT"
 KEEP = 2  # complete checkpoints kept
@@ -68,6 +71,8 @@ def file_digests(folder: Path) -> dict[str, list]:
 def mark_part(ckpt: Path, rank: int, step: int, world_size: int, fingerprint: str) -> bool:
     """Record that rank `rank`'s part is fully written; commit the checkpoint if it was the
     last part. Returns whether the checkpoint is complete now."""
+    fsync_dir(part_dir(ckpt, rank))  # DCP syncs its files, not their names
+    fsync_dir(ckpt.parent)           # the step folder's own name
     write_json_atomic(part_marker(ckpt, rank), {"step": step, "rank": rank, "world_size": world_size,
                                                 "fingerprint": fingerprint,
                                                 "files": file_digests(part_dir(ckpt, rank))})
@@ -76,6 +81,12 @@ def mark_part(ckpt: Path, rank: int, step: int, world_size: int, fingerprint: st
     # the last ranks to finish may both get here: they write the same bytes, atomically
     write_json_atomic(ckpt / COMMIT, {"step": step, "world_size": world_size, "fingerprint": fingerprint})
     return True
+
+
+def discard_part(ckpt: Path, rank: int) -> None:
+    """Remove what rank `rank` wrote of a checkpoint it failed to finish (nothing else is touched)."""
+    part_marker(ckpt, rank).unlink(missing_ok=True)
+    shutil.rmtree(part_dir(ckpt, rank), ignore_errors=True)
 
 
 def _torn_because(ckpt: Path, step: int, world_size: int, fingerprint: str, need_commit: bool = True) -> str | None:
@@ -152,11 +163,24 @@ def choose(root: Path, fingerprint: str, warn: Callable[[str], None]) -> Checkpo
     raise CheckpointError(f"no complete checkpoint of this job in {root}")
 
 
-def prune(root: Path, keep: int = KEEP) -> None:
-    """Remove every checkpoint folder older than the `keep` newest complete ones (a folder newer
-    than the newest complete one may still be being written, and is left alone)."""
-    kept = complete(root)[:keep]
-    if len(kept) < keep:
+def prune(root: Path, keep: int = KEEP, verified: set[Path] | None = None) -> None:
+    """Remove every checkpoint folder older than the `keep` newest complete ones that verify by
+    their checksums (a folder newer than the newest such one may still be being written, or be
+    corrupt, and is left alone; nothing is removed until `keep` checkpoints verify). `verified`:
+    checkpoints this caller verified before (not read again), updated."""
+    verified = set() if verified is None else verified
+    kept = []
+    for ck in complete(root):
+        if ck.path not in verified:
+            try:
+                verify(ck)
+            except CheckpointError:
+                continue
+            verified.add(ck.path)
+        kept.append(ck)
+        if len(kept) == keep:
+            break
+    else:
         return
     for step, path in steps_on_disk(root):
         if step < kept[-1].step:

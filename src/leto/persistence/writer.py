@@ -1,11 +1,17 @@
 """The worker side of persistence: every K steps, an asynchronous DCP checkpoint of this rank's part.
 
-In the step (after it completed) `dcp.async_save` stages a host copy of the part - a memcpy of
-the shard and the parameters - and returns; DCP writes it to disk in its own thread, whose
-completion callback records the part's checksums and commits the checkpoint if this rank was
-the last to finish (`store.mark_part`). Each rank saves with `no_dist=True`, a one-process DCP
-checkpoint of its own folder: DCP needs no process group, so nothing interferes with the
-job's generations of gloo groups (docs/design.md, "Persistence").
+In the step (after it completed) DCP's stager takes a host copy of the part - a memcpy of the
+shard and the parameters - and a daemon thread writes it with `dcp.save`, then records the
+part's checksums and commits the checkpoint if this rank was the last to finish
+(`store.mark_part`). Each rank saves with `no_dist=True`, a one-process DCP checkpoint of its
+own folder: DCP needs no process group, so nothing interferes with the job's generations of
+gloo groups (docs/design.md, "Persistence").
+
+A write that fails (a full disk: ENOSPC, EIO) or does not finish within `persist_write_s` (a
+hung file system) is reported - a `persist_failed` event, and one console line when a run of
+failures starts - and abandoned; training goes on and the next checkpoint is tried as usual. An
+abandoned write's thread is left behind (it is a daemon: it never holds the process at exit),
+it never commits, and the next write stages into fresh host buffers.
 
 K: `every` if given (`--persist-every`), else Young/Daly for `mtbf_s` with the measured cost of
 one write (the whole background write: it runs on the same cores) and the measured step time,
@@ -14,11 +20,9 @@ published in the store, so every rank (and a shadow that adopts one later) uses 
 """
 from __future__ import annotations
 
-import io
 import json
 import math
 import os
-import pickle
 import statistics
 import sys
 import threading
@@ -31,10 +35,11 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from leto.config import Timeouts
 from leto.persistence import store
 from leto.persistence.interval import steps_between
 from leto.protocol import keys
-from leto.runtime import runlog
+from leto.runtime import plain, runlog
 from leto.simulation.model import daly_interval_s
 
 if TYPE_CHECKING:
@@ -43,7 +48,7 @@ if TYPE_CHECKING:
 ENV_PERSIST = "LETO_PERSIST"   # JSON PersistConfig, set by `leto train|run` (absent: persistence off)
 ENV_RESUME = "LETO_RESUME"     # JSON {"path", "step"}: load this checkpoint at the start
 CALIBRATE_AFTER = 5            # steps timed before the calibration checkpoint (the first is not used)
-WRITE_TIMEOUT_S = 120.0        # the longest wait for the last write at the end of the job
+EXTRA = "extra"                # a part's extra state: the bytes of `leto.runtime.plain`, as a uint8 tensor
 
 # each rank writes a one-process DCP checkpoint on purpose: say so once, not at every save
 warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
@@ -65,6 +70,15 @@ class Persisted(Protocol):
     @property
     def numel(self) -> int: ...
     def extra_state(self) -> dict: ...
+
+
+class _Write:
+    """One checkpoint write of this rank, in flight until `done` holds its seconds or its error."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.t0 = step, time.perf_counter()
+        self.done: Future = Future()
+        self.abandoned = False  # the training thread gave up on it: it must never commit
 
 
 @dataclass(frozen=True)
@@ -96,14 +110,18 @@ class Persister:
         self._importer: threading.Thread | None = None
         self.dcp = None
         self.stager = None
+        self.unwrap = None
         self.root = Path(cfg.dir)
         self.every, self.first = (cfg.every, 0) if cfg.every else (None, 0)
-        self.pending: tuple[int, float, Future] | None = None  # (step, t0, DCP future)
+        self.write_s = (job.config.timeouts if job.config is not None else Timeouts()).persist_write_s
+        self.pending: _Write | None = None
         self.step_times: list[float] = []
         self._t_last: float | None = None
         self.calibrated = cfg.every is not None
         self.skipped = 0
         self.failed = 0
+        self.verified: set[Path] = set()  # checkpoints verified by their checksums before pruning
+        self.failing = False  # the last checkpoint failed (the console hears once per run of failures)
 
     # ----- schedule
     def _due(self, step: int, rank: int) -> bool:
@@ -134,11 +152,19 @@ class Persister:
 
     def _import_dcp(self) -> None:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        from leto.persistence.safe_dcp import unwrap
+        self.unwrap = unwrap
+        self.stager = self._new_stager()
         self.dcp = dcp
-        # one stager for the job: it keeps the host copies and reuses them (the copy in the step is
-        # a memcpy, no allocation); safe because a part is staged only when no write is in flight
-        self.stager = DefaultStager(StagingOptions(False, False, False, False))
+
+    @staticmethod
+    def _new_stager() -> object:
+        """A stager keeps the host copies and reuses them (the copy in the step is a memcpy, no
+        allocation); safe because a part is staged only when no write is in flight, and an
+        abandoned write keeps its stager to itself."""
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        return DefaultStager(StagingOptions(False, False, False, False))
 
     def _dcp_ready(self) -> None:
         if self._importer is None:
@@ -154,14 +180,14 @@ class Persister:
             self.step_times.append(now - self._t_last)
         self._t_last = now
         step, rank = trainer.step_count, trainer.rank
-        if self.pending is not None and self.pending[2].done():
+        if self.pending is not None and (self.pending.done.done() or now - self.pending.t0 > self.write_s):
             self._finish_pending(rank)
         if not self._due(step, rank):
             return
         if self.pending is not None:  # the previous write is still going: never block the step
             self.skipped += 1
             if rank == 0:
-                self._event("persist_skipped", step=step, writing=self.pending[0])
+                self._event("persist_skipped", step=step, writing=self.pending.step)
             return
         path = store.part_dir(store.step_dir(self.root, step), rank)
         self._importer.join(timeout=self.job.timeout_s)  # started steps ago: done by now
@@ -169,66 +195,85 @@ class Persister:
             self.failed += 1
             self._event("persist_failed", step=step, error="torch.distributed.checkpoint did not import")
             return
-        t0 = time.perf_counter()
-        done: Future = Future()
-        self.pending = (step, t0, done)
+        w = self.pending = _Write(step)
         try:
             path.mkdir(parents=True, exist_ok=True)
-            fut = self.dcp.async_save(part_state(trainer, step), no_dist=True, async_stager=self.stager,  # the copy,
-                                      storage_writer=self.dcp.FileSystemWriter(str(path), overwrite=True))  # the write
+            staged = self.stager.stage(part_state(trainer, step))  # the copy
         except Exception as e:  # noqa: BLE001 - reported by _finish_pending, like a failed write
-            done.set_exception(e)
+            w.done.set_exception(e)
             return
-        stage_s = time.perf_counter() - t0  # the whole cost in the step; the write is in DCP's thread
-        world = trainer.world_size
-        fut.add_done_callback(lambda f: self._on_written(f, done, step, rank, world, t0, stage_s))
+        stage_s = time.perf_counter() - w.t0  # the whole cost in the step; the write is in its thread
+        threading.Thread(target=self._write, args=(w, staged, path, rank, trainer.world_size, stage_s),
+                         name=f"leto-persist-{step}", daemon=True).start()
 
-    def _on_written(self, fut: Future, done: Future, step: int, rank: int, world: int, t0: float,
-                    stage_s: float) -> None:
-        """DCP's thread: the part's bytes are on disk; record them and maybe commit."""
+    def _write(self, w: _Write, staged: dict, path: Path, rank: int, world: int, stage_s: float) -> None:
+        """The write's thread: the part's bytes to disk, then its marker, and maybe the commit."""
+        ckpt = store.step_dir(self.root, w.step)
         try:
-            fut.result()
-            ckpt = store.step_dir(self.root, step)
-            if store.mark_part(ckpt, rank, step, world, self.cfg.fingerprint):
-                store.prune(self.root)
-                self._event("persist_commit", step=step, world_size=world, rank=rank, stage_s=round(stage_s, 6),
-                            write_s=round(time.perf_counter() - t0, 4))
-            done.set_result(time.perf_counter() - t0)
-        except BaseException as e:  # noqa: BLE001 - handed to the training thread
-            done.set_exception(e)
+            self.dcp.save(staged, storage_writer=self.dcp.FileSystemWriter(str(path), overwrite=True), no_dist=True)
+            if w.abandoned:  # reported as hung already; the folder is left to pruning
+                return
+            if store.mark_part(ckpt, rank, w.step, world, self.cfg.fingerprint):
+                store.prune(self.root, verified=self.verified)
+                self._event("persist_commit", step=w.step, world_size=world, rank=rank, stage_s=round(stage_s, 6),
+                            write_s=round(time.perf_counter() - w.t0, 4))
+            w.done.set_result(time.perf_counter() - w.t0)
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is one; handed to the training thread
+            if not w.abandoned:
+                store.discard_part(ckpt, rank)  # a torn part only takes space (a full disk wants it back)
+            w.done.set_exception(self.unwrap(e))
 
     def _finish_pending(self, rank: int) -> None:
-        step, t0, done = self.pending
-        self.pending = None
-        try:
-            write_s = done.result(timeout=WRITE_TIMEOUT_S)
-        except Exception as e:  # noqa: BLE001 - a failed write (disk full...) must not stop training
-            write_s = time.perf_counter() - t0  # K is still chosen, so a failing disk is retried every K steps
+        w, self.pending = self.pending, None
+        error = None
+        if not w.done.done():  # hung: give up on it, so that the next checkpoints are written
+            w.abandoned = True
+            self.stager = self._new_stager()  # its thread may still read the old host copies
+            error = f"the write did not finish within {self.write_s:g} s (persist_write_s); abandoned"
+        elif w.done.exception() is not None:
+            e = w.done.exception()
+            error = f"{type(e).__name__}: {e}"
+        write_s = w.done.result() if error is None else time.perf_counter() - w.t0
+        if error is not None:  # training goes on; K is still chosen, so a failing disk is retried every K steps
             self.failed += 1
-            self._event("persist_failed", step=step, rank=rank, error=f"{type(e).__name__}: {e}")
-            if self.failed == 1:
-                print(f"leto: rank {rank}: checkpoint of step {step} failed ({type(e).__name__}: {e}); "
-                      f"training goes on, the previous complete checkpoint stays", file=sys.stderr, flush=True)
+            self._event("persist_failed", step=w.step, rank=rank, error=error)
+            if not self.failing:
+                print(f"leto: rank {rank}: checkpoint of step {w.step} failed ({error}); training goes on, "
+                      f"the previous complete checkpoint stays", file=sys.stderr, flush=True)
+        elif self.failing:
+            print(f"leto: rank {rank}: checkpoints are written again (step {w.step})", file=sys.stderr, flush=True)
+        self.failing = error is not None
         if rank == 0 and not self.calibrated:
-            self._choose_k(step, write_s)
+            self._choose_k(w.step, write_s)
 
     def close(self) -> None:
-        """Wait for the write in flight (the end of the job)."""
+        """Wait for the write in flight (the end of the job), at most until its persist_write_s."""
         if self.pending is not None:
+            try:
+                self.pending.done.exception(timeout=max(0.0, self.pending.t0 + self.write_s - time.perf_counter()))
+            except TimeoutError:
+                pass
             self._finish_pending(self.job.rank or 0)
         if self.stager is not None:
             self.stager.close()
 
     def _event(self, kind: str, **fields: object) -> None:
-        if self.job.run_dir is not None:
+        if self.job.run_dir is None:
+            return
+        try:
             runlog.event(self.job.run_dir, kind, **fields)
+        except OSError as e:  # a full disk must not stop training (nor a write's thread)
+            print(f"leto: cannot record {kind} in the run directory ({e})", file=sys.stderr, flush=True)
 
 
-# ----- what a part holds, and loading it back
+# ----- what a part holds
 def part_state(trainer: Persisted, step: int) -> dict:
-    """This rank's part: its shard at `step`, the step, its extra state; rank 0 also the parameters."""
+    """This rank's part: its shard at `step`, the step, its extra state; rank 0 also the parameters.
+    Tensors only: what is not a tensor travels as the bytes of `plain.dumps` (decoded without
+    running code; DCP itself would pickle it, and unpickle it unrestricted)."""
+    extra = bytearray(plain.dumps(trainer.extra_state()))
     sd: dict = {"state": trainer.state, "step": torch.tensor(step, dtype=torch.int64),
-                "extra": io.BytesIO(pickle.dumps(trainer.extra_state()))}
+                EXTRA: torch.frombuffer(extra, dtype=torch.uint8)}
     if trainer.rank == 0:
         sd["params"] = trainer.flat_param[:trainer.numel]
     return sd

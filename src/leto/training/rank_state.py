@@ -16,7 +16,6 @@ the recovery point needs (docs/design.md, "Exact recovery for any model").
 from __future__ import annotations
 
 import hashlib
-import io
 import random
 import sys
 from typing import Any, Protocol
@@ -24,6 +23,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn as nn
 
+from leto.runtime import plain
 from leto.runtime.comm import Comm
 
 KEEP_STEPS = 3  # tables kept behind the current step: a recovery rolls back at most one step
@@ -56,14 +56,12 @@ def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: b for name, b in model.named_buffers() if name in keys}
 
 
-def _dumps(obj: Any) -> bytes:
-    f = io.BytesIO()
-    torch.save(obj, f)
-    return f.getvalue()
-
-
-def _loads(data: bytes) -> Any:
-    return torch.load(io.BytesIO(data), weights_only=False)
+def user_state(name: str, obj: Stateful) -> Any:
+    """`obj.state_dict()`, checked to be tensors and plain data (NotPlainData, naming `name`,
+    otherwise): what other ranks receive is decoded without running code."""
+    state = obj.state_dict()
+    plain.check(state, f"state {name!r}: state_dict()")
+    return state
 
 
 class RankState:
@@ -84,10 +82,13 @@ class RankState:
         return bool(self.buffers or self.stateful)
 
     def register(self, name: str, obj: Stateful) -> None:
+        """Carry `obj` from now on; TypeError (NotPlainData) if its `state_dict()` holds anything
+        but tensors and plain data."""
         if not callable(getattr(obj, "state_dict", None)) or not callable(getattr(obj, "load_state_dict", None)):
             raise TypeError(f"state {name!r} must have state_dict() and load_state_dict()")
         if name in self.stateful:
             raise ValueError(f"state {name!r} is registered already")
+        user_state(name, obj)  # a state that cannot travel fails here, not at a recovery
         self.stateful[name] = obj
         if name in self.pending:  # registered after the recovery that restored it (an adopter)
             obj.load_state_dict(self.pending.pop(name))
@@ -96,7 +97,7 @@ class RankState:
     def state(self) -> dict[str, Any]:
         """This rank's buffers and user state now (a copy)."""
         return {"buffers": {k: b.detach().clone() for k, b in self.buffers.items()},
-                "user": {k: obj.state_dict() for k, obj in self.stateful.items()}}
+                "user": {k: user_state(k, obj) for k, obj in self.stateful.items()}}
 
     def load(self, state: dict[str, Any]) -> None:
         self._load_buffers(state.get("buffers") or {})
@@ -118,11 +119,11 @@ class RankState:
         """Replicate this step's extra state (a collective): rank 0's buffers become every rank's,
         and every rank's user state is recorded in `tables[step]`."""
         # state loaded for an object not registered yet travels on until it is registered
-        user = {**self.pending, **{k: obj.state_dict() for k, obj in self.stateful.items()}}
-        mine = _dumps({"buffers": {k: b.detach() for k, b in self.buffers.items()} if rank == 0 else None,
-                       "user": user})
+        user = {**self.pending, **{k: user_state(k, obj) for k, obj in self.stateful.items()}}
+        mine = plain.dumps({"buffers": {k: b.detach() for k, b in self.buffers.items()} if rank == 0 else None,
+                            "user": user})
         parts = _all_gather_bytes(comm, mine, rank, len(procs))
-        decoded = [_loads(p) for p in parts]
+        decoded = [plain.loads(p, f"the state rank {q} sent at step {step}") for q, p in enumerate(parts)]
         if rank != 0:
             self._load_buffers(decoded[0]["buffers"])
         self.tables[step] = {"buffers": parts[0], "user": {procs[q]: p for q, p in enumerate(parts)}}
@@ -139,13 +140,13 @@ class RankState:
         if int(key.item()) < 0:
             return False
         src = world - 1 - int(key.item())
-        data = _dumps(self.tables[step]) if rank == src else b""
-        table = _loads(_broadcast_bytes(comm, data, src))
+        data = plain.dumps(self.tables[step]) if rank == src else b""
+        table = plain.loads(_broadcast_bytes(comm, data, src), f"the state table rank {src} sent for step {step}")
         self.tables[step] = table
-        self._load_buffers(_loads(table["buffers"])["buffers"])
+        self._load_buffers(plain.loads(table["buffers"], f"rank 0's buffers of step {step}")["buffers"])
         for proc in lineage:
             if proc in table["user"]:
-                user = _loads(table["user"][proc])["user"]
+                user = plain.loads(table["user"][proc], f"the state of process {proc} at step {step}")["user"]
                 self.load({"user": user})
                 self.pending = {k: v for k, v in user.items() if k not in self.stateful}
                 break

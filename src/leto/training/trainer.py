@@ -395,7 +395,9 @@ class Trainer:
         recovery step. Its state is captured after each step's backward pass (so a loader has
         fetched that step's batch) and sent to every rank: keep it small. Register on every
         rank, before its first `step()`; an adopting shadow may register once it has a rank, and
-        then receives the state of the rank it adopted."""
+        then receives the state of the rank it adopted. The state must be tensors and plain data
+        (dict, list, tuple, str, bytes, int, float, bool, None): anything else is refused here, with
+        a TypeError naming where it is (what a peer sends is decoded without running code)."""
         self.rank_state.register(name, obj)
 
     def extra_state(self) -> dict:
