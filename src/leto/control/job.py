@@ -38,12 +38,12 @@ def run_job(config: JobConfig, summary_extra: dict | None = None) -> int:
                 if code is not None:
                     break
                 time.sleep(POLL_S)
-        except Exception as e:  # one host: an error of its controller ends the job, with one line
-            print(f"leto: stopping the job after an unexpected error in its controller: {type(e).__name__}: {e}",
-                  file=sys.stderr, flush=True)
-            code = 1
         finally:
             coordinator.stop()
+    except Exception as e:  # one host: an error of its controller stops the job, with one line
+        print(f"leto: stopping the job after an unexpected error in its controller: {type(e).__name__}: {e}",
+              file=sys.stderr, flush=True)
+        code = 1
     finally:
         supervisor.close()
     coordinator.write_summary(time.monotonic() - t0, code)

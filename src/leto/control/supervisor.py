@@ -177,10 +177,10 @@ class Supervisor:
                 p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 _kill(p, self.cfg.timeouts.stop_grace_s)
-        self._write_procs()
         self._remove_segments()
         self.stopped = True
         self.store.set(keys.stopped(self.node or 0), "1")
+        self._write_procs()  # last: a procs file that cannot be written leaves nothing else undone
 
     def fence(self) -> None:
         """This host lost its lease: SIGKILL and reap every process now, without the store
