@@ -184,6 +184,35 @@ def test_a_hosts_listeners_are_on_the_jobs_network_address_or_loopback() -> None
         assert reach(live_port) and not reach(store_port)
 
 
+@needs_netns
+def test_a_multi_host_jobs_processes_listen_on_the_jobs_network_address_or_loopback(tmp_path: Path) -> None:
+    """Two hosts, one etcd member each, one `leto train --rdzv` each: every socket that any
+    process of the job listens on (supervisors, fork servers, workers, keepers, zygotes) is bound
+    to its host's address on the job's network or to 127.0.0.1; nothing to every interface."""
+    with Cluster(hosts=2) as c:
+        run_dir = tmp_path / "run"
+        argv = leto_cmd("train", "--rdzv", c.rdzv, "--job-id", f"listen{os.getpid()}", "--run-dir", str(run_dir),
+                        "--workers", "2", "--nodes", "2", "--spares", "0", "--steps", "10", "--seed", "0")
+        env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
+        hosts = []
+        for i in range(2):
+            with open(tmp_path / f"host{i}.err", "w") as err:
+                hosts.append(c.popen(i, argv, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=err))
+        seen: list[dict[int, set[tuple[str, int]]]] = [{}, {}]
+        deadline = time.monotonic() + 240
+        while any(h.poll() is None for h in hosts) and time.monotonic() < deadline:
+            for i in range(2):
+                _watch_listeners([p for p in c.pids(i) if p not in c.etcd_pids()], seen[i])
+            time.sleep(0.05)
+        codes = [h.poll() for h in hosts]
+        assert codes == [0, 0], [(tmp_path / f"host{i}.err").read_text()[-2000:] for i in range(2)]
+    for i in range(2):
+        addrs = set().union(*seen[i].values())
+        assert {a for a, _ in addrs} == {c.addr(i), "127.0.0.1"}, (i, seen[i])
+        # the supervisor's liveness socket, and gloo in its worker and its keeper
+        assert len([pid for pid, a in seen[i].items() if any(x == c.addr(i) for x, _ in a)]) >= 3, seen[i]
+
+
 # ----- the liveness port under a flood of idle connections
 SUPERVISOR = """
 import resource, time

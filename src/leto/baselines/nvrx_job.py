@@ -46,7 +46,7 @@ from leto.config import DEFAULT_TIMEOUT_S
 from leto.console import read_jsonl
 from leto.protocol.messages import node_of_rank
 from leto.runtime import runlog
-from leto.runtime.env import Job
+from leto.runtime.env import LOOPBACK, Job, loopback_store, network_env
 from leto.runtime.linux import describe_exit, die_with_parent, proc_stat
 from leto.training import job as base_job
 from leto.training.corpus import load_tokens
@@ -429,8 +429,7 @@ class _Harness:
         self.exits: dict[int, int] = {}                                 # initial rank -> exit code
         self.lock = threading.Lock()
         self.stop = threading.Event()
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=timeout_s))
+        self.store = loopback_store(timeout_s)  # (NVRx's stores are clients of this one)
         self.thread = threading.Thread(target=self._follow, daemon=True, name="leto-nvrx-assign")
 
     def monitor_pid(self, r: int) -> int | None:
@@ -476,8 +475,8 @@ class _Harness:
         (self.run_dir / "nvrx").mkdir(exist_ok=True)
         runlog.event(self.run_dir, "launch", workers=self.workers, spares=self.spares)
         for r in range(self.world):
-            env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(self.world), MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=str(self.store.port))
+            env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(self.world), MASTER_ADDR=LOOPBACK,
+                       MASTER_PORT=str(self.store.port), **network_env(LOOPBACK))
             env.setdefault("TORCH_CPP_LOG_LEVEL", "error")  # the guide: store-wait timeouts warn otherwise
             env.pop("LOCAL_RANK", None)  # with LOCAL_RANK NVRx adds GPU, NVLink and NIC health checks
             with open(self.run_dir / f"rank{r}.log", "a") as log:
