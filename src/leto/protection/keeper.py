@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -59,7 +60,7 @@ from leto.protocol.protection import (
     StripeReport,
 )
 from leto.runtime import env as rt
-from leto.runtime import linux, trace
+from leto.runtime import linux, threads, trace
 from leto.runtime.membership import Heartbeat, read_plan
 
 HDR = 8           # int64 fields in a tier-2 message header
@@ -70,6 +71,7 @@ IDLE_WAIT_S = (0.01, 0.1)  # sleep between doorbells: 10 ms after work, doubling
 # (every event rings, so the timeout is a safety net; a wake-up with nothing to do costs ~0.3 ms of
 # Python, which at 100 a second was most of a keeper's CPU in long steps)
 CONTROL_EVERY_S = 0.25  # how often the keeper checks the store unasked: a fallback, the controller rings on a drain
+KEEPALIVES_PER_TIMEOUT = 4  # an idle tier-2 link carries a keepalive this many times per timeout (docs/protection.md)
 
 
 def kinds(layout: Layout) -> dict[int, int]:
@@ -105,7 +107,9 @@ class _Link:
     as much per message as per megabyte here, so one message a step instead of one a chunk
     halves the transport's CPU. gloo's send/recv work objects cannot be polled (`is_completed()`
     stays False until `wait()`), so each direction blocks in its own thread; the GIL is released
-    while it waits.
+    while it waits. Every wait is bounded by the group's timeout (the job's); a link with nothing
+    to send sends an empty batch (a keepalive) several times per timeout, so only a peer that is
+    stuck or cut off lets a wait run out (docs/protection.md, "Timeouts").
     """
 
     def __init__(self, keeper: Keeper, node: int, send: bool, recv: bool) -> None:
@@ -118,6 +122,7 @@ class _Link:
         self.open: dict[int, list[int]] = {}  # kind -> [buffer, records in it]
         self.outbox: queue.SimpleQueue[tuple[int, int, int] | None] = queue.SimpleQueue()
         self.error: str | None = None
+        self.keepalive = torch.zeros(8, dtype=torch.uint8)  # a batch of no records
         if send:
             for kind in keeper.nbytes:
                 size = 8 + keeper.per_msg[kind] * keeper.record_bytes(kind)
@@ -125,11 +130,10 @@ class _Link:
                 self.free[kind] = queue.SimpleQueue()
                 for i in range(SEND_BUFFERS):
                     self.free[kind].put(i)
-            threading.Thread(target=self._send_loop, daemon=True, name=f"keeper-send-{node}").start()
+            threads.start(self._send_loop, f"keeper-send-{node}")
         if recv:
             for kind in keeper.nbytes:
-                threading.Thread(target=self._recv_loop, args=(kind,), daemon=True,
-                                 name=f"keeper-recv-{node}-{kind}").start()
+                threads.start(self._recv_loop, f"keeper-recv-{node}-{kind}", kind)
 
     def has_room(self, kind: int) -> bool:
         return kind in self.open or not self.free[kind].empty()
@@ -159,18 +163,34 @@ class _Link:
     def _send_loop(self) -> None:
         linux.name_thread("keeper-send")  # OS thread names: `leto bench overhead` reports CPU by thread
         while True:
-            item = self.outbox.get()
+            try:
+                item = self.outbox.get(timeout=self.keeper.timeout_s / KEEPALIVES_PER_TIMEOUT)
+            except queue.Empty:
+                if not all(self._send(kind, self.keepalive, "a keepalive") for kind in self.keeper.nbytes):
+                    return
+                continue
             if item is None:
                 return
             kind, i, used = item
-            try:
-                self.keeper.pg.send([self.bufs[kind][i][:used]], self.peer_rank, TAG[kind]).wait()
-            except RuntimeError as e:
-                self.error = f"send to node {self.node} failed: {e}"
+            if not self._send(kind, self.bufs[kind][i][:used], "a batch"):
                 return
             self.sent[kind] += 1
             self.free[kind].put(i)
             doorbell.ring_main()  # the main thread may be waiting for a free buffer
+
+    def _send(self, kind: int, data: torch.Tensor, what: str) -> bool:
+        t0 = time.monotonic()
+        try:
+            self.keeper.pg.send([data], self.peer_rank, TAG[kind]).wait()
+            return True
+        except RuntimeError as e:
+            self.fail(f"sending {what} to node {self.node} failed: {e}", time.monotonic() - t0)
+            return False
+
+    def fail(self, why: str, waited_s: float = 0.0) -> None:
+        """This link is broken for the rest of its generation (a gloo error breaks the group)."""
+        self.error = why
+        self.keeper.link_failed(why, waited_s)
 
     def _recv_loop(self, kind: int) -> None:
         linux.name_thread("keeper-recv")
@@ -178,16 +198,19 @@ class _Link:
         buf = torch.zeros(8 + self.keeper.per_msg[kind] * rb, dtype=torch.uint8)
         raw = buf.numpy()
         while not self.keeper.closed:
+            t0 = time.monotonic()
             try:
                 self.keeper.pg.recv([buf], self.peer_rank, TAG[kind]).wait()
             except RuntimeError as e:
-                self.error = f"receive from node {self.node} failed: {e}"
+                self.fail(f"receiving from node {self.node} failed: {e}", time.monotonic() - t0)
                 return
             if self.keeper.closed:
                 return
             n = int(raw[:8].view(np.int64)[0])
+            if n == 0:  # a keepalive: the peer lives, it has nothing to send
+                continue
             if not 0 < n <= self.keeper.per_msg[kind]:
-                self.error = f"node {self.node} sent a batch of {n} records (at most {self.keeper.per_msg[kind]})"
+                self.fail(f"node {self.node} sent a batch of {n} records (at most {self.keeper.per_msg[kind]})")
                 return
             with self.keeper.lock:
                 if not self.keeper.reported:  # after its report the region is what recovery reads
@@ -206,8 +229,10 @@ class Keeper:
     def __init__(self, store: dist.Store, job: str, node: int, layout: Layout, timeout_s: float,
                  pg: dist.ProcessGroup | None = None) -> None:
         self.store, self.job, self.node, self.layout = store, job, node, layout
+        self.timeout_s = timeout_s
         self.gen = layout.generation
         self.closed = False
+        self._link_failure_told = False
         self.lock = threading.Lock()
         self.region = Region(layout, job, node, create=True)
         h = self.region.header
@@ -422,7 +447,7 @@ class Keeper:
         if done:
             self.barrier_done.clear()
             self.barrier_work = self.pg.allreduce([self.barrier_buf])
-            threading.Thread(target=self._await_barrier, args=(self.barrier_work,), daemon=True).start()
+            threads.start(self._await_barrier, f"keeper-barrier-g{self.gen}", self.barrier_work)
             return True
         return False
 
@@ -462,12 +487,27 @@ class Keeper:
     def _await_barrier(self, work: dist.Work) -> None:
         """Wait for the barrier in a thread (gloo work cannot be polled cheaply) and ring."""
         linux.name_thread("keeper-barrier")
+        t0 = time.monotonic()
         try:
             work.wait()
-        except RuntimeError:
+        except RuntimeError as e:
             self.barrier_failed = True
+            self.link_failed(f"the commit barrier failed: {e}", time.monotonic() - t0)
         self.barrier_done.set()
         doorbell.ring_main()
+
+    def link_failed(self, why: str, waited_s: float) -> None:
+        """A wait on the keepers' group failed. One that ran out its timeout while this keeper
+        still serves its generation is said once on stderr: a peer keeper that heartbeats but
+        neither sends nor receives (stuck, or cut off) is seen nowhere else. A peer that died
+        fails the wait at once and is reported by its supervisor; a wait of a drained or
+        closed generation failing is expected."""
+        if self.closed or self.reported or self._link_failure_told or waited_s < 0.9 * self.timeout_s:
+            return
+        self._link_failure_told = True
+        print(f"leto: keeper of node {self.node}: a tier-2 wait of generation {self.gen} ran out its "
+              f"timeout of {self.timeout_s:g}s ({why.splitlines()[0][:300]}); nothing more commits in "
+              f"this generation", file=sys.stderr, flush=True)
 
     # ----- the loop
     def run(self, should_stop: Callable[[], str | None]) -> str:
@@ -559,10 +599,11 @@ class Keeper:
 
 
 def keeper_group(store: dist.Store, gen: int, nodes: list[int], node: int, timeout_s: float) -> dist.ProcessGroup:
-    """The gloo group of generation `gen`'s keepers (one per node of its plan, in node order)."""
-    # blocked point-to-point waits of an abandoned generation stay behind in their threads
+    """The gloo group of generation `gen`'s keepers (one per node of its plan, in node order).
+    Every wait on it ends within `timeout_s` (the job's collective timeout): idle links carry
+    keepalives (`_Link`), and blocked waits of an abandoned generation end by that time too."""
     return dist.ProcessGroupGloo(dist.PrefixStore(keys.keeper_pg(gen), store), nodes.index(node), len(nodes),
-                                 timedelta(seconds=max(timeout_s, 3600.0)))
+                                 timedelta(seconds=timeout_s))
 
 
 class EarlyGroup:
@@ -575,9 +616,7 @@ class EarlyGroup:
     def __init__(self, store: dist.Store, gen: int, nodes: list[int], node: int, timeout_s: float) -> None:
         self.gen, self.nodes, self.timeout_s = gen, nodes, timeout_s
         self._box: list = []
-        self._thread = threading.Thread(target=self._build, args=(store, node), daemon=True,
-                                        name=f"keeper-group-g{gen}")
-        self._thread.start()
+        self._thread = threads.start(self._build, f"keeper-group-g{gen}", store, node)
 
     def _build(self, store: dist.Store, node: int) -> None:
         try:

@@ -11,7 +11,6 @@ import atexit
 import os
 import socket
 import sys
-import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from leto.protocol import keys
+from leto.runtime import threads
 
 
 class PeerFailure(RuntimeError):
@@ -66,8 +66,7 @@ class Comm:
         a peer that died before joining must not hold this process until the store timeout."""
         box: list = []
         before = _sockets()
-        thread = threading.Thread(target=lambda: box.append(_call(make)), daemon=True, name="leto-rendezvous")
-        thread.start()
+        thread = threads.start(lambda: box.append(_call(make)), "leto-rendezvous")
         deadline = time.monotonic() + self.timeout_s
         while thread.is_alive():
             thread.join(timeout=1e-3)
@@ -178,8 +177,7 @@ def _abort(pg: dist.ProcessGroup) -> None:
     abort = getattr(pg, "abort", None)
     if abort is None:
         return
-    thread = threading.Thread(target=lambda: _call(abort), daemon=True, name="leto-abort")
-    thread.start()
+    thread = threads.start(lambda: _call(abort), "leto-abort")
     thread.join(ABORT_WAIT_S)
 
 

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from leto.protocol import keys
 from leto.protocol.messages import DONE, Plan, format_beat
+from leto.runtime import threads
 from leto.runtime.env import ENV_HOST_STORE, connect
 
 CHECK_EVERY_S = 0.1  # how often a process heartbeats
@@ -30,24 +31,36 @@ def host_store_addr(addr: str) -> str:
     return os.environ.get(ENV_HOST_STORE) or addr
 
 
+class StoreLost(RuntimeError):
+    """The store's connection broke: its server (this host's supervisor) is gone, and a TCPStore
+    client never reconnects, so the process has no one left to answer to."""
+
+
 class Heartbeat:
     """A thread that heartbeats for a process: it proves that the process runs (a SIGSTOPped one
-    stops beating); `progress` says what its training thread does."""
+    stops beating); `progress` says what its training thread does. It never stops on its own
+    while the process lives: a store that stops answering for a while (a timed-out write) is
+    retried at the next beat; a store whose connection broke, or any other error, ends the
+    process (runtime/threads.py), where a quiet end would get a healthy process fenced as hung."""
 
     def __init__(self, addr: str, proc_id: str, timeout_s: float, progress: Callable[[], int] = lambda: 0) -> None:
-        self._store = connect(host_store_addr(addr), timeout_s)
+        self._addr = host_store_addr(addr)
+        self._store = connect(self._addr, timeout_s)
         self.proc_id = proc_id
         self._progress = progress
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="leto-heartbeat", daemon=True)
-        self._thread.start()
+        self._thread = threads.start(self._run, "leto-heartbeat")
 
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
                 beat(self._store, self.proc_id, self._progress())
-            except Exception:  # the store is gone: the controller ended
-                return
+            except dist.DistNetworkError as e:
+                if self._stop.is_set():  # stopping anyway
+                    return
+                raise StoreLost(f"the store at {self._addr} is gone: {e}") from e
+            except dist.DistStoreError:  # this write timed out: beat again
+                pass
             self._stop.wait(CHECK_EVERY_S)
 
     def stop(self, done: bool = False) -> None:
@@ -88,27 +101,32 @@ class GenerationWatch:
         self._heartbeat = Heartbeat(addr, proc_id, timeout_s, lambda: self.progress)
         # a TCPStore wait is cheap; and it must end before the process does (C++ aborts at exit otherwise)
         self._wait_s = CHECK_EVERY_S if isinstance(self._store, dist.TCPStore) else WATCH_S
-        self._thread = threading.Thread(target=self._run, name="leto-watch", daemon=True)
-        self._thread.start()
+        self._addr = addr
+        self._thread = threads.start(self._run, "leto-watch")
 
     def _run(self) -> None:
+        """Wait for the next generation until stopped. A wait that times out (or an etcd store
+        that is unavailable for a while, or this host fenced, which the training thread sees
+        itself) is waited again; a broken connection or any other error ends the process
+        (see `Heartbeat`)."""
         while not self._stop.is_set():
-            try:
-                with self._lock:
-                    want = self.generation + 1
-                    pending = self._next is not None
-                if pending:
-                    self._stop.wait(CHECK_EVERY_S)
-                    continue
-                try:  # returns as soon as the next generation is announced
-                    self._store.wait([keys.plan(want)], timedelta(seconds=self._wait_s))
-                except RuntimeError:
-                    continue  # timed out: wait again (stop may have been asked)
-                with self._lock:
-                    if want == self.generation + 1:
-                        self._next = want
-            except Exception:  # the store is gone: the controller ended
-                return
+            with self._lock:
+                want = self.generation + 1
+                pending = self._next is not None
+            if pending:
+                self._stop.wait(CHECK_EVERY_S)
+                continue
+            try:  # returns as soon as the next generation is announced
+                self._store.wait([keys.plan(want)], timedelta(seconds=self._wait_s))
+            except dist.DistNetworkError as e:
+                if self._stop.is_set():
+                    return
+                raise StoreLost(f"the store at {self._addr} is gone: {e}") from e
+            except RuntimeError:
+                continue  # timed out: wait again (stop may have been asked)
+            with self._lock:
+                if want == self.generation + 1:
+                    self._next = want
 
     def tick(self) -> None:
         """The training thread made progress (a step begins)."""
