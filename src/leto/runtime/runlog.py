@@ -10,8 +10,9 @@ never stops the process that makes it: the process says so once on stderr, keeps
 could not append in memory (at most `BACKLOG_MAX`, the oldest dropped first) and appends them,
 after a `log_gap` event that says how many were late and how many lost, at its first append that
 succeeds. A procs file that could not be replaced is reported the same way, and its writer tries
-again (`write_procs` returns False). Any other error (a path that is a folder, a missing run
-directory) is raised: it is no disk's doing.
+again (`write_procs` returns False). `summary.json` is written atomically and durably, and tried
+again a few times before the one line that says it could not be. Any other error (a path that
+is a folder, a missing run directory) is raised: it is no disk's doing.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import atexit
 import errno
 import json
 import os
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -67,8 +69,13 @@ class _Appender(_Trouble):
         self.backlog: deque[str] = deque()
         self.lost = 0
         self.torn = False  # a write ended inside a line: the next one starts a new line
+        self.lock = threading.RLock()  # the training thread and a checkpoint writer's thread append
 
     def append(self, line: str) -> None:
+        with self.lock:
+            self._append(line)
+
+    def _append(self, line: str) -> None:
         if self.since is None:
             try:
                 if self._write([line]) == 1:
@@ -88,6 +95,10 @@ class _Appender(_Trouble):
 
     def flush(self, final: bool = False) -> None:
         """Write the records kept back, after a `log_gap` event; at the end (`final`) say what is lost."""
+        with self.lock:
+            self._flush(final)
+
+    def _flush(self, final: bool) -> None:
         if self.since is None:
             return
         gap = {"event": "log_gap", "file": self.path.name, "cause": self.cause, "since": round(self.since, 4),
