@@ -20,7 +20,7 @@ from leto.control.lease import HostLease, Liveness, LivenessWatch, reaches_any
 from leto.control.supervisor import Supervisor
 from leto.protocol import keys
 from leto.protocol.messages import HostRecord
-from leto.runtime import linux, trace
+from leto.runtime import linux, threads, trace
 from leto.runtime.env import ENV_HOST_STORE, LOOPBACK, loopback_store, network_env
 from leto.runtime.etcd_store import (
     EtcdError,
@@ -119,7 +119,7 @@ class EtcdLeaderHere:
     def __init__(self, store: EtcdStore, own: tuple[str, int]) -> None:
         self._store, self._own = store.client(), own
         self._stop = threading.Event()
-        threading.Thread(target=self._run, name="leto-etcd-leader", daemon=True).start()
+        threads.Thread(target=self._run, name="leto-etcd-leader", daemon=True).start()
 
     def _run(self) -> None:
         failures = 0

@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from leto.runtime import threads
 from leto.runtime.etcd_store import EtcdStore, StoreUnavailable
 
 REFRESHES_PER_LEASE = 4
@@ -63,7 +64,7 @@ class HostLease:
         self._ok = time.monotonic()  # the start of the last refresh that etcd confirmed
         self._expired = False
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="leto-lease", daemon=True)
+        self._thread = threads.Thread(target=self._run, name="leto-lease", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
@@ -124,11 +125,11 @@ class Liveness:
         self.port = self._sock.getsockname()[1]
         self._peers: list[socket.socket] = []
         self._lock = threading.Lock()
-        threading.Thread(target=self._accept, name="leto-liveness", daemon=True).start()
+        threads.Thread(target=self._accept, name="leto-liveness", daemon=True).start()
 
     def beat(self, age: Callable[[], float]) -> None:
         """Send `age()` (the lease's, `HostLease.age`) to every watcher each BEAT_S from now on."""
-        threading.Thread(target=self._beat, args=(age,), name="leto-beat", daemon=True).start()
+        threads.Thread(target=self._beat, args=(age,), name="leto-beat", daemon=True).start()
 
     def watchers(self) -> int:
         """How many watchers are served now."""

@@ -39,7 +39,7 @@ from leto.config import Timeouts
 from leto.persistence import store
 from leto.persistence.interval import steps_between
 from leto.protocol import keys
-from leto.runtime import plain, runlog
+from leto.runtime import plain, runlog, threads
 from leto.simulation.model import daly_interval_s
 
 if TYPE_CHECKING:
@@ -168,7 +168,7 @@ class Persister:
 
     def _dcp_ready(self) -> None:
         if self._importer is None:
-            self._importer = threading.Thread(target=self._import_dcp, name="leto-dcp-import", daemon=True)
+            self._importer = threads.Thread(target=self._import_dcp, name="leto-dcp-import", daemon=True)
             self._importer.start()
 
     # ----- the step hook
@@ -203,7 +203,7 @@ class Persister:
             w.done.set_exception(e)
             return
         stage_s = time.perf_counter() - w.t0  # the whole cost in the step; the write is in its thread
-        threading.Thread(target=self._write, args=(w, staged, path, rank, trainer.world_size, stage_s),
+        threads.Thread(target=self._write, args=(w, staged, path, rank, trainer.world_size, stage_s),
                          name=f"leto-persist-{step}", daemon=True).start()
 
     def _write(self, w: _Write, staged: dict, path: Path, rank: int, world: int, stage_s: float) -> None:

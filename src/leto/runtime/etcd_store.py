@@ -35,6 +35,7 @@ import urllib3
 from etcd3gw import exceptions as gw
 
 from leto.protocol import keys as job_keys
+from leto.runtime import threads
 
 SCHEME = "etcd://"
 # One HTTP request. A member that is frozen (SIGSTOP) or whose host froze still accepts connections
@@ -109,7 +110,7 @@ class Mirror:
         self._synced = False
         self._changed = threading.Condition()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="leto-etcd-mirror", daemon=True)
+        self._thread = threads.Thread(target=self._run, name="leto-etcd-mirror", daemon=True)
         self._thread.start()
 
     def covers(self, keys: Sequence[str]) -> bool:

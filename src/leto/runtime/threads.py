@@ -21,8 +21,6 @@ import threading
 import time
 from collections.abc import Callable
 
-from leto.runtime.env import ENV_NODE, ENV_PROC_ID, ENV_RANK, ENV_ROLE
-
 THREAD_FAILED = 70  # the exit code of a process whose background thread failed (EX_SOFTWARE)
 FAIL_ENV = "LETO_TEST_FAIL_THREAD"  # tests only: JSON {"thread", "when", ["role", "node", "rank"]}
 FAIL_WATCH_S = 600.0  # how long a planned failure waits for its `when` file
@@ -55,8 +53,9 @@ def start(target: Callable[..., object], name: str, *args: object) -> Thread:
 
 def fail(name: str, error: BaseException) -> None:
     """End this process: thread `name` cannot go on because of `error`."""
-    role = os.environ.get(ENV_ROLE, "controller")
-    who = f"{role} {os.environ[ENV_PROC_ID]}" if os.environ.get(ENV_PROC_ID) else role
+    from leto.runtime import env  # here: env imports etcd_store, whose thread runs under this module
+    role = os.environ.get(env.ENV_ROLE, "controller")
+    who = f"{role} {os.environ[env.ENV_PROC_ID]}" if os.environ.get(env.ENV_PROC_ID) else role
     detail = str(error).replace("\n", " ")[:500]
     cause = f"{type(error).__name__}: {detail}" if detail else type(error).__name__
     try:
@@ -73,10 +72,11 @@ def _planned_failure(thread: threading.Thread) -> None:
     spec = os.environ.get(FAIL_ENV)
     if not spec:
         return
+    from leto.runtime import env
     plan = json.loads(spec)
     if not thread.name.startswith(plan["thread"]):
         return
-    for field, var in (("role", ENV_ROLE), ("node", ENV_NODE), ("rank", ENV_RANK)):
+    for field, var in (("role", env.ENV_ROLE), ("node", env.ENV_NODE), ("rank", env.ENV_RANK)):
         if field in plan and os.environ.get(var) != str(plan[field]):
             return
 
