@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,19 @@ signal.signal(signal.SIGTERM, _interrupted)
 # LETO_ALL_TESTS=1 runs them (docs/design.md lists which and why).
 ALL_TESTS = os.environ.get("LETO_ALL_TESTS") == "1"
 beyond_ci = pytest.mark.skipif(not ALL_TESTS, reason="beyond CI's time budget: LETO_ALL_TESTS=1 runs it")
+
+
+@contextmanager
+def tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` (as mount's `size=`) mounted at `path`, which is created; unmounted
+    afterwards, whatever happened (lazily if something still holds it)."""
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True, timeout=30)
+    try:
+        yield path
+    finally:
+        if subprocess.run(["umount", str(path)], timeout=30).returncode != 0:
+            subprocess.run(["umount", "-l", str(path)], timeout=30)
 
 
 def leto_cmd(*args: str) -> list[str]:

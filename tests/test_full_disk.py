@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REPO, Launcher, leto_cmd, read_procs, reference_digest, summary, wait_for
+from conftest import REPO, Launcher, leto_cmd, read_procs, reference_digest, summary, tmpfs, wait_for
 
 from leto.console import read_jsonl
 
@@ -25,15 +25,9 @@ FULL = "cannot write"  # the start of the one line a process says when the disk 
 
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Iterator[Path]:
-    """A 16 MiB tmpfs of its own; unmounted afterwards, whatever happened."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], check=True, timeout=30)
-    try:
+    """A 16 MiB tmpfs of its own, unmounted afterwards."""
+    with tmpfs(tmp_path / "mnt", "16m") as mnt:
         yield mnt / "run"
-    finally:
-        if subprocess.run(["umount", str(mnt)], timeout=30).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], timeout=30)
 
 
 def steps(run_dir: Path) -> list[int]:
