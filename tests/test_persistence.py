@@ -305,7 +305,7 @@ def test_a_resumed_job_still_recovers_in_place(launcher, tmp_path: Path, small_r
         (ck.path / store.COMMIT).unlink()
     if store.complete(run_dir / "checkpoints")[0].step >= 7:
         pytest.skip("no complete checkpoint before step 7 (a write was skipped)")
-    args = [*SMALL]
+    args = [*SMALL, "--protection", "on"]  # the run had it off: a resume may turn it on
     args[args.index("--spares") + 1] = "1"
     res, s = train(launcher, run_dir, "--resume", str(run_dir), *args, "--inject", "kill:rank=1:step=7:phase=update")
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -31,8 +33,21 @@ if TYPE_CHECKING:
 
 
 class _Parser(argparse.ArgumentParser):
+    commands: dict[str, argparse.ArgumentParser]  # the job commands' parsers (the root's)
+
     def error(self, message: str) -> None:  # one line, no usage dump
         raise UsageError(f"{self.prog}: error: {message}")
+
+
+def _finite(text: str) -> float:
+    """An argparse type: a finite number (nan and inf would slip past every range check)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
 
 
 def _add_job_flags(p: argparse.ArgumentParser, workers: int, spares: int, nodes: int) -> None:
@@ -40,7 +55,7 @@ def _add_job_flags(p: argparse.ArgumentParser, workers: int, spares: int, nodes:
     p.add_argument("--spares", type=int, default=spares, help=f"shadow trainers kept ready [{spares}]")
     p.add_argument("--nodes", type=int, default=nodes, help=f"failure domains the workers are split over [{nodes}]")
     p.add_argument("--run-dir", type=Path, default=None, help="output folder [a new one under ./runs]")
-    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+    p.add_argument("--timeout", type=_finite, default=DEFAULT_TIMEOUT_S,
                    help=f"collective and store timeout in seconds [{DEFAULT_TIMEOUT_S:g}]")
     p.add_argument("--protection", choices=["on", "off"], default="on",
                    help="erasure-coded in-memory protection of every step [on]")
@@ -87,17 +102,20 @@ def _add_persist_flags(p: argparse.ArgumentParser) -> None:
                    help="a checkpoint write unfinished after S seconds (a hung file system) is reported and "
                         f"abandoned; the next checkpoints go on [{Timeouts.persist_write_s:g}]")
     p.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
-                   help="continue the run in RUN_DIR from its newest complete checkpoint (same flags)")
+                   help="continue the run in RUN_DIR from its newest complete checkpoint, with the flags it "
+                        "recorded; flags given with it must agree, except --steps, the persistence flags and "
+                        "those of protection, recovery and timeouts")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> _Parser:
     root = _Parser(prog="leto", description="Fault-tolerant training that recovers in place.")
     sub = root.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
 
     run = sub.add_parser("run", help="run a training script under the Leto controller (like torchrun)")
     _add_job_flags(run, workers=1, spares=0, nodes=1)
     run.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name (python -m)")
-    run.add_argument("script", help="the training script (or module with -m)")
+    run.add_argument("script", nargs="?", default=None,
+                     help="the training script (or module with -m); with --resume, the run's")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
     train = sub.add_parser("train", help="train the built-in GPT job")
@@ -105,17 +123,17 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--steps", type=int, default=300, help="training steps [300]")
     train.add_argument("--seed", type=int, default=0, help="seed of model init and data order [0]")
     train.add_argument("--model", default="tiny", help=f"size preset: {', '.join(PRESETS)} [tiny]")
-    train.add_argument("--lr", type=float, default=3e-3, help="peak learning rate [3e-3]")
+    train.add_argument("--lr", type=_finite, default=3e-3, help="peak learning rate [3e-3]")
     train.add_argument("--rows", type=int, default=None,
                        help="rows (sequences) of the global batch, split over the workers [the model preset's]")
     train.add_argument("--inject", action="append", default=[], metavar="KIND:rank=R|node=N:step=S[:phase=P]",
                        help="inject a failure (kill, stop, hang, node-kill); repeatable")
-    train.add_argument("--heartbeat-timeout", type=float, default=3.0,
+    train.add_argument("--heartbeat-timeout", type=_finite, default=3.0,
                        help="seconds without a heartbeat before a worker or keeper is declared hung [3]")
-    train.add_argument("--progress-floor", type=float, default=30.0, metavar="S",
+    train.add_argument("--progress-floor", type=_finite, default=30.0, metavar="S",
                        help="a worker whose training thread has not advanced for max(S, F x median step time) "
                             "seconds is declared hung, though its process heartbeats [30]")
-    train.add_argument("--progress-factor", type=float, default=20.0, metavar="F",
+    train.add_argument("--progress-factor", type=_finite, default=20.0, metavar="F",
                        help="F of --progress-floor [20]")
     train.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES,
                        help=f"bytes of unique state per protected chunk, a multiple of 12 [{DEFAULT_CHUNK_BYTES}]")
@@ -151,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     data = sub.add_parser("data", help="prepare the training corpus (run once at install)")
     data.add_argument("action", choices=["prepare", "info"])
+    root.commands = {"run": run, "train": train}
     return root
 
 
@@ -185,22 +204,30 @@ def _check_job(args: argparse.Namespace, prog: str) -> None:
 
 
 def _check_rdzv(args: argparse.Namespace, prog: str) -> None:
-    import re
+    import socket
 
+    from leto.protection.shm import check_job_id
     from leto.runtime.etcd_store import parse_endpoints
     if args.rdzv is None:
         if args.job_id is not None:
             raise UsageError(f"{prog}: error: --job-id names a multi-host job: it needs --rdzv")
         return
     try:
-        parse_endpoints(args.rdzv)
+        endpoints = parse_endpoints(args.rdzv)
     except ValueError as e:
         raise UsageError(f"{prog}: error: --rdzv: {e}") from e
     if "/" in args.rdzv[len("etcd://"):]:
         raise UsageError(f"{prog}: error: --rdzv lists endpoints only; the job is named by --job-id")
-    if not args.job_id or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", args.job_id):
-        raise UsageError(f"{prog}: error: --rdzv needs --job-id NAME (letters, digits, '_', '.', '-'), "
-                         f"the same on every host; got {args.job_id!r}")
+    for host, port in endpoints:
+        try:
+            socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError) as e:
+            why = e.strerror if isinstance(e, socket.gaierror) else "not a valid host name"
+            raise UsageError(f"{prog}: error: --rdzv: the host {host!r} of endpoint {host}:{port} does not "
+                             f"resolve ({why})") from e
+    problem = check_job_id(args.job_id) if args.job_id else "it is missing"
+    if problem is not None:
+        raise UsageError(f"{prog}: error: --rdzv needs --job-id NAME, the same on every host: {problem}")
     if args.lease < 1:
         raise UsageError(f"{prog}: error: --lease must be at least 1 second (etcd's leases count whole "
                          f"seconds), got {args.lease}")
@@ -220,18 +247,115 @@ def _start(args: argparse.Namespace, command: list[str], prog: str) -> tuple[Pat
     identifies the trajectory (checked on --resume)."""
     from leto.persistence import resume
     from leto.persistence.store import CheckpointError
+    flags = args.recorded
     try:
         if args.resume is not None:
             run_dir = args.resume.resolve()
             return run_dir, resume.resume(run_dir, command, args.persist == "on", args.mtbf_s, args.persist_every,
-                                          args.job_id if args.rdzv else None)
+                                          args.job_id if args.rdzv else None, persist_dir=args.persist_dir,
+                                          steps=getattr(args, "steps", None), flags=flags)
         run_dir = make_run_dir(args.run_dir, prog)
+        earlier = resume.earlier_run(run_dir, args.job_id if args.rdzv else None)
+        if earlier:
+            raise UsageError(f"{prog}: error: run dir {run_dir} holds an earlier run's {' and '.join(earlier)}, "
+                             f"which a new job would overwrite: continue that run with --resume {run_dir}, "
+                             f"or choose another --run-dir")
         return run_dir, resume.fresh(run_dir, command, args.persist == "on", args.persist_dir, args.mtbf_s,
-                                     args.persist_every)
+                                     args.persist_every, flags)
     except CheckpointError as e:
         flag = f"--resume {args.resume}" if args.resume is not None else "--persist-dir"
         raise UsageError(f"{prog}: error: {flag}: {e}") from e
 
+
+# `--resume RUN_DIR`: the flags a run records (persist.json) and continues with. This attempt's
+# own are never recorded: where it meets, where its checkpoints are read, its injections.
+_ATTEMPT_ONLY = ("help", "cmd", "resume", "run_dir", "persist_dir", "rdzv", "job_id", "inject")
+# What the trajectory is made of: given with --resume, they must agree with the record (another
+# value would not continue the same training); every other flag may change on resume.
+_TRAJECTORY = ("workers", "seed", "model", "lr", "rows", "chunk_bytes", "module", "script", "script_args")
+
+
+def _recordable(parser: _Parser, args: argparse.Namespace) -> dict:
+    """The flags of this job that a resume continues with (JSON values; the script resolved)."""
+    flags = {a.dest: getattr(args, a.dest) for a in parser.commands[args.cmd]._actions
+             if a.dest not in _ATTEMPT_ONLY}
+    if args.cmd == "run" and not args.module and args.script is not None:
+        flags["script"] = str(Path(args.script).resolve())
+    return {"cmd": args.cmd, **flags}
+
+
+def _given(argv: list[str], cmd: str) -> set[str]:
+    """The flags given on the command line (not left to their defaults)."""
+    parser = build_parser()
+    for action in parser.commands[cmd]._actions:
+        action.default = argparse.SUPPRESS
+    given = set(vars(parser.parse_args(argv))) - {"cmd"}
+    return given if "script" in given else given - {"script_args"}
+
+
+def _fits(action: argparse.Action, value: object) -> bool:
+    """Whether a recorded `value` is one the flag of `action` could have parsed to."""
+    if action.dest == "script_args":
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
+    if action.nargs == 0:  # store_true
+        return isinstance(value, bool)
+    if value is None:
+        return action.default is None
+    if isinstance(value, bool) or (action.choices is not None and value not in action.choices):
+        return False
+    if action.type is None:
+        return isinstance(value, str)
+    try:
+        return action.type(str(value)) == value  # type: ignore[operator]
+    except (ValueError, TypeError, argparse.ArgumentTypeError):
+        return False
+
+
+def _shown(action: argparse.Action, value: object) -> str:
+    if action.dest == "script":
+        return f"the script {value}"
+    if action.dest == "script_args":
+        return f"the script's arguments {shlex.join(value)!r}"  # type: ignore[arg-type]
+    flag = action.option_strings[-1]
+    return (flag if value else f"no {flag}") if action.nargs == 0 else f"{flag} {value}"
+
+
+def _with_record(parser: _Parser, argv: list[str], args: argparse.Namespace) -> argparse.Namespace:
+    """`--resume RUN_DIR`: the flags not given come from the run's record; given ones that make
+    up its trajectory must agree with it. A record without flags changes nothing (the command
+    line must then repeat them)."""
+    from leto.persistence.resume import RECORD, read_record
+    from leto.persistence.store import CheckpointError
+    where = f"leto {args.cmd}: error: --resume {args.resume}"
+    try:
+        flags = read_record(args.resume.resolve()).get("flags")
+    except CheckpointError as e:
+        raise UsageError(f"{where}: {e}") from e
+    if not flags:
+        return args
+    if flags.get("cmd") != args.cmd:
+        raise UsageError(f"{where}: it is a `leto {flags.get('cmd')}` run: resume it with `leto {flags.get('cmd')} "
+                         f"--resume`")
+    actions = {a.dest: a for a in parser.commands[args.cmd]._actions if a.dest not in _ATTEMPT_ONLY}
+    given, now = _given(argv, args.cmd), _recordable(parser, args)
+    merged, changed = argparse.Namespace(**vars(args)), []
+    for dest, value in flags.items():
+        action = actions.get(dest)
+        if dest == "cmd":
+            continue
+        if action is None or not _fits(action, value):
+            raise UsageError(f"{where}: its {RECORD} is corrupt (it records {dest}={value!r})")
+        if dest not in given:
+            setattr(merged, dest, value)
+        elif now[dest] != value and dest in _TRAJECTORY:
+            raise UsageError(f"{where}: {_shown(action, now[dest])} differs from the run's {_shown(action, value)}: "
+                             f"its checkpoints belong to another configuration (drop it to continue the run as "
+                             f"recorded)")
+        elif now[dest] != value:
+            changed.append(f"{_shown(action, now[dest])} (the run had {value})")
+    if changed:
+        print(f"leto: resuming with {', '.join(changed)}", file=sys.stderr)
+    return merged
 
 def _tier2_code(spec: str, nodes: int, prog: str) -> tuple[int, int] | None:
     from leto.protection.codec import parse_ec
@@ -250,7 +374,7 @@ def _tier2_code(spec: str, nodes: int, prog: str) -> tuple[int, int] | None:
     return (k, m)
 
 
-def make_run_dir(path: Path | None, prog: str) -> Path:
+def make_run_dir(path: Path | None, prog: str, what: str = "run dir") -> Path:
     """Create the run folder (default: a new one under ./runs) and check that it is writable."""
     if path is None:
         path = Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
@@ -260,7 +384,7 @@ def make_run_dir(path: Path | None, prog: str) -> Path:
         with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
             pass
     except OSError as e:
-        raise UsageError(f"{prog}: error: run dir {path} is not writable: {e.strerror or e}") from e
+        raise UsageError(f"{prog}: error: {what} {path} is not writable: {e.strerror or e}") from e
     return path.resolve()
 
 
@@ -283,6 +407,9 @@ def _config(args: argparse.Namespace, command: list[str], run_dir: Path, child_e
 
 def _run(args: argparse.Namespace) -> int:
     _check_job(args, "leto run")
+    if args.script is None:
+        raise UsageError("leto run: error: the following arguments are required: script (or --resume RUN_DIR of "
+                         "a run that recorded it)")
     if args.module:
         import importlib.util
         try:
@@ -322,6 +449,8 @@ def _train(args: argparse.Namespace) -> int:
         raise UsageError(f"leto train: error: --chunk-bytes must be a positive multiple of 12, got {args.chunk_bytes}")
     if args.lr <= 0:
         raise UsageError(f"leto train: error: --lr must be positive, got {args.lr}")
+    if not 0 <= args.seed < 2**63:
+        raise UsageError(f"leto train: error: --seed must be in 0..2**63-1, got {args.seed}")
     from leto.recovery.inject import parse as parse_inject
     for i, spec in enumerate(args.inject):
         try:
@@ -332,6 +461,8 @@ def _train(args: argparse.Namespace) -> int:
             raise UsageError(f"leto train: error: --inject {spec!r}: rank {inj.rank} is not in 0..{args.workers - 1}")
         if inj.node is not None and not 0 <= inj.node < args.nodes:
             raise UsageError(f"leto train: error: --inject {spec!r}: node {inj.node} is not in 0..{args.nodes - 1}")
+        if inj.step > args.steps:
+            raise UsageError(f"leto train: error: --inject {spec!r}: step {inj.step} is past --steps {args.steps}")
     if args.heartbeat_timeout <= 0:
         raise UsageError(f"leto train: error: --heartbeat-timeout must be positive, got {args.heartbeat_timeout}")
     if args.progress_floor <= 0 or args.progress_factor < 0:
@@ -341,10 +472,11 @@ def _train(args: argparse.Namespace) -> int:
         load_tokens()
     except CorpusError as e:
         raise UsageError(f"leto train: error: {e}") from e
-    command = ["-m", "leto.training.job", "--steps", str(args.steps), "--seed", str(args.seed),
-               "--model", args.model, "--lr", str(args.lr), "--chunk-bytes", str(args.chunk_bytes),
-               *(["--rows", str(args.rows)] if args.rows is not None else [])]
-    run_dir, start = _start(args, command, "leto train")
+    rows_flag = ["--rows", str(args.rows)] if args.rows is not None else []
+    trajectory = ["-m", "leto.training.job", "--seed", str(args.seed), "--model", args.model, "--lr", str(args.lr),
+                  "--chunk-bytes", str(args.chunk_bytes), *rows_flag]
+    command = [*trajectory[:2], "--steps", str(args.steps), *trajectory[2:]]
+    run_dir, start = _start(args, trajectory, "leto train")  # --steps may change on resume: not in it
     code = _run_job(_config(args, command, run_dir, start.env, args.steps), start.summary)
     if code != 0:
         from leto.persistence.resume import after_failure
@@ -373,6 +505,8 @@ def _bench(args: argparse.Namespace) -> int:
                          "(one etcd member each)")
     if not 1 <= args.workers <= PRESETS[args.model].batch_size:
         raise UsageError(f"leto bench: error: --workers must be in 1..{PRESETS[args.model].batch_size}")
+    if args.out is not None:
+        args.out = make_run_dir(args.out, "leto bench", "--out")
     try:
         return importlib.import_module(f"leto.bench.{args.what}").main(args)
     except RuntimeError as e:  # a benchmark job failed: its run folder says why
@@ -401,7 +535,12 @@ def main(argv: list[str] | None = None) -> int:
         from leto.simulation.cli import main as simulate
         return simulate(argv[1:])
     try:
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if args.cmd in parser.commands:
+            if args.resume is not None:
+                args = _with_record(parser, argv, args)
+            args.recorded = _recordable(parser, args)
         return {"run": _run, "train": _train, "bench": _bench, "data": _data}[args.cmd](args)
     except UsageError as e:
         print(str(e), file=sys.stderr)

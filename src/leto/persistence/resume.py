@@ -1,16 +1,23 @@
 """The command-line side of persistence: turn it on for a start, or resume a run (`--resume`).
 
-A run that persists records `RUN_DIR/persist.json` (the checkpoint folder and the training
-command). `--resume RUN_DIR` checks that the command is the same (the checkpoints of another
-configuration would not continue the same trajectory), picks the newest complete, intact
-checkpoint (saying why newer ones are passed over), moves the previous attempt's metrics and
-summary aside and starts a new job in RUN_DIR from that checkpoint.
+A run that persists records `RUN_DIR/persist.json`: the checkpoint folder, the training
+command that identifies its trajectory and the command-line flags it was started with (the
+CLI continues a run with them). `--resume RUN_DIR` checks that the command is the same (the
+checkpoints of another configuration would not continue the same trajectory), picks the newest
+complete, intact checkpoint (saying why newer ones are passed over), moves the previous
+attempt's metrics and summary aside and starts a new job in RUN_DIR from that checkpoint.
+
+Resume reads and deletes checkpoints only inside the run folder, or in the `--persist-dir`
+given with `--resume`: a recorded folder that leads elsewhere (an absolute path, `..`, a
+symbolic link) is refused, since the record is a file anyone who can write the run folder
+may have changed.
 """
 from __future__ import annotations
 
 import fcntl
 import hashlib
 import json
+import os
 import shlex
 import shutil
 import sys
@@ -23,11 +30,13 @@ from leto.persistence import store
 from leto.persistence.files import read_json, write_json_atomic
 from leto.persistence.interval import parse_duration
 from leto.persistence.writer import ENV_PERSIST, ENV_RESUME, PersistConfig
+from leto.runtime import linux
 
 RECORD = "persist.json"
 CLAIM = "resume-claim.json"   # which attempt of a multi-host run has been resumed (by its first host)
 DEFAULT_DIR = "checkpoints"   # under RUN_DIR
 DEFAULT_MTBF = "5m"           # --mtbf: a failure every few minutes of training (docs/design.md)
+EARLIER_RUN = ("metrics.jsonl", "summary.json")  # what a new job in a used run folder would overwrite
 
 
 @dataclass
@@ -54,9 +63,10 @@ def check_flags(persist: str, mtbf: str, every: int | None) -> float:
 
 
 def fresh(run_dir: Path, command: list[str], persist: bool, persist_dir: Path | None, mtbf_s: float,
-          every: int | None) -> Start:
+          every: int | None, flags: dict | None = None) -> Start:
     """A new job: persist into `persist_dir` (default RUN_DIR/checkpoints), which must hold no
-    checkpoints yet. CheckpointError names the problem."""
+    checkpoints yet; `flags` (the CLI's, JSON) are recorded for `--resume`. CheckpointError
+    names the problem."""
     if not persist:
         return Start(None)
     root = (persist_dir or run_dir / DEFAULT_DIR).resolve()
@@ -67,40 +77,65 @@ def fresh(run_dir: Path, command: list[str], persist: bool, persist_dir: Path | 
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise store.CheckpointError(f"cannot create the checkpoint folder {root}: {e.strerror or e}") from e
-    # relative when inside the run folder, so a run folder can be moved or copied whole
-    where = root.relative_to(run_dir.resolve()) if root.is_relative_to(run_dir.resolve()) else root
-    write_json_atomic(run_dir / RECORD, {"dir": str(where), "command": command})
+    _record(run_dir, root, command, flags)
     cfg = PersistConfig(str(root), fingerprint(command), mtbf_s, every)
     return Start(root, {ENV_PERSIST: cfg.to_env()})
 
 
+def read_record(run_dir: Path) -> dict:
+    """The run's persist.json (`dir`, `command`, and `flags` where recorded); CheckpointError
+    names why there is none to resume from."""
+    if not run_dir.is_dir():
+        raise store.CheckpointError(f"{run_dir} is not a folder")
+    path = run_dir / RECORD
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise store.CheckpointError(f"{run_dir} has no {RECORD}: it is not a run that persisted checkpoints "
+                                    f"(was it started with --persist off?)") from None
+    except OSError as e:
+        raise store.CheckpointError(f"cannot read {path}: {e.strerror or e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise store.CheckpointError(f"{path} is corrupt (not JSON)") from None
+    if (not isinstance(record, dict) or not isinstance(record.get("dir"), str)
+            or not isinstance(record.get("command"), list)
+            or not all(isinstance(a, str) for a in record["command"])
+            or not isinstance(record.get("flags") or {}, dict)):
+        raise store.CheckpointError(f"{path} is corrupt (it needs a folder `dir` and a `command` list)")
+    return record
+
+
 def resume(run_dir: Path, command: list[str], persist: bool, mtbf_s: float, every: int | None,
-           attempt: str | None = None) -> Start:
+           attempt: str | None = None, *, persist_dir: Path | None = None, steps: int | None = None,
+           flags: dict | None = None) -> Start:
     """Resume the run in `run_dir` from its newest complete checkpoint. CheckpointError names
     what is wrong with the folder. `attempt`: where the hosts of a multi-host job resume it
     together, the new job's id: only the first of them checks that the old run is over and
-    sets its records aside (the others would find this attempt's own)."""
-    if not run_dir.is_dir():
-        raise store.CheckpointError(f"{run_dir} is not a folder")
-    record = read_json(run_dir / RECORD)
-    if record is None or not isinstance(record.get("dir"), str) or not isinstance(record.get("command"), list):
-        raise store.CheckpointError(f"{run_dir} has no {RECORD}: it is not a run that persisted checkpoints "
-                                    f"(was it started with --persist off?)")
-    if record["command"] != command:
-        raise store.CheckpointError(
-            f"its checkpoints belong to another configuration: recorded `{shlex.join(record['command'])}`, "
-            f"now `{shlex.join(command)}` (give the flags of the run being resumed)")
-    root = run_dir / record["dir"]  # a relative one is inside the run folder
+    sets its records aside (the others would find this attempt's own). `persist_dir`: the
+    checkpoint folder given on the command line (else the record's, which must be inside
+    `run_dir`); `steps`: the last step of the resumed job, not before the checkpoint's; `flags`:
+    the flags to record for the next resume (else the record's are kept)."""
+    record = read_record(run_dir)
     with _claim(run_dir, attempt) as claim:
         if claim.first:
             _not_running(run_dir)
+        root = checkpoint_root(run_dir, record["dir"], persist_dir)
+        if record["command"] != command:
+            raise store.CheckpointError(
+                f"its checkpoints belong to another configuration: recorded `{shlex.join(record['command'])}`, "
+                f"now `{shlex.join(command)}`")
         ck = store.choose(root, fingerprint(command), lambda msg: print(f"leto: {msg}", file=sys.stderr))
+        if not ck.path.resolve().is_relative_to(root):
+            raise store.CheckpointError(f"{ck.path} leads out of the checkpoint folder {root} (a symbolic link)")
+        if steps is not None and ck.step > steps:
+            raise store.CheckpointError(f"its newest complete checkpoint is step {ck.step}, past --steps {steps}")
         if claim.first:
             for step, path in store.steps_on_disk(root):  # newer ones are torn or corrupt: this run rewrites them
-                if step > ck.step:
+                if step > ck.step and not path.is_symlink():
                     shutil.rmtree(path, ignore_errors=True)
             claim.last = _last_step(run_dir / "metrics.jsonl")
             _set_aside(run_dir)
+            _record(run_dir, root, command, record.get("flags") if flags is None else flags)
     last = claim.last
     start = Start(root if persist else None, {ENV_RESUME: json.dumps({"path": str(ck.path), "step": ck.step})},
                   {"resumed_from_step": ck.step, "steps_lost": None if last is None else max(0, last - ck.step),
@@ -111,6 +146,40 @@ def resume(run_dir: Path, command: list[str], persist: bool, mtbf_s: float, ever
           + (f", {start.summary['steps_lost']} completed step(s) to redo" if last is not None else ""),
           file=sys.stderr)
     return start
+
+
+def checkpoint_root(run_dir: Path, recorded: str, given: Path | None) -> Path:
+    """The folder resume reads and prunes: `given` (--persist-dir on the command line), else the
+    recorded one, which must lead to a folder inside the run folder (symbolic links resolved).
+    CheckpointError otherwise."""
+    if given is not None:
+        return given.resolve()
+    inside = run_dir.resolve()
+    root = (inside / recorded).resolve()  # an absolute `recorded` replaces `inside`
+    if not root.is_relative_to(inside):
+        raise store.CheckpointError(
+            f"{RECORD} names the checkpoint folder {recorded!r}, which leads out of the run folder to {root}; "
+            f"resume reads and deletes checkpoints only inside it: give --persist-dir {root} if they are this run's")
+    return root
+
+
+def _record(run_dir: Path, root: Path, command: list[str], flags: dict | None) -> None:
+    """(Re)write persist.json (relative where inside the run folder, so it can be moved whole)."""
+    inside = run_dir.resolve()
+    where = root.relative_to(inside) if root.is_relative_to(inside) else root
+    write_json_atomic(run_dir / RECORD, {"dir": str(where), "command": command, "flags": flags})
+
+
+def earlier_run(run_dir: Path, job_id: str | None) -> list[str]:
+    """The files of an earlier run a new job in `run_dir` would overwrite (metrics, summary):
+    none when the folder's config.json names `job_id`, a multi-host job whose other hosts
+    started first."""
+    found = [name for name in EARLIER_RUN if (run_dir / name).exists()]
+    if found and job_id:
+        config = read_json(run_dir / "config.json") or {}
+        if (config.get("rendezvous") or {}).get("job_id") == job_id:
+            return []
+    return found
 
 
 @dataclass
@@ -138,14 +207,32 @@ def _claim(run_dir: Path, attempt: str | None) -> Iterator[_Claim]:
 
 
 def _not_running(run_dir: Path) -> None:
-    """The run being resumed must be over: its controller (procs.json) is gone."""
-    from leto.runtime.linux import proc_stat
-    procs = [p for path in sorted(run_dir.glob("procs*.json")) for p in read_json_list(path)]  # one host, or each
-    for p in procs:
-        if p.get("role") == "controller" and isinstance(p.get("pid"), int):
-            fields = proc_stat(p["pid"])
-            if fields is not None and fields[0] not in ("Z", "X"):
-                raise store.CheckpointError(f"the run is still going (its controller, pid {p['pid']}, is alive)")
+    """The run being resumed must be over: its controller (procs.json) is gone. A process is
+    named by its pid and start time, so a pid reused since (after a reboot, say) is not taken
+    for the run's controller."""
+    for path in sorted(run_dir.glob("procs*.json")):  # one host, or each
+        for p in read_json_list(path):
+            pid = p.get("pid")
+            if p.get("role") == "controller" and _alive(pid, p.get("start"), path):
+                raise store.CheckpointError(f"the run is still going (its controller, pid {pid}, is alive)")
+
+
+def _alive(pid: object, start: object, record: Path) -> bool:
+    """Whether the process `record` lists as (`pid`, `start`) still runs. A record without a
+    start time: whether `pid` runs a process that started before the record was last written."""
+    now = linux.start_time(pid)  # type: ignore[arg-type]  # None unless a positive int that runs
+    if now is None:
+        return False
+    if start is not None:
+        return str(start) == now
+    try:
+        written = record.stat().st_mtime
+        with open("/proc/stat") as f:
+            boot = next(float(line.split()[1]) for line in f if line.startswith("btime "))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return True  # cannot tell: keep the old answer, alive
+    # btime has whole seconds: a second of slack
+    return boot + int(now) / os.sysconf("SC_CLK_TCK") <= written + 1.0
 
 
 def read_json_list(path: Path) -> list[dict]:
@@ -192,8 +279,9 @@ def after_failure(run_dir: Path, persist_dir: Path | None, prog: str) -> None:
     if not done:
         return
     ck = done[0]
+    outside = "" if persist_dir.resolve().is_relative_to(run_dir.resolve()) else f" --persist-dir {persist_dir}"
     print(f"leto: the newest complete checkpoint is step {ck.step} ({ck.path}); continue from it with "
-          f"`{prog} --resume {run_dir}` and the same flags", file=sys.stderr)
+          f"`{prog} --resume {run_dir}{outside}` (it continues with the run's flags)", file=sys.stderr)
     summary_path = run_dir / "summary.json"
     summary = read_json(summary_path)
     if summary is not None:
