@@ -146,7 +146,8 @@ class DiskCheckpointer:
             raise CheckpointMismatch(f"{self.root / POINTER} was written by another job configuration")
         _set_step(trainer, step)  # first: `trainer.state` may be a buffer chosen by the step
         sd = self._state_dict(trainer, -1)
-        self.dcp.load(sd, storage_reader=self.dcp.FileSystemReader(str(self.root / ptr["path"])))
+        from leto.persistence.safe_dcp import SafeReader, TensorsOnlyPlanner  # its files cannot run code
+        self.dcp.load(sd, storage_reader=SafeReader(str(self.root / ptr["path"])), planner=TensorsOnlyPlanner())
         if int(sd["step"]) != step:
             raise RuntimeError(f"checkpoint {ptr['path']} holds step {int(sd['step'])}, expected {step}")
         return step
