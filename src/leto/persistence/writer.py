@@ -204,7 +204,7 @@ class Persister:
             return
         stage_s = time.perf_counter() - w.t0  # the whole cost in the step; the write is in its thread
         threads.Thread(target=self._write, args=(w, staged, path, rank, trainer.world_size, stage_s),
-                         name=f"leto-persist-{step}", daemon=True).start()
+                       name=f"leto-persist-{step}", daemon=True).start()
 
     def _write(self, w: _Write, staged: dict, path: Path, rank: int, world: int, stage_s: float) -> None:
         """The write's thread: the part's bytes to disk, then its marker, and maybe the commit."""
