@@ -131,11 +131,6 @@ class Liveness:
         """Send `age()` (the lease's, `HostLease.age`) to every watcher each BEAT_S from now on."""
         threads.Thread(target=self._beat, args=(age,), name="leto-beat", daemon=True).start()
 
-    def watchers(self) -> int:
-        """How many watchers are served now."""
-        with self._lock:
-            return len(self._peers)
-
     def _accept(self) -> None:
         sel = selectors.DefaultSelector()
         sel.register(self._sock, selectors.EVENT_READ)
