@@ -195,7 +195,12 @@ def _claim(run_dir: Path, attempt: str | None) -> Iterator[_Claim]:
     if attempt is None:
         yield _Claim(True)
         return
-    with open(run_dir / ".resume.lock", "w") as lock:
+    path = run_dir / ".resume.lock"
+    try:  # never through a link: it could name any file
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError as e:
+        raise store.CheckpointError(f"cannot lock {path}: {e.strerror or e}") from None
+    with os.fdopen(fd, "rb") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         seen = read_json(run_dir / CLAIM)
         if isinstance(seen, dict) and seen.get("attempt") == attempt:
