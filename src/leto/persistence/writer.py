@@ -38,7 +38,9 @@ import torch
 from leto.config import Timeouts
 from leto.persistence import store
 from leto.persistence.interval import steps_between
+from leto.errors import BadValue
 from leto.protocol import keys
+from leto.protocol.messages import PersistPlan, Refusals
 from leto.runtime import plain, runlog, threads
 from leto.simulation.model import daly_interval_s
 
@@ -122,14 +124,19 @@ class Persister:
         self.failed = 0
         self.verified: set[Path] = set()  # checkpoints verified by their checksums before pruning
         self.failing = False  # the last checkpoint failed (the console hears once per run of failures)
+        self._refused = Refusals()
 
     # ----- schedule
     def _due(self, step: int, rank: int) -> bool:
         if step <= self.cfg.start_step:
             return False
         if self.every is None and self.job.store.check([keys.PERSIST_EVERY]):
-            plan = json.loads(self.job.store.get(keys.PERSIST_EVERY))
-            self.every, self.first, self.calibrated = plan["every"], plan["first"], True
+            value = self.job.store.get(keys.PERSIST_EVERY)
+            try:
+                plan = PersistPlan.from_json(value, keys.PERSIST_EVERY)
+                self.every, self.first, self.calibrated = plan.every, plan.first, True
+            except BadValue as e:  # as if K were not chosen yet: read again at the next step
+                self._refused.refuse(e, value)
         if self.every is not None:
             return step >= self.first and (step - self.first) % self.every == 0
         # before K is known: the calibration checkpoint (rank 0 also calibrates late if it
@@ -145,7 +152,7 @@ class Persister:
         # never two writes in flight: K steps must outlast a write
         every = max(steps_between(interval_s, step_s), math.ceil(write_s / step_s) + 1 if step_s > 0 else 1)
         first = step + max(every, 2)  # every rank reads the plan before that step (lock-step)
-        self.job.store.set(keys.PERSIST_EVERY, json.dumps({"every": every, "first": first}))
+        self.job.store.set(keys.PERSIST_EVERY, PersistPlan(every, first).to_json())
         self.every, self.first, self.calibrated = every, first, True
         self._event("persist_interval", every=every, first=first, write_s=round(write_s, 4),
                     step_s=round(step_s, 5), mtbf_s=self.cfg.mtbf_s, interval_s=round(interval_s, 3))

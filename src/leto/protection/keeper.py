@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -45,7 +46,9 @@ from leto.protection.shm import (
     Region,
     check_store_order,
 )
+from leto.errors import BadValue
 from leto.protocol import keys
+from leto.protocol.messages import Refusals
 from leto.protocol.protection import (
     DONE,
     FAILED,
@@ -71,6 +74,8 @@ IDLE_WAIT_S = (0.01, 0.1)  # sleep between doorbells: 10 ms after work, doubling
 # (every event rings, so the timeout is a safety net; a wake-up with nothing to do costs ~0.3 ms of
 # Python, which at 100 a second was most of a keeper's CPU in long steps)
 CONTROL_EVERY_S = 0.25  # how often the keeper checks the store unasked: a fallback, the controller rings on a drain
+T = TypeVar("T")
+_refused = Refusals("leto keeper")  # malformed store values this keeper ignored (said once each)
 KEEPALIVES_PER_TIMEOUT = 4  # an idle tier-2 link carries a keepalive this many times per timeout (docs/protection.md)
 
 
@@ -481,7 +486,12 @@ class Keeper:
         """Whether the peer that publishes at `key` says barrier (kind, step) cannot complete."""
         if not self.store.check([key]):
             return False
-        peer = BarrierState.from_json(self.store.get(key))
+        value = self.store.get(key)
+        try:
+            peer = BarrierState.from_json(value, key)
+        except BadValue as e:  # no evidence either way: the barrier's own deadline decides
+            _refused.refuse(e, value)
+            return False
         return (peer.kind, peer.step) == (kind, step) and peer.hopeless()
 
     def _await_barrier(self, work: dist.Work) -> None:
@@ -580,7 +590,12 @@ class Keeper:
 
             if rt.await_keys(self.store, [key], left, stop):
                 continue
-            want = SentCounts.from_json(self.store.get(key)).messages
+            value = self.store.get(key)
+            try:
+                want = SentCounts.from_json(value, key).messages
+            except BadValue as e:  # report what arrived: the recovery checks versions and checksums
+                _refused.refuse(e, value)
+                want = {}
             while not all(link.received[k] >= v for k, v in want.items()) and link.error is None \
                     and time.monotonic() < deadline and not abandoned():
                 time.sleep(1e-3)  # what the receiver thread has not folded yet: local, no store
@@ -661,7 +676,16 @@ def _report(committed: Keeper | None, plan: Drain, job: rt.Job) -> KeeperReport:
 
 
 def _read_drain(job: rt.Job, gen: int) -> Drain:
-    return Drain.from_json(job.store.get(keys.drain(gen)))
+    return _read(job, Drain.from_json, keys.drain(gen))
+
+
+def _read(job: rt.Job, parse: Callable[[bytes, str], T], key: str) -> T:
+    """A message this keeper cannot go on without: a malformed one ends the keeper with one line
+    (the coordinator replaces it like any failed keeper)."""
+    try:
+        return parse(job.store.get(key), key)
+    except BadValue as e:
+        raise SystemExit(f"leto: keeper of node {job.node}: cannot go on: malformed value of {e}") from None
 
 
 def main() -> None:
@@ -688,7 +712,7 @@ def main() -> None:
             early = _early_group(job, gen, node)  # those): its group may have formed long ago
         if rt.await_keys(job.store, [keys.layout(gen)], 0.05) is not None:
             continue  # not yet: look for a drain and the shutdown again
-        layout = Layout.from_json(job.store.get(keys.layout(gen)).decode())
+        layout = _read(job, Layout.from_json, keys.layout(gen))
         trace.mark("keeper_layout", generation=gen)
         if node not in layout.nodes:
             gen += 1

@@ -11,6 +11,7 @@ from functools import cached_property
 
 from leto.protection.codec import ErasureCode, make_code
 from leto.protection.placement import Stripe, fitted_code, plan_stripes
+from leto.protocol.messages import negative, parse
 
 GRAD_ROWS = 1
 STATE_ROWS = 3
@@ -165,8 +166,30 @@ class Layout:
                            "protect_every": self.protect_every, "replicated_grads": self.replicated_grads})
 
     @staticmethod
-    def from_json(text: str) -> Layout:
-        d = json.loads(text)
-        return Layout(d["generation"], d["base_step"], Geometry(d["n_chunks"], d["chunk_elems"]),
-                      tuple(d["node_of_rank"]), tuple(d["ec"]) if d["ec"] else None, d["ring_slots"],
-                      d["protect_every"], d["replicated_grads"])
+    def from_json(text: str | bytes, key: str = "") -> Layout:
+        """The layout rank 0 published (`BadValue` naming `key` unless every field checks out)."""
+        d = parse(_LayoutWire, text, key)
+        return Layout(d.generation, d.base_step, Geometry(d.n_chunks, d.chunk_elems), d.node_of_rank,
+                      d.ec, d.ring_slots, d.protect_every, d.replicated_grads)
+
+
+@dataclass(frozen=True)
+class _LayoutWire:
+    """A layout as written to the store (`Layout.to_json`), checked field by field."""
+
+    generation: int
+    base_step: int
+    n_chunks: int
+    chunk_elems: int
+    node_of_rank: tuple[int, ...]
+    ec: tuple[int, ...] | None
+    ring_slots: int
+    protect_every: int
+    replicated_grads: bool
+
+    def problem(self) -> str | None:
+        if min(self.n_chunks, self.chunk_elems, self.ring_slots, self.protect_every) < 1 or not self.node_of_rank:
+            return "n_chunks, chunk_elems, ring_slots and protect_every must be positive, node_of_rank not empty"
+        if self.ec is not None and (len(self.ec) != 2 or self.ec[0] < 1 or self.ec[1] < 0):
+            return f"ec {self.ec} is not a code k+m"
+        return negative(generation=self.generation, base_step=self.base_step, node=min(self.node_of_rank))

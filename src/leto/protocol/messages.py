@@ -78,12 +78,22 @@ def parse_float(value: str | bytes, key: str = "") -> float:
 def parse(cls: type[T], value: str | bytes, key: str = "") -> T:
     """The message `cls` (a dataclass) from its JSON: every field of its declared type, fields it
     does not know ignored (a newer writer's), then its own `problem()` check; else `BadValue`."""
+    return parse_data(cls, load_json(value, key), key)
+
+
+def load_json(value: str | bytes, key: str = "") -> Any:
+    """The JSON data of a store value, else `BadValue`."""
     try:
-        d = json.loads(value)
+        return json.loads(value)
     except (ValueError, UnicodeDecodeError, TypeError) as e:
         raise BadValue(key, f"not JSON: {e}") from None
+
+
+def parse_data(cls: type[T], data: Any, key: str = "") -> T:
+    """The message `cls` from JSON data already loaded (a message whose wire format is not an
+    object of its fields reshapes its data first), checked as `parse` does."""
     try:
-        return _build(cls, d, cls.__name__)
+        return _build(cls, data, cls.__name__)
     except _Invalid as e:
         raise BadValue(key, str(e)) from None
 
@@ -144,13 +154,33 @@ def _value(v: Any, tp: Any, where: str, finite: bool = True) -> Any:
         return float(v)
     if tp is str and isinstance(v, str):
         return v
-    if origin is tuple and isinstance(v, (list, tuple)):
-        return tuple(_value(x, args[0], f"{where}[{i}]", finite) for i, x in enumerate(v))
+    if tp is Any:
+        return _plain(v, where, finite)
+    if origin in (tuple, list) and isinstance(v, (list, tuple)):
+        return origin(_value(x, args[0], f"{where}[{i}]", finite) for i, x in enumerate(v))
     if origin is dict and isinstance(v, dict):
-        return {_value(k, args[0], where): _value(x, args[1], f"{where}[{k!r}]", finite) for k, x in v.items()}
+        return {_key(k, args[0], where): _value(x, args[1], f"{where}[{k!r}]", finite) for k, x in v.items()}
     if is_dataclass(tp) and isinstance(v, dict):
         return _build(tp, v, where)  # type: ignore[arg-type]
     raise _Invalid(f"{where} is {_show(v)}, not {getattr(tp, '__name__', tp)}")
+
+
+def _key(k: Any, tp: Any, where: str) -> Any:
+    """A dict's key as type `tp`: JSON writes an int key as a decimal string."""
+    if tp is int and isinstance(k, str) and _INT.fullmatch(k):
+        return int(k)
+    return _value(k, tp, where)
+
+
+def _plain(v: Any, where: str, finite: bool) -> Any:
+    """`v` if it is plain JSON data (nested lists of numbers, say) with finite numbers, else `_Invalid`."""
+    if isinstance(v, list):
+        return [_plain(x, f"{where}[{i}]", finite) for i, x in enumerate(v)]
+    if isinstance(v, dict):
+        return {k: _plain(x, f"{where}[{k!r}]", finite) for k, x in v.items()}
+    if finite and isinstance(v, float) and not math.isfinite(v):
+        raise _Invalid(f"{where} is {v}, not a finite number")
+    return v
 
 
 def _show(v: Any) -> str:
@@ -162,7 +192,7 @@ def _proc_id_problem(proc_id: str, what: str = "proc_id") -> str | None:
     return None if _PROC_ID.fullmatch(proc_id) else f"{what} {_show(proc_id)} is not a process id"
 
 
-def _negative(**values: int | None) -> str | None:
+def negative(**values: int | None) -> str | None:
     """The first of `values` that is negative, in words."""
     return next((f"{k} {v} is negative" for k, v in values.items() if v is not None and v < 0), None)
 
@@ -197,7 +227,7 @@ class Plan:
             return "node_of_rank and proc_of_rank must name the same ranks, at least one"
         if len(set(self.proc_of_rank)) != len(self.proc_of_rank):
             return "a process holds two ranks"
-        return (_negative(generation=self.generation, node=min(self.node_of_rank),
+        return (negative(generation=self.generation, node=min(self.node_of_rank),
                           failed_rank=min(self.failed_ranks, default=0), failed_node=min(self.failed_nodes, default=0))
                 or next(filter(None, map(_proc_id_problem, self.proc_of_rank)), None))
 
@@ -234,7 +264,7 @@ class RecoveryRecord:
         return parse(RecoveryRecord, text, key)
 
     def problem(self) -> str | None:
-        return _negative(generation=self.generation, step=self.step, world_size=self.world_size)
+        return negative(generation=self.generation, step=self.step, world_size=self.world_size)
 
 
 class _Flat:
@@ -272,7 +302,7 @@ class ProcEvent:
     def problem(self) -> str | None:
         if self.role not in ROLES:
             return f"unknown role {_show(self.role)}"
-        return _negative(rank=self.rank, node=self.node, pid=self.pid) or _proc_id_problem(self.proc_id)
+        return negative(rank=self.rank, node=self.node, pid=self.pid) or _proc_id_problem(self.proc_id)
 
 
 @dataclass(frozen=True)
@@ -322,7 +352,7 @@ class Command(_Flat):
         if self.kind in ("spawn", "fork", "boost"):
             if self.kind != "boost" and self.role not in ROLES:
                 return f"unknown role {_show(self.role)}"
-            return _proc_id_problem(self.proc_id) or _negative(rank=self.rank, node=self.node)
+            return _proc_id_problem(self.proc_id) or negative(rank=self.rank, node=self.node)
         return None
 
 
@@ -335,7 +365,7 @@ class JobState(_Flat):
     recovering: bool
 
     def problem(self) -> str | None:
-        return _negative(generation=self.generation)
+        return negative(generation=self.generation)
 
 
 @dataclass(frozen=True)
@@ -352,7 +382,7 @@ class HostRecord(_Flat):
     def problem(self) -> str | None:
         if not 0 < self.port < 65536 or not 0 < self.pid <= PID_MAX or not self.addr:
             return f"port {self.port}, pid {self.pid} or address {_show(self.addr)} is not one"
-        return _negative(node=self.node)
+        return negative(node=self.node)
 
 
 @dataclass(frozen=True)
@@ -366,7 +396,7 @@ class StepProgress(_Flat):
     tokens_per_s: float | None = None
 
     def problem(self) -> str | None:
-        return _negative(step=self.step) or (f"step_s {self.step_s} is negative"
+        return negative(step=self.step) or (f"step_s {self.step_s} is negative"
                                              if self.step_s is not None and self.step_s < 0 else None)
 
     def record(self) -> dict:
@@ -381,7 +411,30 @@ class ForkRequest(_Flat):
     node: int
 
     def problem(self) -> str | None:
-        return _proc_id_problem(self.proc_id) or _negative(node=self.node)
+        return _proc_id_problem(self.proc_id) or negative(node=self.node)
+
+
+@dataclass(frozen=True)
+class JobResult(_Flat):
+    """Rank 0's result at the job's end (keys.RESULT): its steps, last loss and state digest."""
+
+    steps: int
+    final_loss: float | None = field(metadata={"finite": False})  # a diverged run's loss is reported as it is
+    digest: str
+
+    def problem(self) -> str | None:
+        return negative(steps=self.steps)
+
+
+@dataclass(frozen=True)
+class PersistPlan(_Flat):
+    """Rank 0's checkpoint schedule (keys.PERSIST_EVERY): every `every` steps from step `first`."""
+
+    every: int
+    first: int
+
+    def problem(self) -> str | None:
+        return f"every {self.every} is not positive" if self.every < 1 else negative(first=self.first)
 
 
 class Refusals:

@@ -1,12 +1,16 @@
 """The protection messages: what keepers, workers and the controller write under the
 protection keys (`keys.ready`, `keys.committed`, `keys.drain`, `keys.sent`,
 `keys.barrier_state`, `keys.report`), each a dataclass with to/from JSON. The wire format is
-the one the readers have always parsed: an optional field that is None is left out."""
+the one the readers have always parsed: an optional field that is None is left out. Every
+reader parses and checks a value as `messages.parse` does (`BadValue` naming the key)."""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, fields
 from typing import Any
+
+from leto.errors import BadValue
+from leto.protocol.messages import load_json, negative, parse, parse_data, parse_pid
 
 Table = list[Any]  # a version or checksum table as nested lists (numpy's tolist())
 
@@ -26,8 +30,8 @@ class KeeperReady:
         return str(self.pid)
 
     @staticmethod
-    def from_json(text: str | bytes) -> KeeperReady:
-        return KeeperReady(int(text))
+    def from_json(text: str | bytes, key: str = "") -> KeeperReady:
+        return KeeperReady(parse_pid(text, key))
 
 
 @dataclass(frozen=True)
@@ -39,7 +43,7 @@ class BaseCommitted:
         return "1"
 
     @staticmethod
-    def from_json(text: str | bytes) -> BaseCommitted:
+    def from_json(text: str | bytes, key: str = "") -> BaseCommitted:
         return BaseCommitted()
 
 
@@ -55,9 +59,11 @@ class Drain:
         return json.dumps({"live_nodes": list(self.live_nodes), "next_generation": self.next_generation})
 
     @staticmethod
-    def from_json(text: str | bytes) -> Drain:
-        d = json.loads(text)
-        return Drain(tuple(d["live_nodes"]), int(d["next_generation"]))
+    def from_json(text: str | bytes, key: str = "") -> Drain:
+        return parse(Drain, text, key)
+
+    def problem(self) -> str | None:
+        return negative(next_generation=self.next_generation, node=min(self.live_nodes, default=0))
 
 
 @dataclass(frozen=True)
@@ -71,8 +77,12 @@ class SentCounts:
         return json.dumps(self.messages)
 
     @staticmethod
-    def from_json(text: str | bytes) -> SentCounts:
-        return SentCounts({int(k): int(v) for k, v in json.loads(text).items()})
+    def from_json(text: str | bytes, key: str = "") -> SentCounts:
+        return parse_data(SentCounts, {"messages": load_json(text, key)}, key)
+
+    def problem(self) -> str | None:
+        bad = [(k, v) for k, v in self.messages.items() if k < 0 or v < 0]
+        return f"message kind {bad[0][0]}: count {bad[0][1]} (negative)" if bad else None
 
 
 # a barrier's state: on the wire False, True, "done", "failed" (the list format of old)
@@ -98,9 +108,14 @@ class BarrierState:
         return json.dumps([self.kind, self.step, _WIRE[self.state]])
 
     @staticmethod
-    def from_json(text: str | bytes) -> BarrierState:
-        kind, step, wire = json.loads(text)
-        return BarrierState(int(kind), int(step), _FROM_WIRE[wire])
+    def from_json(text: str | bytes, key: str = "") -> BarrierState:
+        d = load_json(text, key)
+        if not (isinstance(d, list) and len(d) == 3 and isinstance(d[2], (bool, str)) and d[2] in _FROM_WIRE):
+            raise BadValue(key, f"{str(d)[:40]!r} is not a barrier state [kind, step, state]")
+        return parse_data(BarrierState, {"kind": d[0], "step": d[1], "state": _FROM_WIRE[d[2]]}, key)
+
+    def problem(self) -> str | None:
+        return negative(kind=self.kind, step=self.step)
 
 
 @dataclass(frozen=True)
@@ -116,9 +131,8 @@ class StripeReport:
     crc_pre: Table | None = None
     pre_step: Table | None = None
 
-    @staticmethod
-    def from_dict(d: dict[str, Any]) -> StripeReport:
-        return StripeReport(**d)
+    def problem(self) -> str | None:
+        return _tables_problem(self)
 
 
 @dataclass(frozen=True)
@@ -155,8 +169,32 @@ class KeeperReport:
         return json.dumps(d)
 
     @staticmethod
-    def from_json(text: str | bytes) -> KeeperReport:
-        d = json.loads(text)
-        if "stripes" in d:
-            d["stripes"] = {int(i): StripeReport.from_dict(s) for i, s in d["stripes"].items()}
-        return KeeperReport(**d)
+    def from_json(text: str | bytes, key: str = "") -> KeeperReport:
+        return parse(KeeperReport, text, key)
+
+    def problem(self) -> str | None:
+        return (negative(node=self.node, generation=self.generation, generation_used=self.generation_used,
+                          stripe=min(self.stripes or [0]))
+                or _tables_problem(self))
+
+
+def _tables_problem(msg: object) -> str | None:
+    """Whether a table field of `msg` is not a rectangular nested list of ints (what numpy's
+    tolist() of an integer array writes)."""
+    for f in fields(msg):  # type: ignore[arg-type]
+        t = getattr(msg, f.name)
+        if isinstance(t, list) and f.name != "grads_complete" and _shape(t) is None:
+            return f"{f.name} is not a table of integers"
+    return None
+
+
+def _shape(t: Any) -> tuple[int, ...] | None:
+    """The shape of a rectangular nested list of ints, else None."""
+    if isinstance(t, int) and not isinstance(t, bool):
+        return ()
+    if not isinstance(t, list):
+        return None
+    shapes = {_shape(x) for x in t}
+    if None in shapes or len(shapes) > 1:
+        return None
+    return (len(t), *(shapes.pop() if shapes else ()))

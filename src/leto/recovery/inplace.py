@@ -11,13 +11,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import torch
 
+from leto.errors import BadValue
 from leto.protection.layout import Layout
 from leto.protocol import keys
 from leto.protocol.protection import Drain, KeeperReport
-from leto.protocol.messages import Plan, RecoveryRecord
+from leto.protocol.messages import Plan, RecoveryRecord, Refusals
 from leto.recovery.member import Member
 from leto.recovery.rebuild import (
     Rebuilder,
@@ -34,6 +36,8 @@ from leto.runtime import trace
 from leto.runtime.membership import read_plan
 
 GradOf = Callable[[int, int], torch.Tensor]  # (lost old rank, chunk) -> its gradient chunk of the recovery step
+T = TypeVar("T")
+_refused = Refusals()  # malformed store values a recovery of this process ignored (said once each)
 
 
 @dataclass(frozen=True)
@@ -128,13 +132,28 @@ def read_reports(m: Member, gen: int) -> dict[int, KeeperReport]:
     """The drained reports of the keepers of generation `gen - 1` that hold protection data
     (a new keeper holds nothing yet), by node."""
     store = m.job.store
-    drain = Drain.from_json(store.get(keys.drain(gen - 1))) if store.check([keys.drain(gen - 1)]) else None
+    drain = read_message(store, Drain.from_json, keys.drain(gen - 1)) if store.check([keys.drain(gen - 1)]) else None
     if drain is None:
         raise RecoveryError(f"generation {gen} has no protection to rebuild from (protection off?)")
     live = drain.live_nodes
     _wait_keys(m, [keys.report(gen - 1, n) for n in live], f"keeper reports of generation {gen - 1}")
-    reports = {n: KeeperReport.from_json(store.get(keys.report(gen - 1, n))) for n in live}
+    reports = {}
+    for n in live:
+        key = keys.report(gen - 1, n)
+        value = store.get(key)
+        try:
+            reports[n] = KeeperReport.from_json(value, key)
+        except BadValue as e:  # that node's protection is not used: the others may still cover its loss
+            _refused.refuse(e, value)
     return {n: r for n, r in reports.items() if not r.empty}
+
+
+def read_message(store: torch.distributed.Store, parse: Callable[[bytes, str], T], key: str) -> T:
+    """A message a recovery cannot do without: a malformed one fails the recovery (one line)."""
+    try:
+        return parse(store.get(key), key)
+    except BadValue as e:
+        raise RecoveryError(f"malformed value of {e}") from None
 
 
 def protection_source(m: Member, plan: Plan, reports: dict[int, KeeperReport]) -> Source:
@@ -147,7 +166,7 @@ def protection_source(m: Member, plan: Plan, reports: dict[int, KeeperReport]) -
         raise RecoveryError(f"keepers report different protection generations {sorted(used)}")
     used_gen = used.pop()
     m.sharded.settle_reshard(used_gen)
-    layout = Layout.from_json(store.get(keys.layout(used_gen)))
+    layout = read_message(store, Layout.from_json, keys.layout(used_gen))
     roles = assign_roles(read_plan(store, used_gen), plan)  # the writers of the protection data
     me = roles.old_rank_of.get(m.rank)
     if me is None and not roles.reshard and m.sharded.geometry != layout.geometry:
@@ -298,7 +317,7 @@ def _agree_on_own_step(m: Member, plan: Plan) -> int:
     agree on a step all can reach (sharing the replicated gradients of it where needed)."""
     s = m.sharded
     settled = _settled_generation(m)
-    layout = Layout.from_json(m.job.store.get(keys.layout(settled))) if settled >= 0 else None
+    layout = read_message(m.job.store, Layout.from_json, keys.layout(settled)) if settled >= 0 else None
     reach = set() if s.inplace else s.reachable_steps()
     fits = (layout is not None and not s.resharding and s.geometry == layout.geometry
             and read_plan(m.job.store, settled).proc_of_rank == plan.proc_of_rank and (s.inplace or bool(reach)))

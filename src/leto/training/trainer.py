@@ -23,7 +23,7 @@ from leto.protection.layout import STATE_ROWS, Geometry, Layout
 from leto.protocol import keys
 from leto.protocol.messages import Plan, RecoveryRecord
 from leto.recovery.inject import InProcessInjector
-from leto.recovery.inplace import join, latest_generation
+from leto.recovery.inplace import join, latest_generation, read_message
 from leto.recovery.rebuild import RecoveryError
 from leto.runtime import env as rt
 from leto.runtime import runlog, trace
@@ -174,7 +174,7 @@ class Trainer:
             self.protector.close()
             self.protector = None
         self.publish_layout(generation, base_step, state.shape[0])
-        layout = Layout.from_json(self.job.store.get(keys.layout(generation)))
+        layout = read_message(self.job.store, Layout.from_json, keys.layout(generation))
         self.protector = Protector(self.job.store, layout, self.rank, self.job.job_id, self.job.timeout_s,
                                    self.watch.reason, self.job.device)
         trace.mark("protector_ready", generation=generation)
