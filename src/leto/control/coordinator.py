@@ -26,6 +26,7 @@ from leto.protection.placement import degradation
 from leto.protocol import keys
 from leto.protocol.messages import (
     Command,
+    JobResult,
     JobState,
     Plan,
     ProcEvent,
@@ -43,6 +44,7 @@ from leto.runtime import runlog, trace
 from leto.runtime.durable import write_atomic
 
 POLL_S = 0.01
+FATAL_CHARS = 500  # of a worker's reason the job cannot recover (free text, shown and recorded)
 MAX_GENERATIONS = 100  # a job that needs more recoveries than this is failing in a loop
 GROW_CHECK_S = 0.1
 RECORD_WAIT_S = 2.0  # how long a recovery waits, after its first step, for rank 0's record of it
@@ -151,19 +153,29 @@ class Coordinator:
         the events from metrics.jsonl. Failures its predecessor had not decided on yet are
         decided on at the next round."""
         self._exit.enter_context(self.display)
-        for _, text in sorted(commands.items(), key=lambda kv: int(kv[0].rsplit("/", 1)[1])):
-            cmd = Command.from_json(text)
+        for key, text in self._stream(commands):
+            try:
+                cmd = Command.from_json(text, key)
+            except BadValue as e:  # malformed values are said once and skipped, here as in every round
+                self._refused.refuse(e, text)
+                continue
             if cmd.kind in ("spawn", "fork"):
                 self.procs[cmd.proc_id] = ProcView(cmd.proc_id, cmd.role, cmd.rank, cmd.node)
-        for key, text in sorted(reports.items(), key=lambda kv: int(kv[0].rsplit("/", 1)[1])):
-            self._apply(SupervisorReport.from_json(text))
-            self._next_report = max(self._next_report, int(key.rsplit("/", 1)[1]) + 1)
+        try:
+            written = parse_int(self.store.get(keys.REPORTS), keys.REPORTS, minimum=0)
+        except BadValue as e:
+            self._refused.refuse(e)
+            written = None
+        for key, text in self._stream(reports, written):
+            self._next_report = max(self._next_report, self._seq(key) + 1)
+            try:
+                self._apply(SupervisorReport.from_json(text, key))
+            except BadValue as e:
+                self._refused.refuse(e, text)
         self._read_reports()  # any written since
         self._inbox.clear()
-        gen = JobState.from_json(self.store.get(keys.JOB_STATE)).generation
-        while self.store.check([keys.plan(gen + 1)]):
-            gen += 1
-        self.plan = Plan.from_json(self.store.get(keys.plan(gen)))
+        self.plan = self._newest_plan()
+        gen = self.plan.generation
         self.members = {q: self.procs[proc_id] for q, proc_id in enumerate(self.plan.proc_of_rank)}
         for q, proc in self.members.items():
             proc.role, proc.rank = "worker", q
@@ -178,6 +190,54 @@ class Coordinator:
         self.events = [r for r in read_jsonl(self.run_dir / runlog.METRICS) if "event" in r]
         self.event("takeover", generation=gen)
         self.display.message(f"leto: this host took over as coordinator at generation {gen}")
+
+    def _stream(self, entries: dict[str, bytes], written: int | None = None) -> list[tuple[str, bytes]]:
+        """A command or report stream's entries in order; an entry whose key is not numbered, or
+        numbered past the `written` entries the stream's counter has, is refused."""
+        ordered = []
+        for key, text in entries.items():
+            try:
+                seq = self._seq(key)
+                if written is not None and seq >= written:
+                    raise BadValue(key, f"entry {seq} is past the {written} entries written")
+            except BadValue as e:
+                self._refused.refuse(e, text)
+                continue
+            ordered.append((seq, key, text))
+        return [(key, text) for _, key, text in sorted(ordered)]
+
+    @staticmethod
+    def _seq(key: str) -> int:
+        return parse_int(key.rsplit("/", 1)[1], key, minimum=0)
+
+    def _newest_plan(self) -> Plan:
+        """The newest generation's plan at a takeover. A malformed one (or one naming processes
+        no command started) is refused and the one before it taken: the next decision writes
+        the generation after it. Only a job without one valid plan cannot be taken over."""
+        value = self.store.get(keys.JOB_STATE)
+        try:
+            gen = JobState.from_json(value, keys.JOB_STATE).generation
+        except BadValue as e:
+            self._refused.refuse(e, value)
+            gen = 0
+        if not self.store.check([keys.plan(gen)]):
+            gen = 0  # a generation never announced: look from the first
+        while self.store.check([keys.plan(gen + 1)]):
+            gen += 1
+        while True:
+            key = keys.plan(gen)
+            value = self.store.get(key)
+            try:
+                plan = Plan.from_json(value, key)
+                unknown = [p for p in plan.proc_of_rank if p not in self.procs]
+                if plan.generation != gen or unknown:
+                    raise BadValue(key, f"generation {plan.generation}, processes {unknown[:3]} no command started")
+                return plan
+            except BadValue as e:
+                self._refused.refuse(e, value)
+                if gen == 0:
+                    raise
+                gen -= 1
 
     def release(self) -> None:
         """Give the console back (the end, or this host leaves the job to another coordinator)."""
@@ -353,7 +413,7 @@ class Coordinator:
         if self.hosts is not None:
             self.hosts.confirm()  # a deposed coordinator (its link back) records nothing in the shared run dir
         if self.store.check([keys.FATAL]):
-            msg = self.store.get(keys.FATAL).decode()
+            msg = self.store.get(keys.FATAL).decode(errors="replace")[:FATAL_CHARS]
             self.event("fatal", cause=msg)
             self.display.message(f"leto: cannot recover: {msg}; stopping the job")
             return 1
@@ -543,7 +603,12 @@ class Coordinator:
         key = keys.recovery(generation)
         if not self.store.check([key]):
             return {}
-        return asdict(RecoveryRecord.from_json(self.store.get(key)))
+        value = self.store.get(key)
+        try:
+            return asdict(RecoveryRecord.from_json(value, key))
+        except BadValue as e:  # closed without rank 0's numbers, as if it had written none
+            self._refused.refuse(e, value)
+            return {}
 
     def _close_recoveries(self, rec: StepProgress, force: bool = False) -> None:
         """The first step completed after a recovery closes its record (once rank 0's record of
@@ -584,7 +649,11 @@ class Coordinator:
         on stderr: the job's exit code stays the job's)."""
         result: dict = {"steps": None, "final_loss": None, "digest": None}
         if self.store.check([keys.RESULT]):
-            result.update(json.loads(self.store.get(keys.RESULT)))
+            value = self.store.get(keys.RESULT)
+            try:
+                result.update(asdict(JobResult.from_json(value, keys.RESULT)))
+            except BadValue as e:
+                self._refused.refuse(e, value)
         t = self.cfg.training
         summary = {**result, "wall_s": round(wall_s, 3), "workers": t.workers,
                    "spares": self.cfg.recovery.spares, "nodes": t.nodes, "exit_code": code,

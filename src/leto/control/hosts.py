@@ -19,7 +19,8 @@ from leto.control.coordinator import POLL_S, Coordinator
 from leto.control.lease import HostLease, Liveness, LivenessWatch, reaches_any
 from leto.control.supervisor import Supervisor
 from leto.protocol import keys
-from leto.protocol.messages import HostRecord
+from leto.errors import BadValue
+from leto.protocol.messages import HostRecord, Refusals, parse_int
 from leto.runtime import linux, threads, trace
 from leto.runtime.env import ENV_HOST_STORE, LOOPBACK, loopback_store, network_env
 from leto.runtime.etcd_store import (
@@ -32,6 +33,7 @@ from leto.runtime.etcd_store import (
 
 HOST_CHECK_S = 0.05   # how often the coordinator reads the host records (the lease's verdict)
 ELECTION_CHECK_S = 0.1
+_refused = Refusals()  # malformed store values this host ignored (said once each)
 LEADER_CHECK_S = 2.0  # how often the coordinator's host checks that its etcd member leads
 
 
@@ -59,7 +61,23 @@ class Cluster:
 
     def read(self) -> dict[int, HostRecord]:
         """The host records now in etcd."""
-        found = {int(k.rsplit("/", 1)[1]): HostRecord.from_json(v) for k, v in self.store.under("control/host/").items()}
+        found = {}
+        for key, value in self.store.under("control/host/").items():
+            try:
+                node = parse_int(key.rsplit("/", 1)[1], key, minimum=0, maximum=self.nodes - 1)
+            except BadValue as e:  # not a host of this job: never watched, never fenced
+                _refused.refuse(e, value)
+                continue
+            try:
+                rec = HostRecord.from_json(value, key)
+                if rec.node != node:
+                    raise BadValue(key, f"names node {rec.node}")
+            except BadValue as e:  # its key is there, so is the host: as last read, if ever
+                _refused.refuse(e, value)
+                if node not in self.records:
+                    continue
+                rec = self.records[node]
+            found[node] = rec
         for node, rec in found.items():
             self.records[node] = rec
             if node != self.me:
@@ -211,7 +229,7 @@ def run_host(config: JobConfig, summary_extra: dict | None = None) -> int:
                 raise HostLost(why)
             supervisor.tick()
             if supervisor.stopped:  # the coordinator stopped the job
-                code = int(store.get(keys.EXIT_CODE)) if store.check([keys.EXIT_CODE]) else 1
+                code = _exit_code(store)
                 break
             now = time.monotonic()
             if coordinator is None and (leader.died() or now - last_election >= ELECTION_CHECK_S):
@@ -240,6 +258,18 @@ def run_host(config: JobConfig, summary_extra: dict | None = None) -> int:
         # a host that leaves on its own error ends its lease at once: the others see it lost now
         lease.close(revoke=code == 0 or local_error)
     return code if code is not None else 1
+
+
+def _exit_code(store: EtcdStore) -> int:
+    """The job's exit code as the coordinator set it (1 if it set none, or a malformed one)."""
+    if not store.check([keys.EXIT_CODE]):
+        return 1
+    value = store.get(keys.EXIT_CODE)
+    try:
+        return parse_int(value, keys.EXIT_CODE, minimum=0, maximum=255)
+    except BadValue as e:
+        _refused.refuse(e, value)
+        return 1
 
 
 def _leave(addr: str, why: str, supervisor: Supervisor | None, coordinator: Coordinator | None) -> None:
@@ -272,14 +302,22 @@ class LeaderWatch:
         value = self.store.value(keys.COORDINATOR)
         if value is None:
             return False
-        node = int(value)
+        try:
+            node = parse_int(value, keys.COORDINATOR, minimum=0)
+        except BadValue as e:  # someone holds the key: there is no election to win, nor a host to watch
+            _refused.refuse(e, value)
+            return True
         if node == self.me:
             return True
         if self._leader is None or self._leader.node != node:
             rec = self.store.value(keys.host(node))
             if rec is None:
                 return True
-            self._leader = HostRecord.from_json(rec)
+            try:
+                self._leader = HostRecord.from_json(rec, keys.host(node))
+            except BadValue as e:
+                _refused.refuse(e, rec)
+                return True
         self.watch.watch(node, self._leader.addr, self._leader.port)  # (again, if a connect timed out)
         return True
 

@@ -1,0 +1,74 @@
+"""Values a new coordinator reads at a takeover are checked before they are used. On the
+namespace cluster of test_multihost, a client of the job's etcd writes hostile values under the
+job's keys while it trains: a job state that is not JSON, a supervisor report past the report
+counter that says SIGTERM (taken as written, the new coordinator would stop the job), a command
+that is not one, a command key that is not numbered, a host record of a node the job does not
+have. Then the coordinator's host is killed. The new coordinator refuses each value with one line
+naming its key, takes over from the plans and streams as they are, and the job ends on the other
+two hosts with the failure-free digest. The store messages' own checks (a checkpoint schedule, a
+job result, int keys of JSON objects) are specified here too."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import test_multihost as mh
+from conftest import summary
+from netns_cluster import Cluster, available
+from test_host_errors import at_step
+from test_multihost import cluster, coordinator, failed, finish, host_of, reference, start  # noqa: F401 (fixtures)
+
+from leto.errors import BadValue
+from leto.protocol import keys
+from leto.protocol.messages import JobResult, PersistPlan, SupervisorReport
+
+HOSTILE = {
+    keys.JOB_STATE: "{not json",
+    keys.sup_report(999_999): SupervisorReport(signal=15).to_json(),
+    keys.command(999_999): json.dumps({"kind": "spawn", "proc_id": "../../x", "role": "worker", "node": 0}),
+    f"{keys.COMMAND_PREFIX}abc": "{}",
+    keys.host(7): json.dumps({"node": 7, "addr": "10.0.0.1", "port": 1, "pid": 1, "lease": 1}),
+}
+
+
+@pytest.mark.skipif(available() is not None, reason=f"no namespace cluster here: {available()}")
+def test_a_takeover_refuses_hostile_values_and_the_job_ends_with_the_failure_free_digest(
+        cluster: Cluster, tmp_path: Path, reference: str) -> None:
+    run_dir = tmp_path / "run"
+    hosts = start(cluster, run_dir)
+    at_step(run_dir, 3)
+    node = coordinator(cluster)
+    victim = host_of(cluster, run_dir, node)
+    survivor = next(i for i in range(3) if i != victim)
+    for key, value in HOSTILE.items():
+        assert cluster.etcdctl(survivor, "put", f"/leto/{mh.JOB_ID}/{key}", value).returncode == 0
+    cluster.kill_host(victim)
+    results = finish(hosts, run_dir)
+    assert all(code == 0 for i, (code, _) in enumerate(results) if i != victim), failed(results, victim)
+    s = summary(run_dir)
+    assert s["exit_code"] == 0 and s["digest"] == reference, s
+    assert [r["failed_nodes"] for r in s["recoveries"]] == [[node]], s["recoveries"]
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert any(e.get("event") == "takeover" for e in events)
+    new = next(i for i, (_, err) in enumerate(results) if i != victim and "took over as coordinator" in
+               Path(f"{run_dir}.host{i}.out").read_text() + err)
+    err = results[new][1]
+    for key in HOSTILE:
+        assert f"ignored a malformed value of {key}:" in err, (key, err[-3000:])
+        # said once by each reader (the supervisor reads the job state too), not every round
+        assert err.count(f"malformed value of {key}:") <= 2, err[-3000:]
+    assert "Traceback" not in "".join(e for _, e in results)
+
+
+def test_store_messages_refuse_values_no_writer_writes() -> None:
+    assert PersistPlan.from_json(PersistPlan(4, 10).to_json()) == PersistPlan(4, 10)
+    assert JobResult.from_json(JobResult(5, float("nan"), "ab").to_json()).steps == 5  # a diverged loss is data
+    for cls, value, why in [(PersistPlan, '{"every": 0, "first": 3}', "not positive"),
+                            (PersistPlan, '{"every": 2.5, "first": 3}', "not int"),
+                            (PersistPlan, '{"every": 2, "first": -1}', "negative"),
+                            (JobResult, '{"steps": 3, "final_loss": 1.0, "digest": 7}', "not str"),
+                            (JobResult, '[1, 2]', "not an object")]:
+        with pytest.raises(BadValue, match=why) as e:
+            cls.from_json(value, keys.PERSIST_EVERY)
+        assert e.value.key == keys.PERSIST_EVERY
