@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from leto.runtime import linux
+
 REPO = Path(__file__).resolve().parent.parent
 
 # Persistence (its own tests: test_persistence.py) is off by default in the rest of the suite:
@@ -100,14 +102,15 @@ class Launcher:
         return subprocess.CompletedProcess(popen.args, popen.returncode, out, err)
 
     def cleanup(self) -> None:
+        """SIGKILL what is left of each job: the processes its procs.json names, each only while
+        its pid and start time both match (a pid reused since is another process)."""
         for popen, run_dir in self.started:
-            pids = [p["pid"] for p in read_procs(run_dir)] if run_dir else []
+            procs = [(p["pid"], p.get("start")) for p in read_procs(run_dir)] if run_dir else []
             if popen.poll() is None:
                 popen.kill()
                 popen.wait()
-            for pid in pids:
-                if alive(pid):
-                    os.kill(pid, signal.SIGKILL)
+            for pid, start in procs:
+                linux.signal_process(pid, start, signal.SIGKILL)
 
 
 @pytest.fixture
