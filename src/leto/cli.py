@@ -198,9 +198,6 @@ def _check_job(args: argparse.Namespace, prog: str) -> None:
         args.mtbf_s = check_flags(args.persist, args.mtbf, args.persist_every)
     except ValueError as e:
         raise UsageError(f"{prog}: error: {e}") from e
-    if args.resume is not None and args.run_dir is not None and args.run_dir.resolve() != args.resume.resolve():
-        raise UsageError(f"{prog}: error: --resume {args.resume} continues that run in its own folder; "
-                         f"drop --run-dir {args.run_dir}")
 
 
 def _check_rdzv(args: argparse.Namespace, prog: str) -> None:
@@ -327,6 +324,8 @@ def _with_record(parser: _Parser, argv: list[str], args: argparse.Namespace) -> 
     from leto.persistence.resume import RECORD, read_record
     from leto.persistence.store import CheckpointError
     where = f"leto {args.cmd}: error: --resume {args.resume}"
+    if args.run_dir is not None and args.run_dir.resolve() != args.resume.resolve():
+        raise UsageError(f"{where} continues that run in its own folder; drop --run-dir {args.run_dir}")
     try:
         flags = read_record(args.resume.resolve()).get("flags")
     except CheckpointError as e:
