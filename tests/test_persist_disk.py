@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, Launcher, leto_cmd, reference_digest, summary, wait_for
+from conftest import REPO, Launcher, leto_cmd, reference_digest, summary, tmpfs, wait_for
 from leto.persistence import store
 
 STEPS = 30
@@ -34,15 +34,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 @pytest.fixture
 def small_fs(tmp_path: Path) -> Iterator[Path]:
-    """A 48 MiB tmpfs of its own (three checkpoints of this job fit); unmounted afterwards, whatever happened."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(mnt)], check=True, timeout=30)
-    try:
+    """A 48 MiB tmpfs of its own (three checkpoints of this job fit)."""
+    with tmpfs(tmp_path / "mnt", "48m") as mnt:
         yield mnt
-    finally:
-        if subprocess.run(["umount", str(mnt)], timeout=30).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], timeout=30)
 
 
 def start(launcher: Launcher, run_dir: Path, persist_dir: Path, *extra: str) -> subprocess.Popen:
