@@ -126,35 +126,14 @@ def test_training_goes_on_through_a_full_disk(launcher: Launcher, run_dir: Path,
     assert said(out, "is written again:") == len(writers), err[-3000:]
 
 
-SCRIPT = '''
-import time
-import torch
-import torch.nn as nn
-import leto
-
-torch.set_num_threads(1)
-job = leto.init()
-torch.manual_seed(0)
-model = nn.Linear(8, 4)
-trainer = leto.Trainer(model, job, leto.AdamW(lr=1e-2), chunk_bytes=12 * 64)
-x, y = torch.randn(12, 8), torch.randn(12, 4)
-for step in trainer.steps(25):
-    rows = torch.arange(12).tensor_split(trainer.world_size)[trainer.rank]
-    trainer.step(lambda: nn.functional.mse_loss(model(x[rows]), y[rows]), weight=len(rows) / 12)
-    time.sleep(0.1)
-'''
-
-
 def test_a_disk_full_to_the_end_costs_the_files_not_the_job(launcher: Launcher, run_dir: Path,
                                                            tmp_path: Path) -> None:
     """The disk is never freed: the job still ends with exit code 0; rank 0 says how many records
-    it could not write, and the controller says once that summary.json could not be written."""
-    script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
+    it could not write and that model.pt was not written, and the controller says once that
+    summary.json could not be written."""
     out = tmp_path / "job"
     with open(out.with_suffix(".out"), "w") as o, open(out.with_suffix(".err"), "w") as e:
-        popen = subprocess.Popen(leto_cmd("run", "--workers", "2", "--nodes", "2", "--spares", "1", "--persist", "off",
-                                          "--run-dir", str(run_dir), str(script)), cwd=REPO, stdout=o, stderr=e)
+        popen = subprocess.Popen(leto_cmd("train", *JOB, "--run-dir", str(run_dir)), cwd=REPO, stdout=o, stderr=e)
     launcher.started.append((popen, run_dir))
     wait_for(lambda: any(s >= 2 for s in steps(run_dir)), 180, "step 2")
     fill(run_dir)
@@ -166,4 +145,6 @@ def test_a_disk_full_to_the_end_costs_the_files_not_the_job(launcher: Launcher, 
     assert said(out, f"could not write {run_dir / 'summary.json'} (No space left on device); the job ended with "
                      f"exit code 0") == 1, err[-3000:]
     assert not (run_dir / "summary.json").exists()
+    assert f"leto: {run_dir / 'model.pt'} not written: No space left on device" in err, err[-3000:]
+    assert not (run_dir / "model.pt").exists()
     assert "Traceback" not in err, err[-3000:]

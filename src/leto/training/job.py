@@ -3,10 +3,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
+from pathlib import Path
 
 import torch
 
 import leto
+from leto import console
+from leto.runtime import durable, runlog
 from leto.training.corpus import load_tokens
 from leto.training.data import Sampler
 from leto.training.model import GPT, PRESETS
@@ -47,8 +51,20 @@ def main(argv: list[str] | None = None) -> None:
         x, y = x.to(trainer.job.device, non_blocking=True), y.to(trainer.job.device, non_blocking=True)
         trainer.step(lambda: model(x, y), weight=weight, tokens=tokens)
     if trainer.job.rank == 0 and trainer.job.run_dir is not None:  # a shadow never adopted has no rank
-        torch.save(trainer.state_dict(), trainer.job.run_dir / "model.pt")
-        print(f"sample: {sample(model)!r}", flush=True)
+        save_model(trainer, trainer.job.run_dir / "model.pt")
+        console.say(f"sample: {sample(model)!r}")
+
+
+def save_model(trainer: Trainer, path: Path) -> None:
+    """The final weights, written atomically; a full or failing disk costs the file, not the run."""
+    buf = io.BytesIO()
+    torch.save(trainer.state_dict(), buf)
+    try:
+        durable.write_atomic(path, buf.getvalue())
+    except OSError as e:
+        if not runlog.is_disk_error(e):
+            raise
+        console.say(f"leto: {path} not written: {e.strerror}", err=True)
 
 
 PROMPT = "And God said"
