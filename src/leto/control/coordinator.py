@@ -659,7 +659,8 @@ class Coordinator:
                    "spares": self.cfg.recovery.spares, "nodes": t.nodes, "exit_code": code,
                    "recoveries": [e for e in self.events if e["event"] == "recovery"],
                    "resizes": [e for e in self.events if e["event"] == "resize"],
-                   "degraded": [e for e in self.events if e["event"] == "degraded"], **self.summary_extra,
+                   "degraded": [e for e in self.events if e["event"] == "degraded"],
+                   "fatal": next((e["cause"] for e in self.events if e["event"] == "fatal"), None), **self.summary_extra,
                    "config": self.cfg.to_dict()}
         runlog.flush()
         runlog.write_summary(self.run_dir, summary)

@@ -284,11 +284,13 @@ def after_failure(run_dir: Path, persist_dir: Path | None, prog: str) -> None:
     if not done:
         return
     ck = done[0]
+    summary_path = run_dir / "summary.json"
+    summary = read_json(summary_path)
+    if summary is not None and store.RESUME_FAILED in str(summary.get("fatal")):
+        return  # the checkpoint itself is what failed: naming it again would send the user in a circle
     outside = "" if persist_dir.resolve().is_relative_to(run_dir.resolve()) else f" --persist-dir {persist_dir}"
     print(f"leto: the newest complete checkpoint is step {ck.step} ({ck.path}); continue from it with "
           f"`{prog} --resume {run_dir}{outside}` (it continues with the run's flags)", file=sys.stderr)
-    summary_path = run_dir / "summary.json"
-    summary = read_json(summary_path)
     if summary is not None:
         summary["resume_from"] = {"step": ck.step, "path": str(ck.path)}
         write_json_atomic(summary_path, summary)

@@ -25,6 +25,7 @@ from leto.runtime.durable import fsync_dir
 
 COMMIT = "COMMIT"
 KEEP = 2  # complete checkpoints kept
+RESUME_FAILED = "cannot resume:"  # how a rank says the checkpoint it was to start from failed to load
 _STEP_DIR = re.compile(r"step-(\d{8})")
 _READ = 1 << 20
 

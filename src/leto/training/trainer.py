@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from leto.persistence import loader
+from leto.persistence.store import RESUME_FAILED, CheckpointError
 from leto.persistence.writer import PersistConfig, Persister
 from leto.protection.client import Protector
 from leto.protection.layout import STATE_ROWS, Geometry, Layout
@@ -461,7 +462,11 @@ class Trainer:
         if target is None:
             return
         s = self.sharded
-        got = loader.load(*target, self.rank, self.world_size, s.numel, s.n_chunks, s.chunk_elems)
+        try:
+            got = loader.load(*target, self.rank, self.world_size, s.numel, s.n_chunks, s.chunk_elems)
+        except CheckpointError as e:  # a corrupt or hostile checkpoint: the job stops with one line
+            self.job.store.set(keys.FATAL, f"rank {self.rank}: {RESUME_FAILED} {e}")
+            os._exit(1)  # at once: an orderly exit tears down gloo's threads noisily
         s.load(got.shard, got.params, got.step, self.rank)
         self.load_extra_state(got.extra)
 
