@@ -85,11 +85,18 @@ def _damage(newest: Path, damage: str) -> None:
         raw = bytearray(data.read_bytes())
         raw[len(raw) // 2] ^= 0xFF
         data.write_bytes(bytes(raw))
+    elif damage == "outside":  # a marker naming a file outside its part (with its true checksum): refused
+        outside = newest.parent / "outside"
+        outside.write_bytes(b"")
+        marker = store.part_marker(newest, 0)
+        rec = json.loads(marker.read_text())
+        rec["files"]["../../outside"] = [0, store._file_digest(outside)]
+        marker.write_text(json.dumps(rec))
     else:
         data.write_bytes(data.read_bytes()[:-100])
 
 
-@pytest.mark.parametrize("damage", ["marker", "part-marker", "corrupt", "truncate"])
+@pytest.mark.parametrize("damage", ["marker", "part-marker", "corrupt", "truncate", "outside"])
 def test_a_torn_or_corrupt_newest_checkpoint_is_passed_over(tmp_path: Path, small_run, damage: str) -> None:
     run_dir = copy_run(small_run[0], tmp_path / "run")
     previous, newest = (ck.path for ck in store.complete(run_dir / "checkpoints")[::-1])

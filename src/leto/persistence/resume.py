@@ -21,7 +21,9 @@ import os
 import shlex
 import shutil
 import sys
+import time
 from collections.abc import Iterator
+from typing import IO
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +38,7 @@ RECORD = "persist.json"
 CLAIM = "resume-claim.json"   # which attempt of a multi-host run has been resumed (by its first host)
 DEFAULT_DIR = "checkpoints"   # under RUN_DIR
 DEFAULT_MTBF = "5m"           # --mtbf: a failure every few minutes of training (docs/design.md)
+CLAIM_TIMEOUT_S = 60.0  # the longest one host waits for another's claim of a resumed attempt (a few file reads)
 EARLIER_RUN = ("metrics.jsonl", "summary.json")  # what a new job in a used run folder would overwrite
 
 
@@ -189,7 +192,7 @@ class _Claim:
 
 
 @contextmanager
-def _claim(run_dir: Path, attempt: str | None) -> Iterator[_Claim]:
+def _claim(run_dir: Path, attempt: str | None, timeout_s: float = CLAIM_TIMEOUT_S) -> Iterator[_Claim]:
     """Whether this process is the first to resume `attempt` (always, for one host), under a
     lock on the run folder; the first one records what the others need (`last`)."""
     if attempt is None:
@@ -201,7 +204,7 @@ def _claim(run_dir: Path, attempt: str | None) -> Iterator[_Claim]:
     except OSError as e:
         raise store.CheckpointError(f"cannot lock {path}: {e.strerror or e}") from None
     with os.fdopen(fd, "rb") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        _lock(lock, path, timeout_s)
         seen = read_json(run_dir / CLAIM)
         if isinstance(seen, dict) and seen.get("attempt") == attempt:
             yield _Claim(False, seen.get("last"))
@@ -209,6 +212,19 @@ def _claim(run_dir: Path, attempt: str | None) -> Iterator[_Claim]:
         claim = _Claim(True)
         yield claim
         write_json_atomic(run_dir / CLAIM, {"attempt": attempt, "last": claim.last})
+
+
+def _lock(lock: IO[bytes], path: Path, timeout_s: float) -> None:
+    """flock `lock` exclusively, or CheckpointError after `timeout_s` (a host stuck holding it)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise store.CheckpointError(f"{path} stayed locked by another host for {timeout_s:.0f} s") from None
+            time.sleep(0.05)
 
 
 def _not_running(run_dir: Path) -> None:

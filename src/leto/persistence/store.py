@@ -135,8 +135,13 @@ def verify(ck: Checkpoint) -> None:
         folder = part_dir(ck.path, r)
         if ".metadata" not in recorded:
             raise CheckpointError(f"{folder} records no DCP .metadata file")
-        for name, (size, digest) in recorded.items():
+        for name, entry in recorded.items():
+            if not _plain_name(name) or not _is_size_and_digest(entry):
+                raise CheckpointError(f"{part_marker(ck.path, r)} records {name!r} as {entry!r}: not a file of the part")
+            size, digest = entry
             f = folder / name
+            if f.is_symlink():
+                raise CheckpointError(f"{f} is a link; a checkpoint's files are plain files")
             try:
                 actual = f.stat().st_size
             except FileNotFoundError:
@@ -145,6 +150,16 @@ def verify(ck: Checkpoint) -> None:
                 raise CheckpointError(f"{f} has {actual} bytes, {size} were written")
             if _file_digest(f) != digest:
                 raise CheckpointError(f"{f} is corrupt (its checksum differs from the one written)")
+
+
+def _plain_name(name: object) -> bool:
+    """A file name inside a part folder: no folder, no way out of it."""
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\0" not in name
+
+
+def _is_size_and_digest(entry: object) -> bool:
+    return (isinstance(entry, list) and len(entry) == 2 and type(entry[0]) is int and entry[0] >= 0
+            and isinstance(entry[1], str))
 
 
 def choose(root: Path, fingerprint: str, warn: Callable[[str], None]) -> Checkpoint:
