@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from leto.console import read_jsonl
 from leto.persistence import store
 from leto.persistence.files import read_json, write_json_atomic
 from leto.persistence.interval import parse_duration
@@ -266,16 +267,8 @@ def read_json_list(path: Path) -> list[dict]:
 
 def _last_step(metrics: Path) -> int | None:
     """The last step the previous attempt completed (its step records in metrics.jsonl)."""
-    try:
-        lines = metrics.read_text().splitlines()
-    except FileNotFoundError:
-        return None
     steps = []
-    for line in lines:
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:  # the last line of a killed run may be torn
-            continue
+    for rec in read_jsonl(metrics):  # skips torn lines: the last one of a killed run may be
         if isinstance(rec, dict) and "event" not in rec and isinstance(rec.get("step"), int):
             steps.append(rec["step"])
     return max(steps, default=None)
