@@ -5,8 +5,10 @@ counter that says SIGTERM (taken as written, the new coordinator would stop the 
 that is not one, a command key that is not numbered, a host record of a node the job does not
 have. Then the coordinator's host is killed. The new coordinator refuses each value with one line
 naming its key, takes over from the plans and streams as they are, and the job ends on the other
-two hosts with the failure-free digest. The store messages' own checks (a checkpoint schedule, a
-job result, int keys of JSON objects) are specified here too."""
+two hosts with the failure-free digest. In a one-host job, a malformed drain of the running
+generation (which keepers once crashed on, one replacement after another) and a malformed
+checkpoint schedule are ignored the same way: no keeper fails, the checkpoints go on, the digest
+is the failure-free one. The store messages' own checks are specified here too."""
 from __future__ import annotations
 
 import json
@@ -14,10 +16,11 @@ from pathlib import Path
 
 import pytest
 import test_multihost as mh
-from conftest import summary
+from conftest import JOB, Launcher, read_procs, reference_digest, summary, wait_for
 from netns_cluster import Cluster, available
 from test_host_errors import at_step
 from test_multihost import cluster, coordinator, failed, finish, host_of, reference, start  # noqa: F401 (fixtures)
+from test_store_values import _client
 
 from leto.errors import BadValue
 from leto.protocol import keys
@@ -37,12 +40,16 @@ def test_a_takeover_refuses_hostile_values_and_the_job_ends_with_the_failure_fre
         cluster: Cluster, tmp_path: Path, reference: str) -> None:
     run_dir = tmp_path / "run"
     hosts = start(cluster, run_dir)
-    at_step(run_dir, 3)
+    # written once the coordinator has started the job (its job state is out), while the workers
+    # start: a job of 10 short steps would be over before a few etcdctl runs were
+    wait_for(lambda: _get(cluster, keys.JOB_STATE), 120, "the job state")
     node = coordinator(cluster)
+    wait_for(lambda: _host_of(cluster, run_dir, node) is not None, 30, "the coordinator's supervisor")
     victim = host_of(cluster, run_dir, node)
     survivor = next(i for i in range(3) if i != victim)
     for key, value in HOSTILE.items():
         assert cluster.etcdctl(survivor, "put", f"/leto/{mh.JOB_ID}/{key}", value).returncode == 0
+    at_step(run_dir, 2)
     cluster.kill_host(victim)
     results = finish(hosts, run_dir)
     assert all(code == 0 for i, (code, _) in enumerate(results) if i != victim), failed(results, victim)
@@ -59,6 +66,41 @@ def test_a_takeover_refuses_hostile_values_and_the_job_ends_with_the_failure_fre
         # said once by each reader (the supervisor reads the job state too), not every round
         assert err.count(f"malformed value of {key}:") <= 2, err[-3000:]
     assert "Traceback" not in "".join(e for _, e in results)
+
+
+def _get(cluster: Cluster, key: str) -> str:
+    return cluster.etcdctl(0, "get", f"/leto/{mh.JOB_ID}/{key}", "--print-value-only").stdout.strip()
+
+
+def _host_of(cluster: Cluster, run_dir: Path, node: int) -> int | None:
+    """The namespace of node `node`, None until its supervisor's procs file names it."""
+    try:
+        return host_of(cluster, run_dir, node)
+    except (FileNotFoundError, StopIteration, json.JSONDecodeError):
+        return None
+
+
+def test_a_malformed_drain_and_checkpoint_schedule_are_ignored_in_a_one_host_job(
+        launcher: Launcher, tmp_path: Path) -> None:
+    digest = reference_digest(launcher, tmp_path, *JOB)
+    run_dir = tmp_path / "run"
+    ctl = launcher.start("train", "--run-dir", str(run_dir), *JOB, "--persist", "on", run_dir=run_dir)
+    wait_for(lambda: ctl.poll() is not None or any(p["role"] == "controller" for p in read_procs(run_dir)),
+             60, "the job's store")
+    store = _client(run_dir)
+    hostile = {keys.drain(0): "{", keys.PERSIST_EVERY: PersistPlan(0, 1).to_json()}
+    for key, value in hostile.items():
+        store.set(key, value)
+    out, err = ctl.communicate(timeout=240)
+    assert ctl.returncode == 0, err[-3000:]
+    for key in hostile:
+        assert f"ignored a malformed value of {key}:" in err, (key, err[-3000:])
+    s = summary(run_dir)
+    assert s["digest"] == digest and s["recoveries"] == [], s
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert not [e for e in events if e.get("event") == "failure"], "a keeper failed on the drain"
+    assert [e for e in events if e.get("event") == "persist_interval"], "no checkpoint schedule was chosen"
+    assert "Traceback" not in err, err[-3000:]
 
 
 def test_store_messages_refuse_values_no_writer_writes() -> None:

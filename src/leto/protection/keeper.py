@@ -656,7 +656,11 @@ def _early_group(job: rt.Job, gen: int, node: int) -> EarlyGroup | None:
     """Start generation `gen`'s keeper group if its plan is out and names this node."""
     if not job.store.check([keys.plan(gen)]):
         return None
-    nodes = sorted(set(read_plan(job.store, gen).node_of_rank))
+    try:
+        nodes = sorted(set(read_plan(job.store, gen).node_of_rank))
+    except BadValue as e:  # no early group: the generation's group forms once its layout is out
+        _refused.refuse(e)
+        return None
     return EarlyGroup(job.store, gen, nodes, node, job.timeout_s) if node in nodes else None
 
 
@@ -676,16 +680,31 @@ def _report(committed: Keeper | None, plan: Drain, job: rt.Job) -> KeeperReport:
 
 
 def _read_drain(job: rt.Job, gen: int) -> Drain:
-    return _read(job, Drain.from_json, keys.drain(gen))
-
-
-def _read(job: rt.Job, parse: Callable[[bytes, str], T], key: str) -> T:
-    """A message this keeper cannot go on without: a malformed one ends the keeper with one line
-    (the coordinator replaces it like any failed keeper)."""
+    """The drain this keeper saw a moment ago (`_drain`): malformed since, it ends the keeper
+    with one line (the coordinator replaces it like any failed keeper)."""
+    key = keys.drain(gen)
     try:
-        return parse(job.store.get(key), key)
+        return Drain.from_json(job.store.get(key), key)
     except BadValue as e:
         raise SystemExit(f"leto: keeper of node {job.node}: cannot go on: malformed value of {e}") from None
+
+
+def _drain(job: rt.Job, gen: int) -> Drain | None:
+    """Generation `gen`'s drain once written; a malformed one is ignored (said once) as if none
+    were written yet: the coordinator's own drain replaces it."""
+    return _message(job, Drain.from_json, keys.drain(gen))
+
+
+def _message(job: rt.Job, parse: Callable[[bytes, str], T], key: str) -> T | None:
+    """The message at `key` if it is there and well-formed (a malformed one is said once)."""
+    if not job.store.check([key]):
+        return None
+    value = job.store.get(key)
+    try:
+        return parse(value, key)
+    except BadValue as e:
+        _refused.refuse(e, value)
+        return None
 
 
 def main() -> None:
@@ -703,8 +722,7 @@ def main() -> None:
     gen = 0
     early: EarlyGroup | None = None
     while not job.shutdown_requested():
-        if job.store.check([keys.drain(gen)]):  # abandoned before it started: report the committed one
-            plan = _read_drain(job, gen)
+        if (plan := _drain(job, gen)) is not None:  # abandoned before it started: report the committed one
             job.store.set(keys.report(gen, node), _report(committed, plan, job).to_json())
             gen = plan.next_generation
             continue
@@ -712,7 +730,10 @@ def main() -> None:
             early = _early_group(job, gen, node)  # those): its group may have formed long ago
         if rt.await_keys(job.store, [keys.layout(gen)], 0.05) is not None:
             continue  # not yet: look for a drain and the shutdown again
-        layout = _read(job, Layout.from_json, keys.layout(gen))
+        layout = _message(job, Layout.from_json, keys.layout(gen))
+        if layout is None:  # malformed: as if not yet published (the workers fail on it, a drain follows)
+            time.sleep(0.05)
+            continue
         trace.mark("keeper_layout", generation=gen)
         if node not in layout.nodes:
             gen += 1
@@ -721,7 +742,7 @@ def main() -> None:
                          early.take(layout) if early is not None and early.gen == gen else None)
 
         def should_stop(gen: int = gen) -> str | None:
-            if job.store.check([keys.drain(gen)]):
+            if _drain(job, gen) is not None:
                 return "drain"
             return "shutdown" if job.shutdown_requested() else None
 
