@@ -420,6 +420,8 @@ class Coordinator:
         for p, why in failed:
             self.display.message(f"leto: {p.describe()} (pid {p.pid}, node {p.node}) {why}")
             self.event("failure", role=p.role, rank=p.rank, node=p.node, pid=p.pid, cause=why)
+        if any(p.code == 0 for p in self.members.values()):
+            return self._after_training()
         dead_keepers = {p.node for p, _ in failed if p.role == "keeper"}
         lost_ranks = {r for r, p in self.members.items() if any(p is f for f, _ in failed)}
         lost_nodes = {n for n in dead_keepers
@@ -464,6 +466,15 @@ class Coordinator:
         # the model) would compete for the cores the recovery is using
         self._flush()
         return None
+
+    def _after_training(self) -> int:
+        """A failure once a member has finished: a rank ends only after the last step's collectives,
+        so training is over and there is nothing left to recover (a recovery would wait for
+        survivors that have gone). The job ends, successful if rank 0 recorded its result."""
+        recorded = self.store.check([keys.RESULT])
+        self.display.message("leto: the failure came after the last step; nothing to recover"
+                             + ("" if recorded else " (rank 0 did not record the result)"))
+        return 0 if recorded else 1
 
     def _refuse(self, lost_ranks: set[int]) -> int | None:
         """An exit code when no recovery may be tried (no protection, too many, nothing protected)."""

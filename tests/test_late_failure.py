@@ -1,0 +1,33 @@
+"""A failure after the last step has nothing to recover: one rank of a real job lingers after its
+training loop and is SIGKILLed once the others have exited; the job ends at once with exit code
+0, its result recorded, and no recovery is tried (it would wait for ranks that have gone)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+from conftest import REPO, Launcher, read_procs, summary, wait_for
+
+
+def test_a_failure_after_the_last_step_ends_the_job_without_a_recovery(launcher: Launcher, tmp_path: Path) -> None:
+    run_dir, marker = tmp_path / "run", tmp_path / "done"
+    popen = launcher.start("run", "--run-dir", str(run_dir), "--workers", "2", "--nodes", "2", "--spares", "1",
+                           "--persist", "off", "--timeout", "20",
+                           str(REPO / "tests" / "scripts" / "lingering_rank.py"), "--marker", str(marker),
+                           run_dir=run_dir)
+    wait_for(marker.exists, 180, "the last rank's end of training")
+    wait_for(lambda: not any(p["role"] == "worker" and p["rank"] == 0 for p in read_procs(run_dir)), 60,
+             "rank 0's exit")
+    lingering = next(p for p in read_procs(run_dir) if p["role"] == "worker" and p["rank"] == 1)
+    os.kill(lingering["pid"], signal.SIGKILL)
+    try:
+        out, err = popen.communicate(timeout=60)  # a recovery would wait out --timeout, and again
+    except subprocess.TimeoutExpired:
+        raise AssertionError("the job did not end after a failure that came after its last step") from None
+    assert popen.returncode == 0, err[-3000:]
+    assert "the failure came after the last step; nothing to recover" in out + err, (out + err)[-3000:]
+    s = summary(run_dir)
+    assert s["digest"] is not None and s["steps"] == 6
+    assert s["recoveries"] == []
