@@ -20,6 +20,7 @@ import pytest
 
 from conftest import REPO, Launcher, alive, read_procs, summary, wait_for
 from leto.baselines.ckpt_job import MemoryCheckpointer, steps_between
+from leto.runtime.runlog import write_procs
 from leto.baselines.faults import ExternalInjector, kill_at_step, poisson_schedule
 
 STEPS = 12
@@ -191,7 +192,7 @@ def _fake_job(tmp_path: Path) -> tuple[Path, list[subprocess.Popen]]:
     roles = [("worker", 0, 0), ("worker", 1, 0), ("worker", 2, 1), ("shadow", None, 1)]
     records = [{"role": "controller", "rank": None, "node": None, "pid": os.getpid()}]
     records += [{"role": role, "rank": rank, "node": node, "pid": p.pid} for (role, rank, node), p in zip(roles, procs)]
-    (run_dir / "procs.json").write_text(json.dumps(records))
+    write_procs(run_dir, records)  # as a job writes it: each pid with its start time
     return run_dir, procs
 
 

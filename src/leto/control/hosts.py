@@ -13,6 +13,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 
 from leto.config import JobConfig
 from leto.control.coordinator import POLL_S, Coordinator
@@ -249,6 +250,8 @@ def run_host(config: JobConfig, summary_extra: dict | None = None) -> int:
         code, left = 1, True
     except Exception as e:  # this host's own trouble: it leaves, and the job goes on without it
         _leave(addr, f"unexpected error: {type(e).__name__}: {e}", supervisor, coordinator)
+        if not isinstance(e, OSError):  # not the machine's doing but a fault of Leto's: where it was
+            traceback.print_exc()
         code, left, local_error = 1, True, True
     finally:
         if etcd_leader is not None:
