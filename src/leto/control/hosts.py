@@ -97,8 +97,10 @@ class Cluster:
                 self._fencing[n] = (f"{why}; fenced out", self._watch.last_heard(n) or time.time())
         out: dict[int, tuple[str, float]] = {}
         for node in list(self._fencing):
-            try:
-                self.store.fence_out(keys.host(node), self.records[node].lease)
+            record = self.records.get(node)  # None: its record was gone before this coordinator read
+            try:  # them (a follower fenced out the previous coordinator's host before the election)
+                if record is not None:
+                    self.store.fence_out(keys.host(node), record.lease)
             except StoreUnavailable:
                 continue  # not reported before it is fenced: tried again at the next round
             out[node] = self._fencing.pop(node)
