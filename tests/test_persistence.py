@@ -262,6 +262,23 @@ def test_a_checkpoint_loads_into_another_world_size(tmp_path: Path) -> None:
         assert torch.equal(got.shard, want[r]) and torch.equal(got.params, full[0]) and got.extra == {"rank": r}
 
 
+def test_the_last_parts_written_together_commit_once(tmp_path: Path) -> None:
+    """The last two ranks to finish a checkpoint both see every part marked: both write the
+    commit marker, and exactly one of them reports it (one persist_commit event, one prune)."""
+    ck = store.step_dir(tmp_path, 5)
+    for r in range(2):
+        store.part_dir(ck, r).mkdir(parents=True)
+        (store.part_dir(ck, r) / "data").write_bytes(b"x")
+    marked = [store.part_marker(ck, r) for r in range(2)]
+    for r in range(2):  # both markers first, as when the two writes end together
+        store.mark_part(ck, r, 5, 2, "fp")
+        assert marked[r].exists()
+    (ck / store.COMMIT).unlink()
+    (ck / store.COMMIT_CLAIM).unlink()
+    assert [store.mark_part(ck, r, 5, 2, "fp") for r in range(2)] == [True, False]
+    assert [c.step for c in store.complete(tmp_path)] == [5]
+
+
 def test_interval_helpers() -> None:
     assert parse_duration("5m") == 300 and parse_duration("90") == 90 and parse_duration("1.5h") == 5400
     for bad in ("", "soon", "-1m", "0s"):
@@ -282,7 +299,7 @@ def test_young_daly_k_is_chosen_from_measured_costs_and_shared(launcher, tmp_pat
     k = plan["every"]
     commits = [e["step"] for e in events(run_dir, "persist_commit")]
     assert commits[0] == 5
-    assert all((c - plan["first"]) % k == 0 and c >= plan["first"] for c in commits[1:])
+    assert all((c - plan["first"]) % k == 0 and c >= plan["first"] for c in commits[1:]), (plan, commits)
 
 
 def test_leto_run_resumes_a_user_script(launcher, tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ that survives a power loss names files that survived it too.
 """
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from leto.persistence.files import read_json, write_json_atomic
 from leto.runtime.durable import fsync_dir
 
 COMMIT = "COMMIT"
+COMMIT_CLAIM = ".commit-claimed"  # made exclusively by the one rank that reports a commit
 KEEP = 2  # complete checkpoints kept
 RESUME_FAILED = "cannot resume:"  # how a rank says the checkpoint it was to start from failed to load
 _STEP_DIR = re.compile(r"step-(\d{8})")
@@ -71,7 +73,7 @@ def file_digests(folder: Path) -> dict[str, list]:
 
 def mark_part(ckpt: Path, rank: int, step: int, world_size: int, fingerprint: str) -> bool:
     """Record that rank `rank`'s part is fully written; commit the checkpoint if it was the
-    last part. Returns whether the checkpoint is complete now."""
+    last part. True for exactly one rank: the one that commits it first (it reports and prunes)."""
     fsync_dir(part_dir(ckpt, rank))  # DCP syncs its files, not their names
     fsync_dir(ckpt.parent)           # the step folder's own name
     write_json_atomic(part_marker(ckpt, rank), {"step": step, "rank": rank, "world_size": world_size,
@@ -79,8 +81,13 @@ def mark_part(ckpt: Path, rank: int, step: int, world_size: int, fingerprint: st
                                                 "files": file_digests(part_dir(ckpt, rank))})
     if _torn_because(ckpt, step, world_size, fingerprint, need_commit=False) is not None:
         return False
-    # the last ranks to finish may both get here: they write the same bytes, atomically
+    # the last ranks to finish may both get here: they write the same bytes, atomically, and
+    # the one that claims the commit first reports it
     write_json_atomic(ckpt / COMMIT, {"step": step, "world_size": world_size, "fingerprint": fingerprint})
+    try:
+        os.close(os.open(ckpt / COMMIT_CLAIM, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+    except FileExistsError:
+        return False
     return True
 
 
