@@ -71,7 +71,7 @@ def test_a_run_keeps_the_last_two_complete_checkpoints(small_run) -> None:
     assert committed_steps(run_dir) == commits[-2:]  # older ones pruned
     ck = store.complete(run_dir / "checkpoints")[0]
     assert ck.world_size == 2 and sorted(p.name for p in ck.path.iterdir()) == [
-        "COMMIT", "rank0", "rank0.done", "rank1", "rank1.done"]
+        store.COMMIT_CLAIM, "COMMIT", "rank0", "rank0.done", "rank1", "rank1.done"]
     store.verify(ck)
 
 
