@@ -21,9 +21,10 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path | str, data: bytes) -> None:
+def write_atomic(path: Path | str, data: bytes, sync: bool = True) -> None:
     """Replace `path` with `data` atomically and durably (temporary file, fsync, rename, fsync
-    of the folder). Raises OSError (the target unchanged) if any of it fails."""
+    of the folder; `sync=False`: atomically only, for a live status file rewritten often).
+    Raises OSError (the target unchanged) if any of it fails."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
@@ -32,7 +33,8 @@ def write_atomic(path: Path | str, data: bytes) -> None:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
-            os.fsync(fd)
+            if sync:
+                os.fsync(fd)
         finally:
             os.close(fd)
         os.replace(tmp, path)
@@ -42,4 +44,5 @@ def write_atomic(path: Path | str, data: bytes) -> None:
         except OSError:
             pass
         raise
-    fsync_dir(path.parent)
+    if sync:
+        fsync_dir(path.parent)

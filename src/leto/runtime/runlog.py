@@ -189,14 +189,8 @@ def write_procs(run_dir: Path, records: list[dict], name: str = PROCS) -> bool:
     trouble = _replaced.get(path) or _replaced.setdefault(path, _Trouble(path))
     if not trouble.due():
         return False
-    tmp = run_dir / f".{name}.{os.getpid()}.tmp"
     try:
-        try:
-            tmp.write_text(json.dumps(records, indent=1))
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        write_atomic(path, json.dumps(records, indent=1).encode(), sync=False)  # live: no fsync
     except OSError as e:
         if not is_disk_error(e):
             raise
