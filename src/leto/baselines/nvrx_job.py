@@ -42,11 +42,11 @@ import torch.distributed as dist
 
 from leto.baselines.ckpt_job import write_whole
 from leto.baselines.torchft_job import stop_processes
-from leto.config import DEFAULT_TIMEOUT_S
+from leto.config import DEFAULT_TIMEOUT_S, JobConfig, Timeouts, TrainingConfig
 from leto.console import read_jsonl
 from leto.protocol.messages import node_of_rank
 from leto.runtime import runlog
-from leto.runtime.env import LOOPBACK, Job, loopback_store, network_env
+from leto.runtime.env import LOOPBACK, Job, loopback_store, network_env, solo
 from leto.runtime.linux import describe_exit, die_with_parent, proc_stat
 from leto.training import job as base_job
 from leto.training.corpus import load_tokens
@@ -245,9 +245,11 @@ def _train(ctx: _Ctx, call_wrapper) -> dict:
     with torch.no_grad():
         for p, v in zip(ctx.model.parameters(), ctx.init):
             p.copy_(v)
-    job = Job(role="worker", rank=rank, world_size=world, node=ctx.node, num_nodes=ctx.nodes, run_dir=ctx.run_dir,
+    config = solo(JobConfig(training=TrainingConfig(workers=world, nodes=ctx.nodes),
+                            timeouts=Timeouts(collective_s=ctx.timeout_s)))
+    job = Job(config=config, role="worker", rank=rank, world_size=world, node=ctx.node, run_dir=ctx.run_dir,
               store=store, proc_id="solo",  # "solo": no Leto membership plan or heartbeat (Trainer.connect)
-              timeout_s=ctx.timeout_s, device=torch.device("cpu"))
+              device=torch.device("cpu"))
     args = ctx.args
     optimizer = AdamW(lr=warmup_cosine(args.lr, warmup=min(20, args.steps // 10), total=args.steps))
     trainer = Trainer(ctx.model, job, optimizer, chunk_bytes=args.chunk_bytes)

@@ -284,3 +284,9 @@ def part_state(trainer: Persisted, step: int) -> dict:
     if trainer.rank == 0:
         sd["params"] = trainer.flat_param[:trainer.numel]
     return sd
+
+
+def persister_for(job: Job) -> Persister | None:
+    """The job's persister, where `leto train|run` turned persistence on; None otherwise."""
+    cfg = PersistConfig.from_env()
+    return Persister(cfg, job) if cfg is not None else None

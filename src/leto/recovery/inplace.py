@@ -85,7 +85,7 @@ def join(m: Member, gen: int) -> RecoveryRecord:
     src = protection_source(m, plan, reports)
     m.fault("recovery", m.sharded.step + 1)
     rplan, held, holder = agree_on_step(m, plan, src)
-    if m.job.protection and not src.roles.reshard:  # the keepers set up while the state is decoded
+    if m.job.config.protection.enabled and not src.roles.reshard:  # the keepers set up while the state is decoded
         m.publish_layout(gen, rplan.step, src.layout.geometry.n_chunks)
     phases.done("agree_on_step")
     t_decode = time.time()
@@ -250,7 +250,7 @@ def reprotect(m: Member, gen: int, step: int, staged: torch.Tensor | None) -> No
     if staged is not None:
         m.protect(gen, step, staged)
         m.sharded.settle_reshard(gen)
-    elif m.job.protection:
+    elif m.job.config.protection.enabled:
         m.protect(gen, step, wait=False)
 
 

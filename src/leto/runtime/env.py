@@ -5,7 +5,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -28,27 +28,25 @@ ENV_HOST_STORE = "LETO_HOST_STORE"  # host:port of the host's own TCPStore, for 
 LOOPBACK = "127.0.0.1"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Job:
-    """This process's place in the job."""
+    """This process's place in the job: who it is, where the job is, and the whole configuration."""
 
+    config: JobConfig
     role: str
-    rank: int | None
-    world_size: int
+    rank: int | None          # None for a shadow until it adopts a rank
+    world_size: int           # ranks of the current generation
     node: int
-    num_nodes: int
-    run_dir: Path | None
     store: dist.Store
     proc_id: str
-    timeout_s: float
     device: torch.device
     job_id: str = "solo"
-    protection: bool = False
-    ec: tuple[int, int] | None = None
-    protect_every: int = 1
-    protect_grads: bool = False  # --protect-grads on (otherwise: only where the reduction shards them)
-    inject: tuple[str, ...] = ()  # fault injections (--inject specs)
-    config: JobConfig | None = None  # the whole configuration (None outside a job)
+    run_dir: Path | None = None  # None outside `leto run`
+
+    @property
+    def timeout_s(self) -> float:
+        """Every collective and store wait of the job."""
+        return self.config.timeouts.collective_s
 
     @property
     def is_shadow(self) -> bool:
@@ -133,19 +131,24 @@ def init(device: str | None = None) -> Job:
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     text = os.environ.get(ENV_CONFIG)
     cfg = JobConfig.from_json(text) if text else JobConfig()
-    timeout_s = cfg.timeouts.collective_s
     addr = os.environ.get(ENV_STORE)
-    if addr is None:
-        return Job("worker", 0, 1, 0, 1, None, dist.HashStore(), "solo", timeout_s, dev)
-    store = connect(addr, timeout_s)
+    if addr is None:  # no keepers, nothing to inject into
+        return Job(config=solo(cfg), role="worker", rank=0, world_size=1, node=0, store=dist.HashStore(),
+                   proc_id="solo", device=dev)
+    store = connect(addr, cfg.timeouts.collective_s)
     role = os.environ[ENV_ROLE]
     rank = int(os.environ[ENV_RANK]) if role == "worker" else None
     if dev.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank or 0)) % torch.cuda.device_count())
         _deterministic()
         _nccl_never_kills()
-    prot = cfg.protection
-    return Job(role, rank, cfg.training.workers, int(os.environ[ENV_NODE]), cfg.training.nodes,
-               Path(cfg.run_dir), store, os.environ[ENV_PROC_ID], timeout_s, dev,
-               os.environ.get(ENV_JOB_ID, "solo"), prot.enabled, prot.ec, prot.every, prot.grads,
-               cfg.recovery.inject, cfg)
+    return Job(config=cfg, role=role, rank=rank, world_size=cfg.training.workers, node=int(os.environ[ENV_NODE]),
+               store=store, proc_id=os.environ[ENV_PROC_ID], device=dev, job_id=os.environ.get(ENV_JOB_ID, "solo"),
+               run_dir=Path(cfg.run_dir))
+
+
+def solo(config: JobConfig) -> JobConfig:
+    """The configuration of a process that trains outside Leto's supervision (no keepers, no
+    injections): `leto.init()` without `leto run`, and the baselines' workers."""
+    return replace(config, protection=replace(config.protection, enabled=False),
+                   recovery=replace(config.recovery, inject=()))

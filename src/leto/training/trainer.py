@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from leto.persistence import loader
 from leto.persistence.store import RESUME_FAILED, CheckpointError
-from leto.persistence.writer import PersistConfig, Persister
+from leto.persistence.writer import Persister, persister_for
 from leto.protection.client import Protector
 from leto.protection.layout import STATE_ROWS, Geometry, Layout
 from leto.protocol import keys
@@ -79,14 +79,14 @@ class Trainer:
         self.rank_state = RankState(model)
         # on gloo every rank holds the whole reduced gradient: the keepers need no copy of it
         self.backend = backend_for(job.device, job.world_size)
-        self.replicated_grads = reduction_replicates(self.backend) and not job.protect_grads
+        self.replicated_grads = reduction_replicates(self.backend) and not job.config.protection.grads
         self.sharded = ShardedState(self.params, self.groups, chunk_bytes // (STATE_ROWS * 4), job.device,
-                                    job.world_size, protection=job.protection,
-                                    replicated_grads=self.replicated_grads, protect_every=job.protect_every)
+                                    job.world_size, protection=job.config.protection.enabled,
+                                    replicated_grads=self.replicated_grads, protect_every=job.config.protection.every)
         self.generation = 0
         self.recoveries: list[RecoveryRecord] = []
         self._layout_published: int | None = None  # the generation whose layout this rank 0 published
-        specs = list(job.inject)
+        specs = list(job.config.recovery.inject)
         self.injector = InProcessInjector(job.store, specs, job.run_dir, job.proc_id) if specs else None
         self._loss = torch.zeros(1, device=job.device)
         self.last_loss = float("nan")
@@ -95,7 +95,7 @@ class Trainer:
         self.watch: GenerationWatch | None = None
         self.plan: Plan | None = None
         self._t_last = time.perf_counter()
-        self.persister = _make_persister(job)  # persistence (issue 12 item 4), see the end of the class
+        self.persister = persister_for(job)
 
     # ----- the sharded state (`sharded`), as users and the baselines read it
     @property
@@ -144,7 +144,7 @@ class Trainer:
         self.sharded.take_master(self.rank)
         self._resume()  # --resume: start from a persistent checkpoint
         self._gather_rank_state(self.step_count)  # rank 0's buffers (resumed ones too) are everyone's
-        if job.protection and self.plan is not None:
+        if job.config.protection.enabled and self.plan is not None:
             self.protect(0, self.step_count)
 
     def enter(self, generation: int, plan: Plan) -> None:
@@ -193,8 +193,8 @@ class Trainer:
         if self.rank != 0 or self._layout_published == generation:
             return
         geometry = Geometry(state_chunks, self.sharded.chunk_elems)
-        layout = Layout(generation, base_step, geometry, self.plan.node_of_rank, self.job.ec,
-                        protect_every=self.job.protect_every, replicated_grads=self.replicated_grads)
+        layout = Layout(generation, base_step, geometry, self.plan.node_of_rank, self.job.config.protection.ec,
+                        protect_every=self.job.config.protection.every, replicated_grads=self.replicated_grads)
         self.job.store.set(keys.layout(generation), layout.to_json())
         self._layout_published = generation
 
@@ -245,7 +245,7 @@ class Trainer:
                 return self._step(loss_fn, weight, tokens)
             except PeerFailure as e:
                 trace.mark("peer_failure", why=str(e)[:200])
-                if self.watch is None or not self.job.protection:
+                if self.watch is None or not self.job.config.protection.enabled:
                     raise
                 self._recover(str(e))
                 return None
@@ -500,8 +500,3 @@ class Trainer:
                         return False  # replaced again before it finished adopting
         return False
 
-
-def _make_persister(job: Job) -> Persister | None:
-    """The job's persister, where `leto train|run` turned persistence on (ENV_PERSIST)."""
-    cfg = PersistConfig.from_env()
-    return Persister(cfg, job) if cfg is not None else None
