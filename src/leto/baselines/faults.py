@@ -17,9 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from leto.console import parse_records
+from leto.protocol.failures import FailureKind
 from leto.runtime.linux import signal_process
 
 POLL_S = 0.005
+EXTERNAL = (FailureKind.KILL, FailureKind.NODE_KILL)  # the kinds a signal from outside the job can cause
 
 
 class InjectionCancelled(RuntimeError):
@@ -108,7 +110,8 @@ def inject_at_step(run_dir: Path, *, rank: int | None = None, node: int | None =
             # a zombie (died, not yet reaped) or a reused pid has another start time: not signalled
             sent = [pid for pid, start in _targets(Path(run_dir), rank, node) if signal_process(pid, start, sig)]
             if sent:
-                spec = {"kind": "kill" if rank is not None else "node-kill", "rank": rank, "node": node,
+                kind = FailureKind.KILL if rank is not None else FailureKind.NODE_KILL
+                spec = {"kind": kind.value, "rank": rank, "node": node,
                         "step": step, "signal": signal.Signals(sig).name}
                 return Kill(spec, time.time(), seen, sent)
             # procs.json does not list a live target yet (a job between restarts): keep looking
@@ -152,16 +155,17 @@ class ExternalInjector:
 
     @staticmethod
     def _check(spec: dict) -> dict:
-        kind = spec.get("kind", "kill")
-        if kind not in ("kill", "node-kill"):
+        kind = spec.get("kind", FailureKind.KILL.value)
+        if kind not in EXTERNAL:
             raise ValueError(f"unknown injection kind {kind!r}")
+        kind = FailureKind(kind)
         if not isinstance(spec.get("step"), int) or spec["step"] < 1:
             raise ValueError(f"injection needs a step >= 1: {spec}")
-        who = "rank" if kind == "kill" else "node"
+        who = "node" if kind.targets_node else "rank"
         if not isinstance(spec.get(who), int):
-            raise ValueError(f"a {kind!r} injection needs an integer {who!r}: {spec}")
-        return {"kind": kind, "rank": spec.get("rank") if kind == "kill" else None,
-                "node": spec.get("node") if kind == "node-kill" else None, "step": spec["step"]}
+            raise ValueError(f"a {kind.value!r} injection needs an integer {who!r}: {spec}")
+        return {"kind": kind.value, "rank": None if kind.targets_node else spec.get("rank"),
+                "node": spec.get("node") if kind.targets_node else None, "step": spec["step"]}
 
     def start(self) -> ExternalInjector:
         since = time.time()

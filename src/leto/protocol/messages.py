@@ -7,6 +7,7 @@ from their known sets. Anything else raises `BadValue` naming the key and what i
 """
 from __future__ import annotations
 
+import enum
 import functools
 import json
 import math
@@ -19,6 +20,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields, is_dataclass
 from typing import Any, Self, TypeVar
 
 from leto.errors import BadValue
+from leto.protocol.failures import ProcEventKind
 
 DONE = "done"  # the heartbeat of a process that left the job on purpose
 PID_MAX = 1 << 22  # the kernel's largest pid_max
@@ -154,6 +156,11 @@ def _value(v: Any, tp: Any, where: str, finite: bool = True) -> Any:
         return float(v)
     if tp is str and isinstance(v, str):
         return v
+    if isinstance(tp, type) and issubclass(tp, enum.Enum) and isinstance(v, str):
+        try:
+            return tp(v)
+        except ValueError:
+            raise _Invalid(f"{where} is {_show(v)}, not one of {', '.join(m.value for m in tp)}") from None
     if tp is Any:
         return _plain(v, where, finite)
     if origin in (tuple, list) and isinstance(v, (list, tuple)):
@@ -279,14 +286,11 @@ class _Flat:
 
 
 # ----- supervisor <-> coordinator (keys.sup_report, keys.command)
-PROC_EVENTS = ("started", "exited", "fenced", "fork_failed")
-
-
 @dataclass(frozen=True)
 class ProcEvent:
     """What happened to one process of the supervisor's host."""
 
-    kind: str                # one of PROC_EVENTS
+    kind: ProcEventKind
     proc_id: str
     role: str                # worker | shadow | zygote | keeper
     rank: int | None
@@ -296,8 +300,10 @@ class ProcEvent:
     cause: str = ""          # in words: "was killed by SIGKILL", "stopped heartbeating ...; fenced with SIGKILL"
 
     def __post_init__(self) -> None:
-        if self.kind not in PROC_EVENTS:
-            raise ValueError(f"unknown process event {self.kind!r}")
+        try:
+            object.__setattr__(self, "kind", ProcEventKind(self.kind))
+        except ValueError:
+            raise ValueError(f"unknown process event {self.kind!r}") from None
 
     def problem(self) -> str | None:
         if self.role not in ROLES:

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from leto.protocol import keys
+from leto.protocol.failures import FailureKind
 from leto.runtime import linux
 
-KINDS = ("kill", "stop", "hang", "node-kill")
 PHASES = ("forward", "backward", "reduce-scatter", "grads", "update", "all-gather", "parity", "recovery")
 CHUNKED = ("grads", "update", "parity")  # phases that run chunk by chunk (chunk=C picks the boundary)
 
@@ -30,7 +30,7 @@ CHUNKED = ("grads", "update", "parity")  # phases that run chunk by chunk (chunk
 @dataclass(frozen=True)
 class Injection:
     index: int
-    kind: str
+    kind: FailureKind
     step: int
     phase: str = "forward"
     rank: int | None = None
@@ -41,9 +41,10 @@ class Injection:
 def parse(spec: str, index: int = 0) -> Injection:
     """Parse one --inject spec; ValueError naming the problem."""
     parts = spec.split(":")
-    kind = parts[0]
-    if kind not in KINDS:
-        raise ValueError(f"--inject {spec!r}: unknown kind {kind!r}; use one of {', '.join(KINDS)}")
+    try:
+        kind = FailureKind(parts[0])
+    except ValueError:
+        raise ValueError(f"--inject {spec!r}: unknown kind {parts[0]!r}; use one of {', '.join(FailureKind)}") from None
     fields: dict[str, str] = {}
     for part in parts[1:]:
         key, sep, value = part.partition("=")
@@ -66,9 +67,9 @@ def parse(spec: str, index: int = 0) -> Injection:
         raise ValueError(f"--inject {spec!r}: chunk=C only applies to phases {', '.join(CHUNKED)}")
     if step < 1:
         raise ValueError(f"--inject {spec!r}: step must be at least 1")
-    if kind == "node-kill" and node is None:
-        raise ValueError(f"--inject {spec!r}: node-kill needs node=N")
-    if kind != "node-kill" and rank is None:
+    if kind.targets_node and node is None:
+        raise ValueError(f"--inject {spec!r}: {kind} needs node=N")
+    if not kind.targets_node and rank is None:
         raise ValueError(f"--inject {spec!r}: {kind} needs rank=R")
     return Injection(index, kind, step, phase, rank, node, chunk)
 
@@ -87,7 +88,7 @@ class InProcessInjector:
                 continue
             if chunk is not None and chunk != (n_chunks // 2 if inj.chunk is None else inj.chunk):
                 continue
-            if inj.kind == "node-kill":
+            if inj.kind.targets_node:
                 if inj.node is None or rank != min((r for r, n in enumerate(node_of_rank) if n == inj.node), default=-1):
                     continue
             elif inj.rank != rank:
@@ -100,13 +101,14 @@ class InProcessInjector:
             self._fire(inj)
 
     def _fire(self, inj: Injection) -> None:
-        if inj.kind == "stop":
+        """Each `FailureKind`'s action."""
+        if inj.kind is FailureKind.STOP:
             os.kill(os.getpid(), signal.SIGSTOP)
             return
-        if inj.kind == "hang":  # for ever, on purpose: only the controller's fence ends it
+        if inj.kind is FailureKind.HANG:  # for ever, on purpose: only the controller's fence ends it
             while True:
                 time.sleep(3600)
-        if inj.kind == "node-kill" and self.run_dir is not None:
+        if inj.kind is FailureKind.NODE_KILL and self.run_dir is not None:
             procs = json.loads((self.run_dir / "procs.json").read_text())
             for p in procs:
                 if p["node"] == inj.node and p["pid"] != os.getpid():
