@@ -443,7 +443,7 @@ class Coordinator:
             spares.append(Spare(p.proc_id, p.node))
         cause = "; ".join(sorted({why for _, why in failed}))
         try:
-            new, adopted = next_plan(self.plan, lost_ranks, lost_nodes, spares, cause, shrink=True)
+            new, adopted = next_plan(self.plan, lost_ranks, lost_nodes, spares, cause)
         except LookupError as e:
             self.display.message(f"leto: cannot recover: {e}; stopping the job")
             return 1

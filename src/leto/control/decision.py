@@ -8,19 +8,19 @@ from leto.protocol.messages import Plan
 
 @dataclass(frozen=True)
 class Spare:
+    """A live shadow that can adopt a lost rank."""
+
     proc_id: str
     node: int
 
 
 def next_plan(plan: Plan, failed_ranks: set[int], failed_nodes: set[int], spares: list[Spare],
-              cause: str, shrink: bool = False) -> tuple[Plan, dict[int, Spare]]:
-    """Generation g+1: each failed rank is adopted by a shadow, one on the same node preferred
+              cause: str) -> tuple[Plan, dict[int, Spare]]:
+    """Generation g+1 and the spare adopting each failed rank: a shadow on the same node preferred
     (its keeper holds the tier-1 parity), else on the node with the fewest ranks. Failed ranks
-    left without a shadow are dropped when `shrink` (the survivors take over their shards and
-    the ranks after them move down), else LookupError is raised."""
+    left without a shadow are dropped (the survivors take over their shards and the ranks after
+    them move down); LookupError when no rank is left."""
     free = list(spares)
-    if len(free) < len(failed_ranks) and not shrink:
-        raise LookupError(f"{len(failed_ranks)} ranks lost but only {len(free)} shadows available")
     node_of_rank, proc_of_rank = list(plan.node_of_rank), list(plan.proc_of_rank)
     adopted: dict[int, Spare] = {}
     dropped: list[int] = []
