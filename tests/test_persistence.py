@@ -20,7 +20,7 @@ from conftest import (JOB, Launcher, alive, no_process_left, read_procs, referen
 from leto.persistence import loader, resume, store
 from leto.persistence.interval import parse_duration, steps_between
 from leto.runtime import plain
-from leto.simulation.model import daly_interval_s
+from leto.persistence.interval import daly_interval_s
 
 SMALL = ("--workers", "2", "--nodes", "1", "--spares", "0", "--steps", "8", "--seed", "0", "--persist-every", "2")
 

@@ -18,13 +18,10 @@ from leto.simulation.engine import (
     closed_form_checkpoint_restart,
     simulate,
 )
-from leto.simulation.model import (
-    Assumptions,
-    CalibrationError,
-    checkpoint_write_s,
-    daly_interval_s,
-    load_calibration,
-)
+from leto.persistence.interval import daly_interval_s
+from leto.simulation.assumptions import Assumptions
+from leto.simulation.calibration import CalibrationError, load_calibration
+from leto.simulation.scaling import checkpoint_write_s
 
 CAL = load_calibration()
 

@@ -12,14 +12,10 @@ import pytest
 
 from leto.simulation.cli import main
 from leto.simulation.engine import Scenario, build_costs, leto_protection, simulate
-from leto.simulation.model import (
-    GB,
-    Assumptions,
-    CalibrationError,
-    load_calibration,
-    optimizer_bytes_per_gpu,
-    step_time_s,
-)
+from leto.simulation.assumptions import Assumptions
+from leto.simulation.calibration import CalibrationError, load_calibration
+from leto.simulation.scaling import optimizer_bytes_per_gpu, step_time_s
+from leto.simulation.units import GB
 
 ROOT = Path(__file__).resolve().parents[1]
 REAL = ROOT / "docs" / "results" / "overhead-2026-11-30.json"

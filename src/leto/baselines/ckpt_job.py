@@ -38,7 +38,7 @@ from leto.persistence.interval import steps_between
 from leto.protocol import keys
 from leto.runtime import runlog
 from leto.runtime.env import Job
-from leto.simulation.model import daly_interval_s
+from leto.persistence.interval import daly_interval_s
 from leto.training import job as base_job
 from leto.training.optim import MASTER
 from leto.training.trainer import Trainer

@@ -1,8 +1,29 @@
-"""How often to checkpoint: K from the Young/Daly interval (`simulation.model.daly_interval_s`,
-the one Daly formula), used by persistence and the baselines."""
+"""How often to checkpoint: the Young/Daly interval and K, the interval in steps; used by
+persistence, the baselines and the simulator's checkpoint-restart policy."""
 from __future__ import annotations
 
 import math
+
+
+def daly_interval_s(delta_s: float, mtbf_s: float) -> float:
+    """Compute time between checkpoints of cost `delta_s` that minimises the expected waste
+    under exponential failures of mean `mtbf_s`: Daly's (2006) higher-order estimate
+    sqrt(2 d M)(1 + sqrt(d/2M)/3 + d/18M) - d, M itself when d >= 2M, infinite without failures.
+
+    Leto's one Daly formula: the simulator's checkpoint-restart policy and persistence's K
+    (`steps_between`) both use it. The higher-order estimate, not the first-order
+    sqrt(2 d M) - d, because it is the true optimum of the renewal model the simulator runs (to
+    1e-6 relative at the defaults; the first-order one is 1 % short at 131,072 GPUs), and
+    persistence wants the least waste for its measured cost and MTBF just the same.
+    """
+    if delta_s < 0 or mtbf_s <= 0:
+        raise ValueError(f"need checkpoint cost >= 0 and MTBF > 0, got {delta_s}, {mtbf_s}")
+    if math.isinf(mtbf_s):
+        return math.inf
+    if delta_s >= 2 * mtbf_s:
+        return mtbf_s
+    x = delta_s / (2 * mtbf_s)
+    return math.sqrt(2 * delta_s * mtbf_s) * (1 + math.sqrt(x) / 3 + x / 9) - delta_s
 
 
 def steps_between(interval_s: float, step_s: float) -> int:

@@ -37,12 +37,11 @@ import torch
 
 from leto.config import Timeouts
 from leto.persistence import store
-from leto.persistence.interval import steps_between
+from leto.persistence.interval import daly_interval_s, steps_between
 from leto.errors import BadValue
 from leto.protocol import keys
 from leto.protocol.messages import PersistPlan, Refusals
 from leto.runtime import plain, runlog, threads
-from leto.simulation.model import daly_interval_s
 
 if TYPE_CHECKING:
     from leto.runtime.env import Job

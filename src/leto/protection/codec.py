@@ -1,20 +1,20 @@
 """Erasure codes that protect optimizer state held in host memory.
 
-Tier 1 uses :class:`XorCode` (k data blocks + 1 XOR parity, across the workers
-of one node); tier 2 uses :class:`ReedSolomonCode` (k data + m parity, across
-nodes). Both are systematic codes over GF(2^8) defined by an ``m x k`` parity
-matrix: ``parity_j = XOR_i  c[j][i] * data_i``. Block indices ``0..k-1`` are
-data blocks and ``k..k+m-1`` parity blocks.
+Tier 1 uses `XorCode` (k data blocks + 1 XOR parity, across the workers
+of one node); tier 2 uses `ReedSolomonCode` (k data + m parity, across
+nodes). Both are systematic codes over GF(2^8) defined by an `m x k` parity
+matrix: `parity_j = XOR_i  c[j][i] * data_i`. Block indices `0..k-1` are
+data blocks and `k..k+m-1` parity blocks.
 
-Buffers are 1-D, C-contiguous ``np.ndarray`` of dtype ``uint8`` and equal
+Buffers are 1-D, C-contiguous `np.ndarray` of dtype `uint8` and equal
 length; any length (odd included) works. Outputs are written into
-preallocated buffers, never allocated per call (except missing ``out`` buffers
-in :meth:`ErasureCode.decode`).
+preallocated buffers, never allocated per call (except missing `out` buffers
+in `ErasureCode.decode`).
 
 Implementation
 --------------
 The field is GF(2^8) with polynomial 0x11D. The Reed-Solomon parity matrix is
-a Cauchy matrix ``1 / (x_j + y_i)`` with ``y_i = i`` and ``x_j = k + j``,
+a Cauchy matrix `1 / (x_j + y_i)` with `y_i = i` and `x_j = k + j`,
 rescaled so that parity row 0 and column 0 are all ones; every square
 sub-matrix of a Cauchy matrix is invertible and row/column scaling keeps that,
 so any k of the k+m blocks recover the data (MDS). The ones matter: a
@@ -22,16 +22,16 @@ coefficient of 1 is a plain XOR (~20 GB/s) instead of a table multiply, so
 parity 0 is an XOR parity, a single lost data block is rebuilt from parity 0
 with XOR only, and RS(k, m) costs (k-1)(m-1) table multiplies per stripe.
 
-Multiply-accumulate by a constant ``c`` is a table lookup: blocks are viewed
+Multiply-accumulate by a constant `c` is a table lookup: blocks are viewed
 as uint16 and looked up in a 65536-entry table mapping two bytes to both bytes
-times ``c`` (128 KiB, stays in L2), in chunks of 256 KiB so that the
+times `c` (128 KiB, stays in L2), in chunks of 256 KiB so that the
 temporaries stay in cache (np.take widens the indices to an intp temporary 4x
 the chunk; 1 MiB chunks fall to ~1 GB/s). Loops run chunk-outer, so every data
 chunk is read from memory once per encode. Blocks not 2-byte aligned, and the
 last byte of odd-length blocks, use a 256-entry table (slower, still correct).
 
 Measured on the 2-core AMD EPYC dev box (2 MiB L2), 64 MiB of data, single
-thread, GB/s of data bytes (``python -m leto.protection.codec_bench 64 k+m``)::
+thread, GB/s of data bytes (`python -m leto.protection.codec_bench 64 k+m`):
 
     memcpy (preallocated)            16-22      checksum (xxh3-64)      ~30
     xor_into                         17-22
@@ -140,7 +140,7 @@ def _mat_inv(rows: Sequence[Sequence[int]]) -> list[list[int]]:
 
 @functools.lru_cache(maxsize=64)
 def _table16(c: int) -> np.ndarray:
-    """uint16 -> uint16 table multiplying both bytes by ``c``.
+    """uint16 -> uint16 table multiplying both bytes by `c`.
 
     Byte-wise, so it is independent of the machine's endianness.
     """
@@ -197,7 +197,7 @@ def _check_disjoint(outs: Sequence[np.ndarray], ins: Sequence[np.ndarray]) -> No
 
 
 def xor_into(dst: np.ndarray, src: np.ndarray) -> None:
-    """``dst ^= src`` in place (uint64 words when length and alignment allow)."""
+    """`dst ^= src` in place (uint64 words when length and alignment allow)."""
     _check_block(dst, "xor_into dst", writable=True)
     _check_block(src, "xor_into src")
     if len(dst) != len(src):
@@ -215,9 +215,9 @@ def _lincomb(
     dsts: Sequence[np.ndarray],
     accumulate: bool,
 ) -> None:
-    """``dsts[j] (^)= XOR_i coeffs[j][i] * srcs[i]`` over GF(256).
+    """`dsts[j] (^)= XOR_i coeffs[j][i] * srcs[i]` over GF(256).
 
-    Overwrites ``dsts`` unless ``accumulate``. Inputs are validated by callers.
+    Overwrites `dsts` unless `accumulate`. Inputs are validated by callers.
     """
     n = len(srcs[0]) if srcs else len(dsts[0])
     wide = all(a.ctypes.data % 2 == 0 for a in (*srcs, *dsts))
@@ -281,7 +281,7 @@ class ErasureCode:
     Attributes:
         k: number of data blocks.
         m: number of parity blocks.
-        parity_matrix: ``m x k`` coefficients, ``parity_j = XOR_i c[j][i]*data_i``.
+        parity_matrix: `m x k` coefficients, `parity_j = XOR_i c[j][i]*data_i`.
     """
 
     k: int
@@ -307,15 +307,15 @@ class ErasureCode:
     # -- encoding ---------------------------------------------------------
 
     def encode(self, data: Sequence[np.ndarray], out: Sequence[np.ndarray]) -> None:
-        """Write the m parity blocks of ``data`` (k blocks) into ``out``."""
+        """Write the m parity blocks of `data` (k blocks) into `out`."""
         data, out = self._check_encode(data, out)
         _lincomb(self.parity_matrix, data, out, accumulate=False)
 
     def contribute(self, i: int, block: np.ndarray, out: Sequence[np.ndarray]) -> None:
-        """XOR data block ``i``'s share into each of the m parity buffers.
+        """XOR data block `i`'s share into each of the m parity buffers.
 
-        Starting from zeroed ``out``, contributing every data block once (any
-        order) yields the same parity as :meth:`encode`.
+        Starting from zeroed `out`, contributing every data block once (any
+        order) yields the same parity as `encode`.
         """
         if not 0 <= i < self.k:
             raise ValueError(f"data block index {i} out of range 0..{self.k - 1}")
@@ -354,10 +354,10 @@ class ErasureCode:
     ) -> dict[int, np.ndarray]:
         """Return all k data blocks from any k available blocks.
 
-        ``available`` maps block index (0..k+m-1) to block. Available data
-        blocks are returned as-is (same objects). A missing data block ``e`` is
-        written into ``out[e]`` when ``out`` holds a buffer for it, else into a
-        new array (also stored into ``out`` when ``out`` is given).
+        `available` maps block index (0..k+m-1) to block. Available data
+        blocks are returned as-is (same objects). A missing data block `e` is
+        written into `out[e]` when `out` holds a buffer for it, else into a
+        new array (also stored into `out` when `out` is given).
 
         Raises:
             UnrecoverableError: fewer than k blocks are available.
@@ -382,7 +382,7 @@ class ErasureCode:
 
     def recovery_coefficients(self, present: Sequence[int]) -> tuple[list[int], dict[int, list[int]]]:
         """For distributed decoding: (chosen, coeffs) with every missing data block
-        ``e = XOR_b coeffs[e][b] * block chosen[b]``, so each holder of a chosen block can
+        `e = XOR_b coeffs[e][b] * block chosen[b]`, so each holder of a chosen block can
         contribute its scaled block to a BXOR reduction.
 
         Raises:
@@ -434,7 +434,7 @@ class ErasureCode:
         )
 
     def _decode_matrix(self, chosen: tuple[int, ...]) -> list[list[int]]:
-        """Inverse of the generator rows ``chosen``: data = inverse * blocks."""
+        """Inverse of the generator rows `chosen`: data = inverse * blocks."""
         rows = [
             [int(i == c) for c in range(self.k)] if i < self.k else self.parity_matrix[i - self.k]
             for i in chosen
@@ -451,12 +451,12 @@ class XorCode(ErasureCode):
         super().__init__(k, 1, [[1] * k])
 
     def encode(self, data: Sequence[np.ndarray], out: Sequence[np.ndarray]) -> None:
-        """Write ``data[0] ^ ... ^ data[k-1]`` into ``out[0]``."""
+        """Write `data[0] ^ ... ^ data[k-1]` into `out[0]`."""
         data, out = self._check_encode(data, out)
         _xor_all(data, out[0])
 
     def contribute(self, i: int, block: np.ndarray, out: Sequence[np.ndarray]) -> None:
-        """``out[0] ^= block`` (data block ``i``'s share of the parity)."""
+        """`out[0] ^= block` (data block `i`'s share of the parity)."""
         if not 0 <= i < self.k:
             raise ValueError(f"data block index {i} out of range 0..{self.k - 1}")
         (parity,) = self._check_parity_out(out)
@@ -495,7 +495,7 @@ def scale_into(dst: np.ndarray, c: int, src: np.ndarray) -> None:
 
 
 def _xor_all(srcs: Sequence[np.ndarray], dst: np.ndarray) -> None:
-    """``dst = XOR of srcs`` (at least one source)."""
+    """`dst = XOR of srcs` (at least one source)."""
     if len(srcs) == 1:
         np.copyto(dst, srcs[0])
         return
@@ -540,7 +540,7 @@ _EC_SPEC = re.compile(r"\s*([0-9]+)\s*\+\s*([0-9]+)\s*")
 
 
 def parse_ec(spec: str) -> tuple[int, int]:
-    """Parse an erasure-code spec ``"k+m"`` (e.g. ``"2+1"``) into ``(k, m)``."""
+    """Parse an erasure-code spec `"k+m"` (e.g. `"2+1"`) into `(k, m)`."""
     match = _EC_SPEC.fullmatch(spec) if isinstance(spec, str) else None
     if match is None:
         raise ValueError(f"bad erasure-code spec {spec!r}: expected 'k+m' such as '2+1' or '4+2'")

@@ -1,14 +1,14 @@
 """Tier-2 stripe placement: Reed-Solomon stripes across nodes.
 
-Nodes form consecutive groups of ``n = k + m`` nodes. Within a group
-``g[0..n-1]`` there are n stripes, by rotation: stripe j has data nodes
-``g[j], ..., g[j+k-1]`` and parity nodes ``g[j+k], ..., g[j+k+m-1]`` (indices
+Nodes form consecutive groups of `n = k + m` nodes. Within a group
+`g[0..n-1]` there are n stripes, by rotation: stripe j has data nodes
+`g[j], ..., g[j+k-1]` and parity nodes `g[j+k], ..., g[j+k+m-1]` (indices
 mod n). Each node is data in k stripes and parity in m stripes, never both in
 one stripe.
 
-Each node's data is split into k equal segments (:func:`segment_bounds`). In
-stripe j, the data node at position p (``data_nodes[p]``) contributes its
-segment p: node ``g[t]`` gives segment ``(t - j) mod n`` to stripe j, so its k
+Each node's data is split into k equal segments (`segment_bounds`). In
+stripe j, the data node at position p (`data_nodes[p]`) contributes its
+segment p: node `g[t]` gives segment `(t - j) mod n` to stripe j, so its k
 stripes receive k different segments and every segment is protected exactly
 once. (One segment number shared by all data nodes of a stripe is impossible
 in general: e.g. for 2+1 the three stripes pairwise share a data node, so they
@@ -42,9 +42,9 @@ class Stripe:
     Attributes:
         index: global stripe number.
         data_nodes: the k nodes whose segments are the stripe's data blocks.
-        parity_nodes: parity block j lives on ``parity_nodes[j]``.
-        segments: ``segments[p]`` is the segment number (0..k-1) that
-            ``data_nodes[p]`` contributes; data block p of the code.
+        parity_nodes: parity block j lives on `parity_nodes[j]`.
+        segments: `segments[p]` is the segment number (0..k-1) that
+            `data_nodes[p]` contributes; data block p of the code.
     """
 
     index: int
@@ -68,7 +68,7 @@ class Stripe:
         return self.data_nodes + self.parity_nodes
 
     def segment_of(self, node: int) -> int:
-        """Segment number that data node ``node`` contributes to this stripe."""
+        """Segment number that data node `node` contributes to this stripe."""
         try:
             return self.segments[self.data_nodes.index(node)]
         except ValueError:
@@ -109,7 +109,7 @@ def degradation(num_nodes: int, requested: tuple[int, int] | None) -> str | None
 
 
 def valid_specs(num_nodes: int, max_m: int = 3) -> list[str]:
-    """Erasure-code specs "k+m" (1 <= m <= max_m) whose k + m divides ``num_nodes``."""
+    """Erasure-code specs "k+m" (1 <= m <= max_m) whose k + m divides `num_nodes`."""
     return [
         f"{n - m}+{m}"
         for n in range(2, min(num_nodes, 256) + 1)
@@ -153,12 +153,12 @@ def _round_up(x: int, align: int) -> int:
 
 
 def segment_bounds(nbytes: int, k: int, *, align: int = 8) -> list[tuple[int, int]]:
-    """Byte ranges ``[start, end)`` of the k equal segments of ``nbytes`` of data.
+    """Byte ranges `[start, end)` of the k equal segments of `nbytes` of data.
 
-    Padding rule: every segment has length ``L = ceil(nbytes / k)`` rounded up
-    to a multiple of ``align`` (so segments of an aligned buffer stay aligned
-    for the fast XOR/uint16 paths). The ranges cover ``padded_size(nbytes, k)
-    = k * L >= nbytes`` bytes; bytes past ``nbytes`` are padding and must be
+    Padding rule: every segment has length `L = ceil(nbytes / k)` rounded up
+    to a multiple of `align` (so segments of an aligned buffer stay aligned
+    for the fast XOR/uint16 paths). The ranges cover `padded_size(nbytes, k)
+    = k * L >= nbytes` bytes; bytes past `nbytes` are padding and must be
     zero (or at least identical at encode and decode time).
     """
     if k < 1 or nbytes < 0 or align < 1:
@@ -171,7 +171,7 @@ def segment_bounds(nbytes: int, k: int, *, align: int = 8) -> list[tuple[int, in
 
 
 def padded_size(nbytes: int, k: int, *, align: int = 8) -> int:
-    """Total length of the padded buffer that :func:`segment_bounds` splits."""
+    """Total length of the padded buffer that `segment_bounds` splits."""
     return segment_bounds(nbytes, k, align=align)[-1][1]
 
 
@@ -185,7 +185,7 @@ def _overloaded(stripes: Iterable[Stripe], lost_nodes: set[int]) -> list[tuple[S
 
 
 def lost_summary(stripes: Sequence[Stripe], lost_nodes: set[int]) -> str:
-    """Human-readable verdict on losing ``lost_nodes``; names each failing stripe."""
+    """Human-readable verdict on losing `lost_nodes`; names each failing stripe."""
     lost = sorted(lost_nodes)
     bad = _overloaded(stripes, lost_nodes)
     if not bad:

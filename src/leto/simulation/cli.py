@@ -1,4 +1,4 @@
-"""``leto simulate``: project training productivity to large clusters."""
+"""`leto simulate`: project training productivity to large clusters."""
 
 from __future__ import annotations
 
@@ -25,14 +25,9 @@ from .engine import (
     sweep,
     sweep_sizes,
 )
-from .model import (
-    LLAMA3_MTBF_GPU_HOURS,
-    Assumptions,
-    CalibrationError,
-    assumption_fields,
-    load_calibration,
-    with_overrides,
-)
+from .assumptions import Assumptions, assumption_fields, with_overrides
+from .calibration import CalibrationError, load_calibration
+from .failures import LLAMA3_MTBF_GPU_HOURS
 
 PROG = "leto simulate"
 
@@ -73,7 +68,7 @@ def _positive_float(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``leto simulate``."""
+    """The argument parser of `leto simulate`."""
     p = _Parser(
         prog=PROG,
         description="Project the productivity of a synchronous training job on a large cluster "
@@ -293,7 +288,7 @@ def _run(argv: Sequence[str] | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``leto simulate``; returns the exit code (2 on bad input)."""
+    """Entry point of `leto simulate`; returns the exit code (2 on bad input)."""
     try:
         return _run(argv)
     except UsageError as e:

@@ -1,19 +1,19 @@
 """Discrete-event simulation of one synchronous training job under three recovery policies.
 
 The job-level failure stream is the superposition of per-GPU Poisson processes, so it is
-drawn directly: ``K ~ Poisson(N x rate x horizon)`` failure times, uniform on the horizon,
+drawn directly: `K ~ Poisson(N x rate x horizon)` failure times, uniform on the horizon,
 each with a root-cause class drawn from the published mix (vectorised numpy, no per-GPU
 loop). All policies see the same stream (common random numbers). The event loop then visits
 failures and spare returns only -- a few thousand events for 131,072 GPUs over 30 days.
 
 Policies:
 
-* ``checkpoint-restart`` -- blocking checkpoints every Daly-optimal interval; a failure
+* `checkpoint-restart` -- blocking checkpoints every Daly-optimal interval; a failure
   restarts the whole job (respawn, rendezvous, communicator init over all N ranks, checkpoint
   load) and loses the work since the last checkpoint; a lost node needs a spare or waits.
-* ``memory-restart`` -- Gemini-like: a checkpoint to CPU memory (local + peer copy) every
+* `memory-restart` -- Gemini-like: a checkpoint to CPU memory (local + peer copy) every
   step; a failure still restarts the whole job, but loads from memory and loses <= 1 step.
-* ``leto`` -- in place: survivors keep running, a shadow trainer adopts the failed rank(s),
+* `leto` -- in place: survivors keep running, a shadow trainer adopts the failed rank(s),
   lost optimizer shards are decoded from tier 1 (inside a node) or tier 2 (across nodes),
   only the communicators containing the failed ranks are rebuilt; with no spare left the job
   shrinks by one model replica per missing node and grows back when a node returns.
@@ -29,30 +29,22 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .model import (
-    CALIBRATION_UNITS,
-    DAY,
-    DETECTION_CLASSES,
-    GB,
-    HOUR,
-    LLAMA3_FAILURES,
-    LLAMA3_MTBF_GPU_HOURS,
-    Assumptions,
-    Calibration,
-    FailureClass,
-    assumption_fields,
+from leto.persistence.interval import daly_interval_s
+
+from .assumptions import Assumptions, assumption_fields
+from .calibration import CALIBRATION_UNITS, Calibration, load_calibration
+from .failures import DETECTION_CLASSES, LLAMA3_FAILURES, LLAMA3_MTBF_GPU_HOURS, FailureClass, failure_mix
+from .scaling import (
     checkpoint_bytes_per_gpu,
     checkpoint_read_s,
     checkpoint_write_s,
     comm_init_s,
-    daly_interval_s,
     dp_degree,
-    failure_mix,
-    load_calibration,
     optimizer_bytes_per_gpu,
     step_time_s,
     weight_bytes_per_gpu,
 )
+from .units import DAY, GB, HOUR
 
 __all__ = [
     "LOSS_KEYS",
@@ -82,7 +74,7 @@ LOSS_KEYS = ("protection", "lost_work", "detection", "recovery", "waiting_for_sp
 
 @dataclass(frozen=True)
 class Scenario:
-    """What to simulate. ``spares=None`` means ceil(spare_fraction x nodes), at least 1."""
+    """What to simulate. `spares=None` means ceil(spare_fraction x nodes), at least 1."""
 
     gpus: int = 131072
     gpus_per_node: int = 8
@@ -165,7 +157,7 @@ class FailureStream:
 
 
 def draw_failures(sc: Scenario) -> FailureStream:
-    """Draw the superposed Poisson failure stream of ``sc.gpus`` GPUs in bulk."""
+    """Draw the superposed Poisson failure stream of `sc.gpus` GPUs in bulk."""
     rng = np.random.default_rng((sc.seed, sc.replica))
     horizon = sc.horizon_s
     rate = 0.0 if math.isinf(sc.job_mtbf_s) else 1.0 / sc.job_mtbf_s
@@ -185,7 +177,7 @@ def draw_failures(sc: Scenario) -> FailureStream:
 class PolicyCosts:
     """Per-event costs of one policy on one cluster size (seconds).
 
-    ``work_s`` of useful compute is committed by ``commit_s`` of protection (checkpoint-restart:
+    `work_s` of useful compute is committed by `commit_s` of protection (checkpoint-restart:
     the Daly interval and the checkpoint; others: one step and its per-step protection).
     """
 
@@ -225,18 +217,18 @@ def free_host_cores(a: Assumptions, gpus_per_node: int) -> float:
 
 
 def d2h_bps(a: Assumptions, cal: Calibration) -> float:
-    """Device-to-host bytes/s per GPU: measured ``d2h_gbps`` if a GPU run gave it, else PCIe."""
+    """Device-to-host bytes/s per GPU: measured `d2h_gbps` if a GPU run gave it, else PCIe."""
     return (cal.d2h_gbps if cal.d2h_gbps is not None else a.pcie_gbps) * GB
 
 
 def leto_protection(sc: Scenario, cal: Calibration) -> dict[str, float]:
-    """Leto's per-step protection cost on ``sc`` from the measured CPU per byte (simulation.md).
+    """Leto's per-step protection cost on `sc` from the measured CPU per byte (simulation.md).
 
-    Per GPU: ``b`` bytes of optimizer state (ZeRO-1), ``moved = gamma b`` bytes moved a step.
-    Host CPU per node ``c G moved`` spread over the free host cores; device-to-host copy
-    ``moved / d2h``; tier-2 transfer ``tau b tier2_m / net``. The copy is on the critical path
-    except its ``d2h_overlap`` part; host work, tier-2 and the overlapped copy are hidden up to
-    ``protect_overlap x step`` and add beyond it.
+    Per GPU: `b` bytes of optimizer state (ZeRO-1), `moved = gamma b` bytes moved a step.
+    Host CPU per node `c G moved` spread over the free host cores; device-to-host copy
+    `moved / d2h`; tier-2 transfer `tau b tier2_m / net`. The copy is on the critical path
+    except its `d2h_overlap` part; host work, tier-2 and the overlapped copy are hidden up to
+    `protect_overlap x step` and add beyond it.
     """
     a, n, g = sc.assumptions, sc.gpus, sc.gpus_per_node
     step = step_time_s(a)
@@ -259,7 +251,7 @@ def leto_protection(sc: Scenario, cal: Calibration) -> dict[str, float]:
 
 
 def build_costs(policy: str, sc: Scenario, cal: Calibration) -> PolicyCosts:
-    """Scale the calibrated component costs to ``sc`` for ``policy``."""
+    """Scale the calibrated component costs to `sc` for `policy`."""
     a, n = sc.assumptions, sc.gpus
     net, pcie = a.net_gbps_per_gpu * GB, a.pcie_gbps * GB
     step = step_time_s(a)
@@ -343,7 +335,7 @@ def _kind(source: str) -> str:
 def input_figures(sc: Scenario, cal: Calibration) -> dict[str, dict[str, object]]:
     """Every number the simulation starts from: value, unit, measured or assumed, and source.
 
-    ``kind`` is "measured" for figures from a ``leto bench`` run (source: file and key, with
+    `kind` is "measured" for figures from a `leto bench` run (source: file and key, with
     the derivation) and "assumed" for the rest (source: the publication or the reason).
     """
     a = sc.assumptions
@@ -534,7 +526,7 @@ class SimulationResult:
     node_losing_failures: int
 
     def to_json(self) -> dict[str, object]:
-        """The ``--json`` document (see docs/simulation.md for the schema)."""
+        """The `--json` document (see docs/simulation.md for the schema)."""
         sc = self.scenario
         doc: dict[str, object] = {
             "gpus": sc.gpus,
@@ -565,7 +557,7 @@ class SimulationResult:
 
 def simulate(sc: Scenario, policies: Sequence[str] = POLICIES,
              calibration: Calibration | None = None) -> SimulationResult:
-    """Simulate ``policies`` on one shared failure stream of ``sc``."""
+    """Simulate `policies` on one shared failure stream of `sc`."""
     sc.validate()
     for p in policies:
         if p not in POLICIES:
@@ -584,7 +576,7 @@ def simulate(sc: Scenario, policies: Sequence[str] = POLICIES,
 
 
 def sweep_sizes(sc: Scenario, lo: int = 1024, hi: int = 131072) -> list[int]:
-    """Powers of two from ``lo`` to ``hi``, rounded down to whole nodes and model replicas."""
+    """Powers of two from `lo` to `hi`, rounded down to whole nodes and model replicas."""
     unit = math.lcm(sc.gpus_per_node, sc.assumptions.tp * sc.assumptions.pp)
     sizes: list[int] = []
     n = lo
@@ -596,7 +588,7 @@ def sweep_sizes(sc: Scenario, lo: int = 1024, hi: int = 131072) -> list[int]:
 
 @dataclass(frozen=True)
 class SweepPoint:
-    """Mean over ``replicas`` independent runs of one cluster size."""
+    """Mean over `replicas` independent runs of one cluster size."""
 
     gpus: int
     spares: int
@@ -609,10 +601,10 @@ class SweepPoint:
 def sweep(sc: Scenario, sizes: Iterable[int], policies: Sequence[str] = POLICIES,
           calibration: Calibration | None = None, min_failures: int = 2000,
           max_replicas: int = 64) -> list[SweepPoint]:
-    """Simulate ``sc`` at each cluster size (spares per the scenario's rule).
+    """Simulate `sc` at each cluster size (spares per the scenario's rule).
 
-    Small clusters see few failures in ``sc.days``; each size is repeated with independent
-    streams (replicas 0, 1, ...) until about ``min_failures`` failures are averaged over.
+    Small clusters see few failures in `sc.days`; each size is repeated with independent
+    streams (replicas 0, 1, ...) until about `min_failures` failures are averaged over.
     """
     cal = calibration if calibration is not None else load_calibration()
     points: list[SweepPoint] = []
@@ -639,7 +631,7 @@ def closed_form_checkpoint_restart(sc: Scenario, calibration: Calibration | None
     With failure rate l, interval tau, checkpoint d and per-class downtime D_c = detection_c +
     restart R (a failure during downtime starts a new one), the expected wall time to commit
     one interval is (e^{l(tau+d)} - 1) / (l E[e^{-l D}]), so productivity is
-    ``l tau E[e^{-l D}] / (e^{l (tau + d)} - 1)``. See docs/simulation.md.
+    `l tau E[e^{-l D}] / (e^{l (tau + d)} - 1)`. See docs/simulation.md.
     """
     cal = calibration if calibration is not None else load_calibration()
     pc = build_costs("checkpoint-restart", sc, cal)

@@ -1,18 +1,6 @@
-"""Inputs of the productivity simulator: failure data, cluster assumptions, calibration, scale laws.
-
-Three kinds of numbers feed the simulation, kept apart so each can be traced:
-
-* :data:`LLAMA3_FAILURES` -- published failure data (which failures happen, how often,
-  whether the node survives them).
-* :class:`Assumptions` -- the projected cluster and model (sizes, bandwidths, timeouts).
-  Every field carries ``unit`` and ``source`` metadata; override with ``--set KEY=VALUE``.
-* :class:`Calibration` -- component costs measured by Leto's benchmarks on the machine that
-  ran them (``leto bench ... --json``), with the shipped defaults in
-  ``default_calibration.json``.
-
-The scale-law functions at the bottom turn the last two into per-event costs on a cluster of
-``gpus`` GPUs. See docs/simulation.md for the derivations and sources.
-"""
+"""Component costs measured by Leto's benchmarks on the machine that ran them
+(`leto bench ... --json`), parsed into a `Calibration` over the shipped defaults in
+`default_calibration.json` (docs/simulation.md, "Calibration")."""
 
 from __future__ import annotations
 
@@ -25,218 +13,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-__all__ = [
-    "Assumptions",
-    "Calibration",
-    "CalibrationError",
-    "DETECTION_CLASSES",
-    "FailureClass",
-    "LLAMA3_DAYS",
-    "LLAMA3_FAILURES",
-    "LLAMA3_GPUS",
-    "LLAMA3_MTBF_GPU_HOURS",
-    "LLAMA3_UNEXPECTED",
-    "assumption_fields",
-    "checkpoint_bytes_per_gpu",
-    "checkpoint_read_s",
-    "checkpoint_write_s",
-    "comm_init_s",
-    "daly_interval_s",
-    "dp_degree",
-    "failure_mix",
-    "load_calibration",
-    "optimizer_bytes_per_gpu",
-    "step_time_s",
-    "weight_bytes_per_gpu",
-    "with_overrides",
-]
-
-GB = 1e9
-HOUR = 3600.0
-DAY = 86400.0
-
-# --------------------------------------------------------------------------- failure data
-
-DETECTION_CLASSES = ("exit", "node", "hang")
-"""How a failure shows itself: the process exits; the host disappears; or a process hangs."""
-
-
-@dataclass(frozen=True)
-class FailureClass:
-    """One root-cause category of Llama 3 Table 5, with how the simulator treats it.
-
-    Attributes:
-        name: category as printed in the source.
-        count: unexpected interruptions of this category in the 54-day snapshot.
-        node_lost: True if the node must leave the job (replacement/repair); its host memory
-            is then treated as lost too (conservative for Leto: tier-2 decode is needed).
-        detection: one of :data:`DETECTION_CLASSES`.
-    """
-
-    name: str
-    count: int
-    node_lost: bool
-    detection: str
-
-
-# Dubey et al. (2024), "The Llama 3 Herd of Models", Sec. 3.3.4, Table 5: root causes of the
-# 419 unexpected interruptions in a 54-day snapshot of Llama 3 405B pre-training on 16,384
-# H100 GPUs. The counts sum to 419. The node_lost/detection columns are this simulator's
-# classification; docs/simulation.md gives the reason for each row.
-LLAMA3_FAILURES: tuple[FailureClass, ...] = (
-    FailureClass("Faulty GPU", 148, True, "exit"),
-    FailureClass("GPU HBM3 Memory", 72, True, "exit"),
-    FailureClass("Software Bug", 54, False, "exit"),
-    FailureClass("Network Switch/Cable", 35, False, "hang"),
-    FailureClass("Host Maintenance", 32, True, "node"),
-    FailureClass("GPU SRAM Memory", 19, True, "exit"),
-    FailureClass("GPU System Processor", 17, True, "exit"),
-    FailureClass("NIC", 7, True, "hang"),
-    FailureClass("NCCL Watchdog Timeouts", 7, False, "hang"),
-    FailureClass("Silent Data Corruption", 6, True, "hang"),
-    FailureClass("GPU Thermal Interface + Sensor", 6, True, "exit"),
-    FailureClass("SSD", 3, True, "node"),
-    FailureClass("Power Supply", 3, True, "node"),
-    FailureClass("Server Chassis", 2, True, "node"),
-    FailureClass("IO Expansion Board", 2, True, "node"),
-    FailureClass("Dependency", 2, False, "exit"),
-    FailureClass("CPU", 2, True, "node"),
-    FailureClass("System Memory", 2, True, "node"),
-)
-LLAMA3_UNEXPECTED = 419
-LLAMA3_DAYS = 54
-LLAMA3_GPUS = 16384
-LLAMA3_MTBF_GPU_HOURS = LLAMA3_DAYS * 24 * LLAMA3_GPUS / LLAMA3_UNEXPECTED
-"""Per-GPU mean time between unexpected job interruptions: 54 d x 24 h x 16,384 / 419."""
-
-
-def failure_mix(classes: tuple[FailureClass, ...] = LLAMA3_FAILURES) -> dict[str, float]:
-    """Fractions of failures that lose the node and of each detection class."""
-    total = sum(c.count for c in classes)
-    mix = {"node_lost": sum(c.count for c in classes if c.node_lost) / total}
-    for d in DETECTION_CLASSES:
-        mix[d] = sum(c.count for c in classes if c.detection == d) / total
-    return mix
-
-
-# --------------------------------------------------------------------------- assumptions
-
-
-def _f(default: Any, unit: str, source: str) -> Any:
-    return field(default=default, metadata={"unit": unit, "source": source})
-
-
-@dataclass(frozen=True)
-class Assumptions:
-    """The projected cluster and model. Override any field with ``--set KEY=VALUE``."""
-
-    # model and parallelism
-    params: float = _f(405e9, "parameters",
-                       "Llama 3 405B (Dubey et al. 2024), the run the failure data comes from")
-    tp: int = _f(8, "GPUs", "tensor-parallel degree of Llama 3 405B (Dubey et al. 2024, Table 4)")
-    pp: int = _f(16, "GPUs",
-                 "pipeline-parallel degree of Llama 3 405B (Dubey et al. 2024, Table 4)")
-    tokens_per_gpu_step: float = _f(
-        1024.0, "tokens",
-        "16M tokens per step / 16,384 GPUs (Dubey et al. 2024, Table 4); held per GPU "
-        "(weak scaling)")
-    achieved_tflops_per_gpu: float = _f(
-        400.0, "TFLOP/s", "BF16 throughput per GPU at 16,384 GPUs (Dubey et al. 2024, Table 4)")
-    optimizer_bytes_per_param: float = _f(
-        12.0, "bytes", "mixed-precision Adam: fp32 master + momentum + variance, K=12 "
-        "(Rajbhandari et al. 2020, ZeRO, Sec. 3.1); sharded over data parallel (ZeRO-1)")
-    weight_bytes_per_param: float = _f(
-        2.0, "bytes", "bf16 parameters, replicated across data parallel")
-    # hardware
-    net_gbps_per_gpu: float = _f(
-        50.0, "GB/s", "400 Gb/s RoCE/InfiniBand per GPU (Dubey et al. 2024, Sec. 3.3.1)")
-    pcie_gbps: float = _f(
-        63.0, "GB/s", "PCIe 5.0 x16 per direction: 32 GT/s x 16 lanes x 128/130 / 8 (PCI-SIG spec)")
-    storage_gbps_aggregate: float = _f(
-        2000.0, "GB/s", "Tectonic sustained throughput 2 TB/s for Llama 3 checkpoints "
-        "(Dubey et al. 2024, Sec. 3.3.1)")
-    comm_init_s_per_rank: float = _f(
-        265.0 / 96000, "s/rank",
-        "stock NCCL cold init ~265 s at 96k GPUs (Si et al. 2025, NCCLX, arXiv:2510.20171, via a "
-        "secondary summary), linearised through the origin; an assumption below 96k")
-    # failures and repair
-    repair_hours: float = _f(
-        24.0, "h", "ASSUMPTION: time to repair or replace a node and return it to the spare pool")
-    spare_fraction: float = _f(
-        0.01, "of nodes", "ASSUMPTION: default spare pool = ceil(1% of nodes), at least 1")
-    # detection
-    heartbeat_s: float = _f(
-        2.0, "s", "Leto heartbeat timeout for hangs and lost hosts (configurable; default 2 s)")
-    baseline_node_detect_s: float = _f(
-        15.0, "s", "torchrun c10d rendezvous keep-alive: 5 s interval x 3 missed beats "
-        "(torch/distributed/elastic/rendezvous/dynamic_rendezvous.py)")
-    baseline_hang_detect_s: float = _f(
-        600.0, "s", "ProcessGroupNCCL default timeout, 10 min "
-        "(torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp; pytorch PR #110947)")
-    # Leto protection layout
-    tier1_group: int = _f(
-        0, "ranks",
-        "tier-1 erasure group inside a node; 0 = gpus per node (decode reads the group)")
-    tier2_k: int = _f(8, "nodes", "ASSUMPTION: tier-2 Reed-Solomon data nodes per stripe")
-    tier2_m: int = _f(2, "nodes", "ASSUMPTION: tier-2 parity nodes per stripe")
-    protect_overlap: float = _f(
-        1.0, "of a step", "ASSUMPTION: fraction of a step during which per-step background "
-        "protection (host CPU work on idle host cores, tier-2 / replica transfers) runs hidden: "
-        "on a GPU host the step computes on the GPU while the keepers process the previous "
-        "step's deltas (docs/protection.md), so that work is hidden when it fits in one step "
-        "and adds when it does not; not measurable on the CPU-only bench machine (no idle "
-        "cores there); 0 = all of it on the critical path")
-    d2h_overlap: float = _f(
-        0.0, "of the copy", "ASSUMPTION: fraction of the per-step device-to-host copy of the "
-        "protected bytes that overlaps compute; 0 = on the critical path (conservative: the "
-        "copy takes the state between one update and the next, and Leto has no GPU copy-stream "
-        "path yet)")
-    host_cores_per_node: int = _f(
-        112, "cores", "2 x 56-core Intel Xeon Platinum 8480C per 8-GPU H100 host (NVIDIA DGX "
-        "H100 user guide, hardware overview)")
-    train_cores_per_gpu: float = _f(
-        4.0, "cores", "ASSUMPTION: host cores GPU training keeps busy per GPU (the training "
-        "thread, NCCL's proxy thread, data loading); the rest run protection")
-    # memory-restart (Gemini-like)
-    gemini_replicas: int = _f(
-        2, "copies", "ASSUMPTION: in-CPU-memory checkpoint copies (local + 1 peer), as in "
-        "Gemini's group placement (Wang et al., SOSP'23)")
-
-
-def assumption_fields() -> dict[str, dataclasses.Field[Any]]:
-    """Field name -> dataclass field (with ``unit``/``source`` metadata)."""
-    return {f.name: f for f in dataclasses.fields(Assumptions)}
-
-
-def with_overrides(base: Assumptions, overrides: Mapping[str, str]) -> Assumptions:
-    """Return ``base`` with ``KEY=VALUE`` string overrides applied; ValueError names a bad key."""
-    fields = assumption_fields()
-    changes: dict[str, Any] = {}
-    for key, text in overrides.items():
-        if key not in fields:
-            raise ValueError(f"unknown assumption {key!r} (known: {', '.join(sorted(fields))})")
-        kind = type(fields[key].default)
-        try:
-            value = int(text) if kind is int else float(text)
-        except ValueError:
-            raise ValueError(f"assumption {key}: expected a number, got {text!r}") from None
-        if not math.isfinite(value) or value < 0:
-            raise ValueError(f"assumption {key}: must be a finite number >= 0, got {text!r}")
-        changes[key] = value
-    result = dataclasses.replace(base, **changes)
-    for key in ("protect_overlap", "d2h_overlap"):
-        if getattr(result, key) > 1:
-            raise ValueError(f"assumption {key}: must be between 0 and 1")
-    for key in ("params", "tp", "pp", "tokens_per_gpu_step", "achieved_tflops_per_gpu",
-                "net_gbps_per_gpu", "pcie_gbps", "storage_gbps_aggregate", "tier2_k",
-                "tier2_m", "gemini_replicas", "host_cores_per_node"):
-        if getattr(result, key) <= 0:
-            raise ValueError(f"assumption {key}: must be > 0")
-    return result
-
-
-# --------------------------------------------------------------------------- calibration
-
+from .units import GB
 
 class CalibrationError(ValueError):
     """A calibration file is missing, unreadable, or has a bad key or value."""
@@ -247,9 +24,9 @@ _DEFAULT_FILE = "default_calibration.json"
 
 @dataclass(frozen=True)
 class Calibration:
-    """Component costs measured on the benchmark machine. ``None`` = not measured.
+    """Component costs measured on the benchmark machine. `None` = not measured.
 
-    ``sources`` maps each field name to where its value came from.
+    `sources` maps each field name to where its value came from.
     """
 
     process_start_s: float
@@ -408,7 +185,7 @@ optimizer-state deltas + 4 B of fp32 gradient (docs/protection.md, protocol of 2
 
 
 def _measurements(doc: Mapping[str, Any], name: str) -> dict[str, tuple[float, str]]:
-    """Parse the ``{"measurements": {KEY: {"value", "unit", "source"}}}`` format."""
+    """Parse the `{"measurements": {KEY: {"value", "unit", "source"}}}` format."""
     known = set(_REQUIRED) | set(_OPTIONAL)
     out: dict[str, tuple[float, str]] = {}
     entries = doc["measurements"]
@@ -433,7 +210,7 @@ def _mapping(obj: Any, where: str, what: str) -> Mapping[str, Any]:
 
 
 def _parity_count(ec: Any, name: str, notes: list[str]) -> int | None:
-    """Tier-2 parity nodes of the bench run (``ec`` = "k+m" or "none"), None if unknown."""
+    """Tier-2 parity nodes of the bench run (`ec` = "k+m" or "none"), None if unknown."""
     if ec is None:
         notes.append(f"{name}: no 'ec': the bench's tier-2 parity count is taken as 1")
         return 1
@@ -488,7 +265,7 @@ def _cpu_figure(entry: Mapping[str, Any], where: str, label: str, notes: list[st
                 top: dict[str, Any] | None, key: str = "default job") -> dict[str, Any] | None:
     """Protection CPU per byte moved of one bench run (the default job or a curve entry).
 
-    ``top`` is the default job's figure, used for what a curve entry leaves out. Returns None
+    `top` is the default job's figure, used for what a curve entry leaves out. Returns None
     (with a note) when the entry lacks what the figure needs.
     """
     on = entry.get("cpu_s_per_step_on")
@@ -578,7 +355,7 @@ def _cpu_figure(entry: Mapping[str, Any], where: str, label: str, notes: list[st
 
 def _protection_from_overhead(doc: Mapping[str, Any], name: str, notes: list[str],
                               details: dict[str, Any]) -> dict[str, tuple[float, str]]:
-    """Leto's protection cost figures from ``leto bench overhead --json`` (docs/simulation.md)."""
+    """Leto's protection cost figures from `leto bench overhead --json` (docs/simulation.md)."""
     out: dict[str, tuple[float, str]] = {}
     if doc.get("d2h_gbps") is not None:
         out["d2h_gbps"] = (_number(doc["d2h_gbps"], f"{name}: d2h_gbps", positive=True),
@@ -657,7 +434,7 @@ def _protection_from_overhead(doc: Mapping[str, Any], name: str, notes: list[str
 
 def _section(doc: Mapping[str, Any], section: str, name: str, notes: list[str],
              details: dict[str, Any]) -> dict[str, tuple[float, str]]:
-    """Map one ``leto bench`` JSON section onto calibration fields."""
+    """Map one `leto bench` JSON section onto calibration fields."""
     out: dict[str, tuple[float, str]] = {}
 
     def take(key: str, target: str, obj: Mapping[str, Any] = doc, prefix: str = "",
@@ -758,7 +535,7 @@ def _parse(doc: Any, name: str, notes: list[str] | None = None,
 
 
 def load_calibration(path: str | Path | None = None) -> Calibration:
-    """Shipped defaults, overlaid with the measurements in ``path`` (if given).
+    """Shipped defaults, overlaid with the measurements in `path` (if given).
 
     Raises:
         CalibrationError: naming the file and the bad key.
@@ -776,69 +553,3 @@ def load_calibration(path: str | Path | None = None) -> Calibration:
     kwargs: dict[str, Any] = {k: v for k, (v, _) in values.items()}
     sources = {k: s for k, (_, s) in values.items()}
     return Calibration(**kwargs, sources=sources, notes=tuple(notes), details=details)
-
-
-# --------------------------------------------------------------------------- scale laws
-
-
-def step_time_s(a: Assumptions) -> float:
-    """Training step time: 6 x params x tokens per GPU / achieved FLOP/s per GPU."""
-    return 6.0 * a.params * a.tokens_per_gpu_step / (a.achieved_tflops_per_gpu * 1e12)
-
-
-def dp_degree(a: Assumptions, gpus: int) -> int:
-    """Data-parallel replicas: gpus / (tp x pp)."""
-    return gpus // (a.tp * a.pp)
-
-
-def optimizer_bytes_per_gpu(a: Assumptions, gpus: int) -> float:
-    """Unique optimizer state per GPU under ZeRO-1 (Leto's erasure-protected bytes)."""
-    return a.optimizer_bytes_per_param * a.params / gpus
-
-
-def weight_bytes_per_gpu(a: Assumptions) -> float:
-    """bf16 weights per GPU; replicated across data parallel, so a peer can resend them."""
-    return a.weight_bytes_per_param * a.params / (a.tp * a.pp)
-
-
-def checkpoint_bytes_per_gpu(a: Assumptions, gpus: int) -> float:
-    """A full checkpoint (optimizer + one copy of the weights) spread evenly over all GPUs."""
-    return (a.optimizer_bytes_per_param + a.weight_bytes_per_param) * a.params / gpus
-
-
-def checkpoint_write_s(a: Assumptions, c: Calibration, gpus: int) -> float:
-    """Blocking checkpoint save: max(per-rank write, aggregate storage bandwidth)."""
-    b = checkpoint_bytes_per_gpu(a, gpus)
-    return max(b / c.ckpt_write_bps, b * gpus / (a.storage_gbps_aggregate * GB))
-
-
-def checkpoint_read_s(a: Assumptions, c: Calibration, gpus: int) -> float:
-    """Checkpoint load on restart: max(per-rank read, aggregate storage bandwidth)."""
-    b = checkpoint_bytes_per_gpu(a, gpus)
-    return max(b / c.ckpt_read_bps, b * gpus / (a.storage_gbps_aggregate * GB))
-
-
-def comm_init_s(a: Assumptions, ranks: int) -> float:
-    """Communicator initialisation for a group of ``ranks`` ranks (linear in ranks)."""
-    return a.comm_init_s_per_rank * ranks
-
-
-def daly_interval_s(delta_s: float, mtbf_s: float) -> float:
-    """Compute time between checkpoints of cost `delta_s` that minimises the expected waste
-    under exponential failures of mean `mtbf_s`: Daly's (2006) higher-order estimate
-    sqrt(2 d M)(1 + sqrt(d/2M)/3 + d/18M) - d, M itself when d >= 2M, infinite without failures.
-
-    Leto's one Daly formula: the simulator's checkpoint-restart policy and persistence's K
-    (`persistence.interval`) both use it. The higher-order estimate, not the first-order
-    sqrt(2 d M) - d, because it is the true optimum of the renewal model simulated here (to
-    1e-6 relative at the defaults; the first-order one is 1 % short at 131,072 GPUs), and
-    persistence wants the least waste for its measured cost and MTBF just the same.
-    """
-    if delta_s < 0 or mtbf_s <= 0:
-        raise ValueError(f"need checkpoint cost >= 0 and MTBF > 0, got {delta_s}, {mtbf_s}")
-    if math.isinf(mtbf_s):
-        return math.inf
-    if delta_s >= 2 * mtbf_s:
-        return mtbf_s
-    x = delta_s / (2 * mtbf_s)
-    return math.sqrt(2 * delta_s * mtbf_s) * (1 + math.sqrt(x) / 3 + x / 9) - delta_s
