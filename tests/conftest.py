@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -135,6 +136,36 @@ JOB = ("--workers", "4", "--nodes", "2", "--spares", "1", "--steps", "10", "--se
 _REFERENCE: dict[tuple[str, ...], str] = {}
 
 
+def with_flags(args: tuple[str, ...], **values: object) -> tuple[str, ...]:
+    """`args` (flags and their values, as `JOB`) with each named flag's value replaced, or the flag
+    appended where `args` lacks it: `with_flags(JOB, steps=16)`; `_` in a name is `-` in its flag."""
+    out = list(args)
+    for name, value in values.items():
+        flag = "--" + name.replace("_", "-")
+        if flag in out:
+            out[out.index(flag) + 1] = str(value)
+        else:
+            out += [flag, str(value)]
+    return tuple(out)
+
+
+def without_flags(args: tuple[str, ...], *names: str) -> tuple[str, ...]:
+    """`args` without the named flags and their values: `without_flags(JOB, "spares")`."""
+    out = list(args)
+    for name in names:
+        i = out.index("--" + name.replace("_", "-"))
+        del out[i:i + 2]
+    return tuple(out)
+
+
+def seeded_random() -> tuple[random.Random, int]:
+    """A generator for a test's random choices and its seed: `LETO_TEST_SEED` if set, else drawn at
+    random. The seed is printed (pytest shows a failed test's output): `LETO_TEST_SEED=<seed>` repeats it."""
+    seed = int(os.environ.get("LETO_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
+    print(f"LETO_TEST_SEED={seed}", flush=True)
+    return random.Random(seed), seed
+
+
 def train(launcher: Launcher, run_dir: Path, *args: str, timeout: float = 240) -> tuple[subprocess.CompletedProcess, dict | None]:
     """Run `leto train` to its end; returns the process result and its summary (if written)."""
     res = launcher.run("train", "--run-dir", str(run_dir), *args, run_dir=run_dir, timeout=timeout)
@@ -152,21 +183,23 @@ def reference_digest(launcher: Launcher, tmp: Path, *args: str) -> str:
     return _REFERENCE[key]
 
 
-def no_process_left(run_dir: Path) -> list[int]:
+def processes_left(run_dir: Path) -> list[int]:
+    """The pids of the job's processes (its controller aside) still alive: none once a job has ended."""
     return [p["pid"] for p in read_procs(run_dir) if p["role"] != "controller" and alive(p["pid"])]
 
 
 def run_user_script(launcher: Launcher, run_dir: Path, script: str, *args: str,
-                    kill_step: int | None = None) -> tuple[str, dict]:
+                    kill_step: int | None = None, rng: random.Random | None = None) -> tuple[str, dict]:
     """`leto run` a test script (2 workers on 2 nodes, 1 shadow); with `kill_step`, SIGKILL a
-    random worker by PID once that step is recorded. Returns stdout and the summary."""
-    import random
+    worker chosen by `rng` (a `seeded_random` one if None) by PID once that step is recorded.
+    Returns stdout and the summary."""
     popen = launcher.start("run", "--workers", "2", "--nodes", "2", "--spares", "1", "--run-dir", str(run_dir),
                            script, *args, run_dir=run_dir)
     if kill_step is not None:
         wait_for(lambda: (run_dir / "metrics.jsonl").exists() and any(
             r["step"] >= kill_step for r in step_records(run_dir)), 120, f"step {kill_step}")
-        victim = random.choice([p for p in read_procs(run_dir) if p["role"] == "worker"])
+        rng = rng or seeded_random()[0]
+        victim = rng.choice([p for p in read_procs(run_dir) if p["role"] == "worker"])
         os.kill(victim["pid"], signal.SIGKILL)
     out, err = popen.communicate(timeout=240)
     assert popen.returncode == 0, out[-2000:] + err[-3000:]

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REPO, Launcher, leto_cmd, read_procs, reference_digest, summary, tmpfs, wait_for
+from conftest import REPO, Launcher, leto_cmd, read_procs, reference_digest, summary, tmpfs, wait_for, without_flags
 
 from leto.console import read_jsonl
 
@@ -82,7 +82,7 @@ def said(out: Path, text: str) -> int:
 
 @pytest.fixture
 def reference(launcher: Launcher, tmp_path_factory) -> str:
-    return reference_digest(launcher, tmp_path_factory.mktemp("ref"), *JOB[:4], *JOB[6:])
+    return reference_digest(launcher, tmp_path_factory.mktemp("ref"), *without_flags(JOB, "spares"))
 
 
 @pytest.mark.parametrize("recovery", [False, True], ids=["steps", "rank0_killed"])

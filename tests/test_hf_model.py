@@ -2,10 +2,7 @@
 `leto run`, a worker SIGKILLed from outside at a random step, the failure-free digest."""
 from __future__ import annotations
 
-import os
-import random
-
-from conftest import REPO, no_process_left, run_user_script
+from conftest import REPO, processes_left, run_user_script, seeded_random
 
 SCRIPT = str(REPO / "tests" / "scripts" / "hf_model.py")
 STEPS = 9
@@ -15,7 +12,8 @@ def test_a_hugging_face_gpt2_recovers_to_the_failure_free_digest(launcher, tmp_p
     ref_out, ref = run_user_script(launcher, tmp_path / "ref", SCRIPT, "--steps", str(STEPS))
     # tied embeddings: the LM head is the token embedding, so a plain state dict misses nothing
     assert "state_dict loads: missing [] unexpected []" in ref_out
-    kill_step = random.Random(os.urandom(8)).randrange(2, STEPS - 3)
-    _, s = run_user_script(launcher, tmp_path / "run", SCRIPT, "--steps", str(STEPS), kill_step=kill_step)
-    assert len(s["recoveries"]) == 1 and s["digest"] == ref["digest"], f"killed at step {kill_step}"
-    assert not no_process_left(tmp_path / "run")
+    rng, seed = seeded_random()
+    kill_step = rng.randrange(2, STEPS - 3)
+    _, s = run_user_script(launcher, tmp_path / "run", SCRIPT, "--steps", str(STEPS), kill_step=kill_step, rng=rng)
+    assert len(s["recoveries"]) == 1 and s["digest"] == ref["digest"], f"seed {seed}: killed at step {kill_step}"
+    assert not processes_left(tmp_path / "run")

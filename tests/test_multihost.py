@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REPO, beyond_ci, leto_cmd, reference_digest, summary, wait_for
+from conftest import REPO, beyond_ci, leto_cmd, reference_digest, summary, wait_for, without_flags
 from netns_cluster import Cluster, available
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=f"no namespace cluster here: {available()}")
@@ -92,7 +92,8 @@ def host_of(cluster: Cluster, run_dir: Path, node: int) -> int:
 
 @pytest.fixture
 def reference(launcher, tmp_path_factory) -> str:
-    return reference_digest(launcher, tmp_path_factory.mktemp("ref"), *JOB[:4], *JOB[6:])  # spares change nothing
+    # spares change nothing
+    return reference_digest(launcher, tmp_path_factory.mktemp("ref"), *without_flags(JOB, "spares"))
 
 
 def _recovered(cluster: Cluster, run_dir: Path, node: int, reference: str) -> dict:

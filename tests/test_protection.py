@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import no_process_left, read_procs, reference_digest, step_records, train, wait_for
+from conftest import processes_left, read_procs, reference_digest, step_records, train, wait_for
 from leto.protection.layout import Layout
 from leto.protection.shm import Region
 from leto.protocol import keys
@@ -43,7 +43,7 @@ def test_kill_at_every_chunk_boundary_rebuilds_the_exact_state(launcher, tmp_pat
     assert s["digest"] == digest
     (rec,) = s["recoveries"]
     assert rec["failed_ranks"] == [rank] and rec["step"] in (2, 3, 4)
-    assert not no_process_left(tmp_path / "run")
+    assert not processes_left(tmp_path / "run")
 
 
 def _corrupt_tier1_parity(run_dir: Path, node: int) -> None:
@@ -73,7 +73,7 @@ def test_a_corrupted_parity_chunk_is_detected_and_repaired_from_tier2(launcher, 
     events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     (rec,) = [e for e in events if e.get("event") == "recovery"]
     assert rec["tier"] == "tier2" and any("node 0" in r and "checksum" in r for r in rec["repaired"])
-    assert not no_process_left(run_dir)
+    assert not processes_left(run_dir)
 
 
 def test_corruption_with_no_redundancy_left_stops_the_job(launcher, tmp_path: Path) -> None:
@@ -87,4 +87,4 @@ def test_corruption_with_no_redundancy_left_stops_the_job(launcher, tmp_path: Pa
     out, err = ctl.communicate(timeout=240)
     assert ctl.returncode == 1
     assert "cannot recover" in out and "checksums" in out and "node 0" in out
-    assert not no_process_left(run_dir)
+    assert not processes_left(run_dir)

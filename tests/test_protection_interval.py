@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import JOB, no_process_left, reference_digest, step_records, train
+from conftest import JOB, processes_left, reference_digest, step_records, train
 
 EVERY = ("--protect-every", "3")
 
@@ -17,7 +17,7 @@ def check_rolled_back(res, s: dict, digest: str, run_dir: Path) -> dict:
     (rec,) = s["recoveries"]
     assert rec["step"] % 3 == 0 and rec["lost_steps"] <= 3, rec
     assert [r["step"] for r in step_records(run_dir)][-1] == 10
-    assert not no_process_left(run_dir)
+    assert not processes_left(run_dir)
     return rec
 
 

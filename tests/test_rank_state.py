@@ -4,14 +4,11 @@ random step and must end with the digest (parameters, optimizer state, buffers) 
 run, and with its loader where the failure-free run left it."""
 from __future__ import annotations
 
-import os
-import random
-
 import pytest
 import torch
 import torch.nn as nn
 
-from conftest import REPO, no_process_left, run_user_script
+from conftest import REPO, processes_left, run_user_script, seeded_random
 from leto.training.rank_state import RankState, persistent_buffers, step_seed
 
 SCRIPT = str(REPO / "tests" / "scripts" / "stateful_model.py")
@@ -22,15 +19,16 @@ STEPS = 16
 def test_a_model_with_randomness_or_buffers_recovers_to_the_failure_free_digest(launcher, tmp_path, model) -> None:
     args = ("--model", model, "--steps", str(STEPS), "--step-sleep", "0.1")  # the kill lands >= 0.5 s before the end
     ref_out, ref = run_user_script(launcher, tmp_path / "ref", SCRIPT, *args)
-    kill_step = random.Random(os.urandom(8)).randrange(2, STEPS - 5)
-    out, s = run_user_script(launcher, tmp_path / "run", SCRIPT, *args, kill_step=kill_step)
-    assert len(s["recoveries"]) == 1, f"killed at step {kill_step}: {s['recoveries']}"
-    assert s["digest"] == ref["digest"], f"killed at step {kill_step}"
+    rng, seed = seeded_random()
+    kill_step = rng.randrange(2, STEPS - 5)
+    out, s = run_user_script(launcher, tmp_path / "run", SCRIPT, *args, kill_step=kill_step, rng=rng)
+    assert len(s["recoveries"]) == 1, f"seed {seed}: killed at step {kill_step}: {s['recoveries']}"
+    assert s["digest"] == ref["digest"], f"seed {seed}: killed at step {kill_step}"
     if model == "batchnorm":  # every rank's loader ends where the failure-free run's did
         served = sorted(line for line in out.splitlines() if "loader served" in line)
         assert served == sorted(line for line in ref_out.splitlines() if "loader served" in line)
         assert served == [f"rank {r} loader served {STEPS}" for r in (0, 1)]
-    assert not no_process_left(tmp_path / "run")
+    assert not processes_left(tmp_path / "run")
 
 
 def test_step_seeds_are_a_pure_function_of_seed_step_and_rank() -> None:

@@ -3,14 +3,15 @@ the digest of a failure-free run of the same seed and config."""
 from __future__ import annotations
 
 import json
-import random
-import signal
 import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
 
-from conftest import JOB, no_process_left, read_procs, reference_digest, step_records, train, wait_for
+from conftest import (JOB, processes_left, read_procs, reference_digest, seeded_random, step_records, train,
+                      wait_for, with_flags)
 from leto.protocol import keys
 
 RECORD_KEYS = {"generation", "failed_ranks", "failed_nodes", "cause", "tier", "detect_s", "restore_s",
@@ -27,7 +28,7 @@ def check_recovered(res, summary: dict, digest: str, run_dir: Path, recoveries: 
         assert r["lost_steps"] == 0  # no completed step is redone: at most the step in flight is lost
         assert r["total_s"] >= r["detect_s"] >= 0
     assert [r["step"] for r in step_records(run_dir)][-1] == 10
-    assert not no_process_left(run_dir)
+    assert not processes_left(run_dir)
     return recs
 
 
@@ -86,7 +87,7 @@ def test_a_hung_worker_is_detected_by_heartbeat_fenced_and_replaced(launcher, tm
 
 def test_a_second_failure_during_recovery(launcher, tmp_path: Path) -> None:
     digest = reference_digest(launcher, tmp_path, *JOB)
-    res, s = train(launcher, tmp_path / "run", *JOB[:-6], "--spares", "2", *JOB[-4:], "--inject", "kill:rank=1:step=5",
+    res, s = train(launcher, tmp_path / "run", *with_flags(JOB, spares=2), "--inject", "kill:rank=1:step=5",
                    "--inject", "kill:rank=2:step=5:phase=recovery")
     rec = check_recovered(res, s, digest, tmp_path / "run")[0]
     assert rec["failed_ranks"] == [1, 2] and rec["interrupted"]
@@ -96,24 +97,22 @@ def test_a_failure_before_the_new_generation_is_encoded(launcher, tmp_path: Path
     """Rank 2 dies at the start of the first step after a recovery, while the new generation's
     base encode may still be committing: the previous generation's tables rebuild it exactly."""
     digest = reference_digest(launcher, tmp_path, *JOB)
-    res, s = train(launcher, tmp_path / "run", *JOB[:-6], "--spares", "2", *JOB[-4:],
+    res, s = train(launcher, tmp_path / "run", *with_flags(JOB, spares=2),
                    "--inject", "kill:rank=1:step=5:phase=update", "--inject", "kill:rank=2:step=6:phase=forward")
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert s["digest"] == digest
     assert sorted({r for rec in s["recoveries"] for r in rec["failed_ranks"]}) == [1, 2]
-    assert not no_process_left(tmp_path / "run")
+    assert not processes_left(tmp_path / "run")
 
 
 def test_random_sigkills_from_outside(launcher, tmp_path: Path) -> None:
     """Kill a random worker at a random moment, twice, from outside the job, by PID."""
-    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    rng, seed = seeded_random()
     run_dir = tmp_path / "run"
-    ctl = launcher.start("train", "--run-dir", str(run_dir), *JOB[:-4], "--steps", "16", "--seed", "0",
-                         "--spares", "2", run_dir=run_dir)
+    ctl = launcher.start("train", "--run-dir", str(run_dir), *with_flags(JOB, steps=16, spares=2), run_dir=run_dir)
     for k in (3, 9):
         wait_for(lambda: (run_dir / "metrics.jsonl").exists() and
                  any(r["step"] >= k for r in step_records(run_dir)), 120, f"step {k}")
-        import time
         time.sleep(rng.uniform(0, 0.3))
         victim = rng.choice([p for p in read_procs(run_dir) if p["role"] == "worker"])
         os.kill(victim["pid"], signal.SIGKILL)
@@ -121,18 +120,17 @@ def test_random_sigkills_from_outside(launcher, tmp_path: Path) -> None:
             json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())) or ctl.poll() is not None, 120,
             "a recovery")
     out, err = ctl.communicate(timeout=240)
-    assert ctl.returncode == 0, err[-3000:]
-    ref16 = reference_digest(launcher, tmp_path, *JOB[:-4], "--steps", "16", "--seed", "0")
+    assert ctl.returncode == 0, f"seed {seed}: " + err[-3000:]
+    ref16 = reference_digest(launcher, tmp_path, *with_flags(JOB, steps=16))
     s = json.loads((run_dir / "summary.json").read_text())
-    assert s["digest"] == ref16 and len(s["recoveries"]) == 2
-    assert not no_process_left(run_dir)
+    assert s["digest"] == ref16 and len(s["recoveries"]) == 2, f"seed {seed}: {s['recoveries']}"
+    assert not processes_left(run_dir), f"seed {seed}"
 
 
 def test_an_idle_shadow_or_keeper_dying_does_not_stop_training(launcher, tmp_path: Path) -> None:
-    digest = reference_digest(launcher, tmp_path, *JOB[:-4], "--steps", "14", "--seed", "0")
+    digest = reference_digest(launcher, tmp_path, *with_flags(JOB, steps=14))
     run_dir = tmp_path / "run"
-    ctl = launcher.start("train", "--run-dir", str(run_dir), *JOB[:-4], "--steps", "14", "--seed", "0",
-                         run_dir=run_dir)
+    ctl = launcher.start("train", "--run-dir", str(run_dir), *with_flags(JOB, steps=14), run_dir=run_dir)
     wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(step_records(run_dir)) >= 3, 120, "step 3")
     shadow = next(p for p in read_procs(run_dir) if p["role"] == "shadow")
     os.kill(shadow["pid"], signal.SIGKILL)
@@ -145,7 +143,7 @@ def test_an_idle_shadow_or_keeper_dying_does_not_stop_training(launcher, tmp_pat
     s = json.loads((run_dir / "summary.json").read_text())
     assert s["digest"] == digest
     assert [r["failed_ranks"] for r in s["recoveries"]] == [[]]  # protection rebuilt, no rank lost
-    assert not no_process_left(run_dir)
+    assert not processes_left(run_dir)
 
 
 def test_losing_more_than_the_codes_tolerate_stops_with_a_clear_message(launcher, tmp_path: Path) -> None:
@@ -153,13 +151,13 @@ def test_losing_more_than_the_codes_tolerate_stops_with_a_clear_message(launcher
                    "--inject", "node-kill:node=1:step=4")
     assert res.returncode == 1
     assert "cannot recover" in res.stdout and "node 1" in res.stdout and "tier 2 is off" in res.stdout
-    assert not no_process_left(tmp_path / "run")
+    assert not processes_left(tmp_path / "run")
 
 
 def test_without_protection_a_failure_stops_the_job(launcher, tmp_path: Path) -> None:
     res, s = train(launcher, tmp_path / "run", *JOB, "--protection", "off", "--inject", "kill:rank=1:step=3")
     assert res.returncode == 1 and "protection is off" in res.stdout
-    assert not no_process_left(tmp_path / "run")
+    assert not processes_left(tmp_path / "run")
 
 
 # ----- no shadow left: shrink, then grow back
@@ -200,7 +198,7 @@ def test_with_no_shadow_left_the_survivors_take_over_the_lost_shard(launcher, tm
     assert rec["lost_steps"] == 0 and not s["resizes"]
     assert "shrinking to 3 ranks" in res.stdout
     check_trajectory(launcher, tmp_path, tmp_path / "run", *job)
-    assert not no_process_left(tmp_path / "run")
+    assert not processes_left(tmp_path / "run")
 
 
 def test_after_a_shrink_the_job_grows_back_when_a_shadow_is_ready(launcher, tmp_path: Path) -> None:
@@ -215,7 +213,7 @@ def test_after_a_shrink_the_job_grows_back_when_a_shadow_is_ready(launcher, tmp_
     assert [r["world_size"] for r in s["resizes"]] == [4], s["resizes"]
     assert s["resizes"][0]["lost_steps"] == 0
     check_trajectory(launcher, tmp_path, tmp_path / "run", *job)
-    assert not no_process_left(tmp_path / "run")
+    assert not processes_left(tmp_path / "run")
 
 
 def _store(run_dir: Path):
@@ -233,8 +231,7 @@ def test_replacement_shadows_are_forked_from_the_nodes_warm_zygote(launcher, tmp
     no second torch import); the forked shadow is the controller's child (a subreaper) and adopts
     the next lost rank."""
     run_dir = tmp_path / "run"
-    ctl = launcher.start("train", "--run-dir", str(run_dir), *JOB[:-4], "--steps", "2000", "--seed", "0",
-                         run_dir=run_dir)
+    ctl = launcher.start("train", "--run-dir", str(run_dir), *with_flags(JOB, steps=2000), run_dir=run_dir)
     wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(step_records(run_dir)) >= 3, 120, "step 3")
     store = _store(run_dir)
     zygotes = [p["id"] for p in read_procs(run_dir) if p["role"] == "zygote"]
@@ -255,4 +252,4 @@ def test_replacement_shadows_are_forked_from_the_nodes_warm_zygote(launcher, tmp
             assert int(f.read().rsplit(")", 1)[1].split()[1]) == ctl.pid  # its parent: the controller
     ctl.send_signal(signal.SIGTERM)
     ctl.communicate(timeout=60)
-    assert not no_process_left(run_dir)
+    assert not processes_left(run_dir)

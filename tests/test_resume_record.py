@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Launcher, no_process_left, read_procs, reference_digest, wait_for
+from conftest import Launcher, processes_left, read_procs, reference_digest, wait_for
 from leto.console import read_jsonl
 from leto.runtime import linux
 
@@ -43,7 +43,7 @@ def crash(popen: subprocess.Popen, run_dir: Path, past: int) -> int:
     controller = next(p for p in read_procs(run_dir) if p["role"] == "controller")
     os.kill(controller["pid"], signal.SIGKILL)
     popen.wait(timeout=30)
-    wait_for(lambda: not no_process_left(run_dir), 30, "the attempt's processes to die with their controller")
+    wait_for(lambda: not processes_left(run_dir), 30, "the attempt's processes to die with their controller")
     return max(commits(run_dir))
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from conftest import (
-    no_process_left,
+    processes_left,
     read_procs,
     reference_digest,
     step_records,
@@ -64,7 +64,7 @@ def _finish(ctl, run_dir: Path, digest: str) -> tuple[str, dict]:
     assert ctl.returncode == 0, out[-2000:] + err[-3000:]
     s = json.loads((run_dir / "summary.json").read_text())
     assert s["digest"] == digest
-    assert not no_process_left(run_dir)
+    assert not processes_left(run_dir)
     return out, s
 
 
@@ -190,7 +190,7 @@ def _train_to_the_digest(launcher, tmp_path: Path, floor: str, factor: str, inje
                    "--inject", inject)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert s["digest"] == digest
-    assert not no_process_left(tmp_path / "run")
+    assert not processes_left(tmp_path / "run")
     return res, s
 
 

@@ -14,7 +14,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from conftest import no_process_left, read_procs, reference_digest, step_records, wait_for
+from conftest import processes_left, read_procs, reference_digest, step_records, wait_for
 
 from leto.runtime.threads import FAIL_ENV, THREAD_FAILED
 
@@ -47,7 +47,7 @@ def _finish(ctl, run_dir: Path, digest: str, pid: int) -> tuple[str, dict, dict]
     out, err = ctl.communicate(timeout=240)
     assert ctl.returncode == 0, out[-2000:] + err[-3000:]
     s = json.loads((run_dir / "summary.json").read_text())
-    assert s["digest"] == digest and not no_process_left(run_dir)
+    assert s["digest"] == digest and not processes_left(run_dir)
     (failure,) = [f for f in _events(run_dir, "failure") if f["pid"] == pid]
     return err, s, failure
 

@@ -2,14 +2,11 @@
 parameter groups keep exact recovery, and match what plain PyTorch computes."""
 from __future__ import annotations
 
-import os
-import random
-
 import torch
 import torch.nn as nn
 
 import leto
-from conftest import REPO, no_process_left, run_user_script, step_records
+from conftest import REPO, processes_left, run_user_script, seeded_random, step_records
 from leto.training.trainer import Trainer
 
 SCRIPT = str(REPO / "tests" / "scripts" / "recipe_model.py")
@@ -20,10 +17,11 @@ def test_a_clipped_accumulated_bf16_recipe_recovers_to_the_failure_free_digest(l
     _, ref = run_user_script(launcher, tmp_path / "ref", SCRIPT, "--steps", str(STEPS))
     norms = [r["grad_norm"] for r in step_records(tmp_path / "ref")]
     assert len(norms) == STEPS and max(norms) > 0.05  # the clip was active
-    kill_step = random.Random(os.urandom(8)).randrange(2, STEPS - 3)
-    _, s = run_user_script(launcher, tmp_path / "run", SCRIPT, "--steps", str(STEPS), kill_step=kill_step)
-    assert len(s["recoveries"]) == 1 and s["digest"] == ref["digest"], f"killed at step {kill_step}"
-    assert not no_process_left(tmp_path / "run")
+    rng, seed = seeded_random()
+    kill_step = rng.randrange(2, STEPS - 3)
+    _, s = run_user_script(launcher, tmp_path / "run", SCRIPT, "--steps", str(STEPS), kill_step=kill_step, rng=rng)
+    assert len(s["recoveries"]) == 1 and s["digest"] == ref["digest"], f"seed {seed}: killed at step {kill_step}"
+    assert not processes_left(tmp_path / "run")
 
 
 def test_clipping_and_accumulation_match_torch() -> None:
