@@ -90,7 +90,9 @@ def test_cli_seed_reproduces(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize("spares", [None, 0, 3])
 def test_time_is_fully_accounted(spares: int | None) -> None:
     res = simulate(Scenario(gpus=32768, days=60, spares=spares, seed=1), POLICIES, CAL)
+    assert list(res.results) == list(POLICIES)
     for r in res.results.values():
+        assert set(r.lost) == set(LOSS_KEYS)
         assert r.productivity + sum(r.lost.values()) == pytest.approx(1.0, abs=1e-9)
         assert all(v >= 0 for v in r.lost.values())
         assert 0.0 <= r.productivity <= 1.0
@@ -102,6 +104,7 @@ def test_zero_failures_gives_100_percent() -> None:
     assert res.failures == 0
     cr = res.results["checkpoint-restart"]
     assert cr.productivity == 1.0  # no failures: the Daly interval is infinite, no checkpoints
+    assert list(res.results) == list(POLICIES)
     for r in res.results.values():
         assert {k: v for k, v in r.lost.items() if k != "protection"} == dict.fromkeys(
             set(LOSS_KEYS) - {"protection"}, 0.0)
@@ -109,7 +112,9 @@ def test_zero_failures_gives_100_percent() -> None:
     # with nothing to protect, every policy is 100 % productive
     stateless = dataclasses.replace(
         sc, assumptions=Assumptions(optimizer_bytes_per_param=0.0, weight_bytes_per_param=0.0))
-    for r in simulate(stateless, POLICIES, CAL).results.values():
+    results = simulate(stateless, POLICIES, CAL).results
+    assert list(results) == list(POLICIES)
+    for r in results.values():
         assert r.productivity == pytest.approx(1.0, abs=1e-12)
 
 
@@ -171,7 +176,7 @@ def test_unmeasured_inputs_are_traceable(capsys: pytest.CaptureFixture[str]) -> 
     rc, out, _ = run_cli(capsys, "--list-assumptions")
     assert rc == 0
     assert "ASSUMPTION" in out and "Dubey et al. 2024" in out
-    assert all(s for s in CAL.sources.values())
+    assert CAL.sources and all(s for s in CAL.sources.values())
 
 
 # ---------------------------------------------------------------- calibration files
