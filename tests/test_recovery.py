@@ -33,8 +33,9 @@ def check_recovered(res, summary: dict, digest: str, run_dir: Path, recoveries: 
 
 
 # the phases of a step that differ (forward and backward touch no shared state: a kill there is
-# the reduce-scatter's case; random kills from outside hit them too), each victim rank once; the parity hand-off and the update with staged
-# gradients are killed at every chunk boundary in test_protection.py
+# the reduce-scatter's case; random kills from outside hit them too), each victim rank once; the
+# parity hand-off and the update with staged gradients are killed at every chunk boundary in
+# test_protection.py
 @pytest.mark.parametrize("rank, phase, grads", [
     (2, "reduce-scatter", "auto"), (3, "grads", "on"),
     (1, "update", "auto"), (0, "all-gather", "auto"),
