@@ -19,7 +19,8 @@ import torch.distributed as dist
 from conftest import leto_cmd, wait_for
 
 from leto.cli import main
-from leto.runtime.etcd_store import FOLLOW_S, FRESH_S, EtcdStore, Fenced, StoreUnavailable, parse_endpoints
+from leto.runtime.etcd_mirror import FOLLOW_S, FRESH_S
+from leto.runtime.etcd_store import EtcdStore, Fenced, StoreUnavailable, parse_endpoints
 
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed (scripts/install.sh)")
 
