@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DETECTION_CLASSES = ("exit", "node", "hang")
-"""How a failure shows itself: the process exits; the host disappears; or a process hangs."""
+from leto.protocol.failures import Detection
+
+DETECTION_CLASSES = tuple(Detection)
+"""How a failure shows itself (`protocol.failures.Detection`), in the simulator's order."""
 
 
 @dataclass(frozen=True)
