@@ -16,7 +16,7 @@ from leto.bench.cpu import CpuSampler, memory_bytes
 from leto.bench.overhead import (PARTS, Point, check_tokens, curve_entry, memory_parts,
                                  memory_summary, parse_curve, protected_bytes, rss_summary, targets, verdict,
                                  worker_copy_bytes)
-from leto.protection.keeper import HDR, SEND_BUFFERS, batch_buffer_bytes
+from leto.protection.transport import HDR, SEND_BUFFERS, batch_buffer_bytes
 from leto.protection.layout import Geometry, Layout
 from leto.protection.shm import Region
 

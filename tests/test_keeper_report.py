@@ -21,7 +21,9 @@ import torch.distributed as dist
 
 from leto.protection.client import Protector
 from leto.protection.integrity import checksum
-from leto.protection.keeper import TAG, Keeper
+from leto.protection.drain import drain
+from leto.protection.keeper import Keeper
+from leto.protection.transport import TAG
 from leto.protection.layout import Geometry, Layout
 from leto.protection.shm import EMPTY, KIND_DELTA, SHM_DIR, region_name
 
@@ -57,7 +59,7 @@ class Cluster:
         self.worker.stage_deltas(step, old, new)
 
         def received() -> bool:
-            self.b._consume_slots()  # B's keeper loop: fold the staged slots, ship the step's batch
+            self.b.consume_slots()  # B's keeper loop: fold the staged slots, ship the step's batch
             return link.received[KIND_DELTA] > before or link.error is not None
 
         _within(received, f"node A to receive B's step-{step} batch")
@@ -134,7 +136,7 @@ def test_before_the_report_a_batch_is_folded_into_the_parity(cluster: Cluster) -
 
 def test_after_its_report_a_keeper_receives_late_batches_but_folds_none(cluster: Cluster) -> None:
     cluster.ship(0, None, _state(0))  # B's data is protected at step 0
-    report = cluster.a.drain({A}, TIMEOUT_S)  # B declared lost: recovery reads A's report
+    report = drain(cluster.a, {A}, TIMEOUT_S)  # B declared lost: recovery reads A's report
     frozen = cluster.tier2()
     assert frozen[TIER2[1]].tolist() == [[0, 0]]
     cluster.ship(1, _state(0), _state(1))  # B, cut off, delivers step 1 once the link is back
@@ -143,5 +145,5 @@ def test_after_its_report_a_keeper_receives_late_batches_but_folds_none(cluster:
     for name in TIER2:
         assert np.array_equal(late[name], frozen[name]), f"{name} changed after the report"
     t0 = time.monotonic()
-    assert cluster.a.drain({A, B}, TIMEOUT_S) == report  # at once: no wait for B's sent counts
+    assert drain(cluster.a, {A, B}, TIMEOUT_S) == report  # at once: no wait for B's sent counts
     assert time.monotonic() - t0 < TIMEOUT_S / 2

@@ -28,7 +28,7 @@ from leto.errors import UsageError
 from leto.persistence.resume import DEFAULT_MTBF
 from leto.protection.accounting import bytes_per_element_per_step
 from leto.protection.codec_bench import measure_codec
-from leto.protection.keeper import batch_buffer_bytes
+from leto.protection.transport import batch_buffer_bytes
 from leto.protection.layout import Geometry, Layout
 from leto.protection.placement import default_code
 from leto.protection.shm import specs

@@ -35,7 +35,7 @@ EMPTY = -1  # version of a chunk nothing was folded for yet
 
 # Store order. A staging slot is published with plain stores and no fence (Python has none): the
 # worker writes the slot's bytes and header fields, then S_READY = 1 (`Protector._publish`); the
-# keeper reads S_READY == 1, then the header and bytes (`Keeper._consume_slots`), and hands the
+# keeper reads S_READY == 1, then the header and bytes (`Keeper.consume_slots`), and hands the
 # slot back with S_READY = 0 after it has read them. This is correct only where another core sees
 # one core's stores in program order and loads are not reordered with older loads: total store
 # order, x86-64 (each numpy assignment is a separate C call, so neither compiler reorders them
