@@ -87,18 +87,34 @@ class ShardedState:
         """The flat element index of chunk `c` of `rank`'s shard (default: the one held)."""
         return ((self.rank if rank is None else rank) * self.n_chunks + c) * self.chunk_elems
 
+    # ----- the buffers: a ring of `copies` state buffers and `grad_copies` gradient buffers, by step
+    def buf_for(self, step: int) -> torch.Tensor:
+        """The state buffer that holds (or will hold) `step`: [n_chunks, 3, chunk_elems]."""
+        return self.bufs[step % len(self.bufs)]
+
+    def holds(self, step: int) -> bool:
+        """Whether `buf_for(step)` holds `step`."""
+        return self.buf_step[step % len(self.bufs)] == step
+
+    def mark_held(self, step: int) -> None:
+        """`buf_for(step)` now holds `step`."""
+        self.buf_step[step % len(self.bufs)] = step
+
+    def grad_buf_for(self, step: int) -> torch.Tensor:
+        """This rank's own gradient buffer for `step` (reduce-scattered gradients): [n_chunks, chunk_elems]."""
+        return self.gbufs[step % len(self.gbufs)]
+
     # ----- what is held
     @property
     def state(self) -> torch.Tensor:
         """This rank's unique state at `step`: [n_chunks, 3, chunk_elems]."""
-        return self.bufs[self.step % len(self.bufs)]
+        return self.buf_for(self.step)
 
     def state_at(self, step: int) -> torch.Tensor:
         """This rank's whole state at `step` ([n_chunks, 3, chunk_elems]), which it must hold."""
-        i = step % len(self.bufs)
-        if self.buf_step[i] != step or (self.inplace and any(c != step for c in self.chunk_step)):
+        if not self.holds(step) or (self.inplace and any(c != step for c in self.chunk_step)):
             raise RecoveryError(f"rank {self.rank} does not hold its whole state at step {step}")
-        return self.bufs[i]
+        return self.buf_for(step)
 
     def chunk_at(self, step: int, c: int) -> torch.Tensor:
         """State chunk `c` at `step` (one of the two kept; in place: the one held, or the one a
@@ -111,10 +127,9 @@ class ShardedState:
                 return kept[1]
             raise RecoveryError(f"rank {self.rank} does not hold chunk {c} at step {step} "
                                 f"(it holds step {self.chunk_step[c]})")
-        i = step % len(self.bufs)
-        if self.buf_step[i] != step:
+        if not self.holds(step):
             raise RecoveryError(f"rank {self.rank} does not hold step {step} (it holds {self.buf_step})")
-        return self.bufs[i][c]
+        return self.buf_for(step)[c]
 
     def grads_of(self, step: int) -> torch.Tensor:
         """The gradient shard of `step` ([n_chunks, chunk_elems]): a view of the whole reduced
@@ -124,10 +139,9 @@ class ShardedState:
                 raise RecoveryError(f"rank {self.rank} does not hold gradients of step {step} (it holds {self.grad_step})")
             lo = self.rank * self.shard_elems
             return self.flat_grad[lo:lo + self.shard_elems].view(self.n_chunks, self.chunk_elems)
-        i = step % len(self.gbufs)
-        if self.gbuf_step[i] != step:
+        if self.gbuf_step[step % len(self.gbufs)] != step:
             raise RecoveryError(f"rank {self.rank} does not hold gradients of step {step} (it holds {self.gbuf_step})")
-        return self.gbufs[i]
+        return self.grad_buf_for(step)
 
     def grad_at(self, step: int, c: int) -> torch.Tensor:
         return self.grads_of(step)[c]
@@ -160,21 +174,20 @@ class ShardedState:
     def bring_to(self, step: int) -> None:
         """A survivor's own state at `step`: it holds it, rolls back to its snapshot of the last
         protected step (--protect-every > 1), or finishes the update of `step`."""
-        n = len(self.bufs)
         if self.inplace:
             self._bring_in_place(step)
             return
-        if self.buf_step[step % n] == step:
+        if self.holds(step):
             return
         if self.snap_step == step:
-            self.bufs[step % n].copy_(self.snap)
-            self.buf_step[step % n] = step
+            self.buf_for(step).copy_(self.snap)
+            self.mark_held(step)
             return
         self.chunk_at(step - 1, 0)  # raises unless step-1 is held
-        old, grads, dst = self.bufs[(step - 1) % n], self.grads_of(step), self.bufs[step % n]
+        old, grads, dst = self.buf_for(step - 1), self.grads_of(step), self.buf_for(step)
         for c in range(self.n_chunks):
             self.update_chunk(old[c], grads[c], dst[c], step, self.offset_of(c))
-        self.buf_step[step % n] = step
+        self.mark_held(step)
 
     def _bring_in_place(self, step: int) -> None:
         """Finish the update of `step` in place. A replaced chunk is kept until the next
@@ -200,6 +213,61 @@ class ShardedState:
         """--protect-every > 1: `state` is the last protected step's (the next deltas start from it)."""
         self.snap, self.snap_step = state.clone(), step
 
+    def keep_snapshot(self, step: int) -> None:
+        """--protect-every > 1: the held protected `step` becomes the snapshot, before an update
+        overwrites its buffer."""
+        self.snap.copy_(self.buf_for(step))
+        self.snap_step = step
+
+    # ----- one step: gradients, the update, the parameters
+    def zero_grads(self) -> None:
+        """Before a backward pass: no step's reduced gradient is held any more."""
+        self.grad_step = None
+        self.flat_grad.zero_()
+
+    def reduce_grads(self, comm: Comm, step: int) -> None:
+        """Reduce `step`'s gradients: all-reduced into `flat_grad` where every rank holds the
+        whole gradient, else reduce-scattered into this rank's own gradient buffer."""
+        if self.replicated_grads:
+            comm.all_reduce(self.flat_grad)
+            return
+        comm.reduce_scatter(self.grad_buf_for(step).view(-1), self.flat_grad)
+        self.gbuf_step[step % len(self.gbufs)] = step
+
+    def grad_norm(self, comm: Comm, world_size: int, step: int) -> float:
+        """The global norm of `step`'s reduced gradients (the same bits on every rank and in both
+        reduction paths: per-shard sums of squares, added in rank order; a collective where the
+        gradients are reduce-scattered)."""
+        if self.replicated_grads:
+            parts = self.flat_grad.view(world_size, self.shard_elems).double().pow(2).sum(dim=1)
+        else:
+            parts = torch.zeros(world_size, dtype=torch.float64, device=self.flat_grad.device)
+            mine = self.grads_of(step).double().pow(2).sum().reshape(1)
+            comm.all_gather(parts, mine)
+        total = 0.0
+        for x in parts.tolist():
+            total += x
+        return total ** 0.5
+
+    def scale_grads(self, step: int, coef: float) -> None:
+        """Scale `step`'s reduced gradients (all of them where they are replicated) by `coef`."""
+        (self.flat_grad if self.replicated_grads else self.grads_of(step)).mul_(coef)
+
+    def next_chunk(self, old: torch.Tensor, grad: torch.Tensor, step: int, c: int) -> torch.Tensor:
+        """In place: chunk `c` updated to `step` into a scratch buffer (`old` still holds the
+        previous step until `replace_chunk`)."""
+        self.update_chunk(old, grad, self.next, step, self.offset_of(c))
+        return self.next
+
+    def replace_chunk(self, c: int, step: int) -> None:
+        """In place: chunk `c` becomes its update to `step` from `next_chunk`."""
+        self.buf_for(step)[c].copy_(self.next)
+        self.chunk_step[c] = step
+
+    def shard_params(self, step: int) -> None:
+        """This rank's updated parameters (the master weights of `step`) into `param_shard`."""
+        self.param_shard.copy_(self.buf_for(step)[:, MASTER, :].reshape(-1))
+
     # ----- installing state
     def take_master(self, rank: int) -> None:
         """Hold `rank`'s shard, its master weights taken from the parameters (the job's start)."""
@@ -211,9 +279,8 @@ class ShardedState:
         """Hold `shard` ([n_chunks, 3, chunk_elems], decoded, resharded or loaded) as `rank`'s state at `step`."""
         if shard.shape != self.bufs[0].shape:
             raise RecoveryError(f"shard of shape {tuple(shard.shape)} installed, expected {tuple(self.bufs[0].shape)}")
-        i = step % len(self.bufs)
-        self.bufs[i].copy_(shard)
-        self.buf_step[i] = step
+        self.buf_for(step).copy_(shard)
+        self.mark_held(step)
         self.chunk_step = [step] * self.n_chunks
         self.rank = rank
 
@@ -273,7 +340,7 @@ class ShardedState:
 
     def gather_params(self, comm: Comm) -> None:
         """Every rank's parameters from the shards: this rank's master weights, all-gathered."""
-        self.param_shard.copy_(self.state[:, MASTER, :].reshape(-1))
+        self.shard_params(self.step)
         comm.all_gather(self.flat_param, self.param_shard)
 
     def full_state(self, comm: Comm, world_size: int) -> dict[str, torch.Tensor]:
