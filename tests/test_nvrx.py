@@ -103,7 +103,7 @@ class _Comm:
 
 
 class _Trainer:
-    """The parts of `Trainer` a checkpoint reads and writes: ZeRO-1 over `world` ranks."""
+    """The parts of `RankMember` a checkpoint reads and writes: ZeRO-1 over `world` ranks."""
 
     def __init__(self, numel: int, chunk_elems: int, world: int, rank: int) -> None:
         self.numel, self.chunk_elems, self.world_size, self.rank = numel, chunk_elems, world, rank
@@ -114,6 +114,9 @@ class _Trainer:
         self.flat_param = torch.zeros(world * self.shard_elems)
         self.comm = _Comm()
         self.step_count = 0
+
+    def set_step(self, step: int) -> None:
+        self.step_count = step
 
     def rows(self) -> torch.Tensor:
         return self.state.transpose(0, 1).reshape(3, -1)

@@ -3,7 +3,7 @@
 Same model presets, sampler, AdamW schedule and `Trainer` as `leto.training.job`; on top:
 
 * `--ckpt-mode disk`: `torch.distributed.checkpoint` (DCP) of each rank's ZeRO-1 shard
-  (`trainer.state`), the replicated parameters and the step, to local disk every K steps
+  (`trainer.member.state`), the replicated parameters and the step, to local disk every K steps
   (`--ckpt-every K`, or K from Young/Daly with `--mtbf-s` and the job's own measured checkpoint
   cost). A checkpoint counts once rank 0 has written `latest.json` after DCP finished it.
 * `--ckpt-mode memory` (Gemini-like): every step, each rank copies its shard into a file under a
@@ -41,7 +41,7 @@ from leto.runtime.env import Job
 from leto.persistence.interval import daly_interval_s
 from leto.training import job as base_job
 from leto.training.optim import MASTER
-from leto.training.trainer import Trainer
+from leto.training.member import RankMember
 
 POINTER = "latest.json"          # disk: the committed checkpoint
 INTERVAL = "interval.json"       # disk: K once chosen by Young/Daly, kept across restarts
@@ -67,30 +67,22 @@ def emit(job: Job, kind: str, **fields: object) -> None:
         runlog.event(job.run_dir, kind, **fields)
 
 
-def _max_over_ranks(trainer: Trainer, *values: float) -> list[float]:
+def _max_over_ranks(member: RankMember, *values: float) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
-    if trainer.comm is None:
+    if member.comm is None:
         raise RuntimeError("not connected")
-    trainer.comm.all_reduce(t, dist.ReduceOp.MAX)
+    member.comm.all_reduce(t, dist.ReduceOp.MAX)
     return t.tolist()
-
-
-def _set_step(trainer: Trainer, step: int) -> None:
-    """Make `trainer` be at `step`, about to load that step's state into `trainer.state`."""
-    trainer.step_count = step
-    held = getattr(trainer, "buf_step", None)  # which step each state buffer holds, if tracked
-    if isinstance(held, list) and held:
-        held[step % len(held)] = step
 
 
 class Checkpointer(Protocol):
     """What the job needs from a checkpoint store (every method is called on every rank)."""
 
-    def restore(self, trainer: Trainer) -> int | None:
+    def restore(self, member: RankMember) -> int | None:
         """Load the newest checkpoint every rank can load; its step, or None (start from scratch)."""
         ...
 
-    def save(self, trainer: Trainer) -> float:
+    def save(self, member: RankMember) -> float:
         """Checkpoint the trainer's current step; returns the seconds training was blocked."""
         ...
 
@@ -125,18 +117,18 @@ class DiskCheckpointer:
             dist.init_process_group("gloo", store=dist.PrefixStore(keys.CKPT_PG, job.store), rank=job.rank,
                                     world_size=job.world_size, timeout=timedelta(seconds=job.timeout_s))
 
-    def _state_dict(self, trainer: Trainer, step: int) -> dict[str, torch.Tensor]:
-        return {f"state/rank{trainer.rank}": trainer.state, "flat_param": trainer.flat_param,
+    def _state_dict(self, member: RankMember, step: int) -> dict[str, torch.Tensor]:
+        return {f"state/rank{member.rank}": member.state, "flat_param": member.flat_param,
                 "step": torch.tensor(step, dtype=torch.int64)}
 
     def committed(self) -> dict | None:
         ptr = _read_json(self.root / POINTER)
         return ptr if ptr and "step" in ptr and "path" in ptr else None
 
-    def restore(self, trainer: Trainer) -> int | None:
+    def restore(self, member: RankMember) -> int | None:
         ptr = self.committed()
         step = ptr["step"] if ptr else -1
-        lo, hi = _max_over_ranks(trainer, -step, step)  # every rank must load the same checkpoint
+        lo, hi = _max_over_ranks(member, -step, step)  # every rank must load the same checkpoint
         if -lo != hi:
             raise RuntimeError(f"ranks see different committed checkpoints ({-lo} vs {hi})")
         self._drop_uncommitted(ptr)
@@ -144,8 +136,8 @@ class DiskCheckpointer:
             return None
         if ptr.get("fingerprint") != self.fingerprint:
             raise CheckpointMismatch(f"{self.root / POINTER} was written by another job configuration")
-        _set_step(trainer, step)  # first: `trainer.state` may be a buffer chosen by the step
-        sd = self._state_dict(trainer, -1)
+        member.set_step(step)  # first: `member.state` may be a buffer chosen by the step
+        sd = self._state_dict(member, -1)
         from leto.persistence.safe_dcp import SafeReader, TensorsOnlyPlanner  # its files cannot run code
         self.dcp.load(sd, storage_reader=SafeReader(str(self.root / ptr["path"])), planner=TensorsOnlyPlanner())
         if int(sd["step"]) != step:
@@ -160,18 +152,18 @@ class DiskCheckpointer:
             if ptr is None or d.name != ptr["path"]:
                 shutil.rmtree(d, ignore_errors=True)
 
-    def save(self, trainer: Trainer) -> float:
+    def save(self, member: RankMember) -> float:
         """Checkpoint the current step; returns the seconds training was blocked."""
         t0 = time.perf_counter()
-        step = trainer.step_count
+        step = member.step_count
         path = self.root / f"step-{step:08d}"
         writer = self.dcp.FileSystemWriter(str(path), overwrite=True)
         if self.async_save:
             self._wait_pending()  # DCP: one save in flight at a time
-            fut = self.dcp.async_save(self._state_dict(trainer, step), storage_writer=writer)
+            fut = self.dcp.async_save(self._state_dict(member, step), storage_writer=writer)
             self.pending = (step, t0, fut)
         else:
-            self.dcp.save(self._state_dict(trainer, step), storage_writer=writer)
+            self.dcp.save(self._state_dict(member, step), storage_writer=writer)
             self._commit(step, time.perf_counter() - t0)
         return time.perf_counter() - t0
 
@@ -240,41 +232,41 @@ class MemoryCheckpointer:
             out[mark["step"]] = slot
         return out
 
-    def restore(self, trainer: Trainer) -> int | None:
-        nbytes = trainer.state.numel() * trainer.state.element_size()
-        mine = self.committed(self.root, trainer.rank, self.fingerprint, nbytes)
+    def restore(self, member: RankMember) -> int | None:
+        nbytes = member.state.numel() * member.state.element_size()
+        mine = self.committed(self.root, member.rank, self.fingerprint, nbytes)
         steps = sorted(mine, reverse=True)[:2] + [-1, -1]
         local = torch.tensor(steps[:2], dtype=torch.int64)
-        everyone = torch.empty(trainer.world_size * 2, dtype=torch.int64)
-        if trainer.comm is None:
+        everyone = torch.empty(member.world_size * 2, dtype=torch.int64)
+        if member.comm is None:
             raise RuntimeError("not connected")
-        trainer.comm.all_gather(everyone, local)
-        common = set.intersection(*(set(everyone[2 * r:2 * r + 2].tolist()) for r in range(trainer.world_size)))
+        member.comm.all_gather(everyone, local)
+        common = set.intersection(*(set(everyone[2 * r:2 * r + 2].tolist()) for r in range(member.world_size)))
         common.discard(-1)
         if not common:
             return None
         step = max(common)
-        _set_step(trainer, step)  # first: `trainer.state` may be a buffer chosen by the step
-        path = self.slot_path(self.root, trainer.rank, mine[step])
+        member.set_step(step)  # first: `member.state` may be a buffer chosen by the step
+        path = self.slot_path(self.root, member.rank, mine[step])
         with open(path, "rb") as f:
-            if f.readinto(memoryview(trainer.state.numpy()).cast("B")) != nbytes:
+            if f.readinto(memoryview(member.state.numpy()).cast("B")) != nbytes:
                 raise RuntimeError(f"{path} is shorter than its commit marker says")
         # replicated parameters are the all-gather of the master shards
-        trainer.param_shard.copy_(trainer.state[:, MASTER, :].reshape(-1))
-        trainer.comm.all_gather(trainer.flat_param, trainer.param_shard)
+        member.param_shard.copy_(member.state[:, MASTER, :].reshape(-1))
+        member.comm.all_gather(member.flat_param, member.param_shard)
         return step
 
-    def save(self, trainer: Trainer) -> float:
+    def save(self, member: RankMember) -> float:
         t0 = time.perf_counter()
-        step = trainer.step_count
+        step = member.step_count
         slot = step % 2
-        path = self.slot_path(self.root, trainer.rank, slot)
+        path = self.slot_path(self.root, member.rank, slot)
         marker = path.with_name(path.name + ".commit")
         marker.unlink(missing_ok=True)  # from here until the new marker, the slot is not loadable
         fd = self._fds.get(slot)
         if fd is None:
             fd = self._fds[slot] = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        data = memoryview(trainer.state.numpy()).cast("B")
+        data = memoryview(member.state.numpy()).cast("B")
         write_whole(fd, data)
         _write_json_atomic(marker, {"step": step, "slot": slot, "nbytes": len(data),
                                     "fingerprint": self.fingerprint})
@@ -343,16 +335,16 @@ class Schedule:
             self.calibrate_at = step
         return step == self.calibrate_at and step < total
 
-    def calibrated(self, trainer: Trainer, save_s: float) -> None:
+    def calibrated(self, member: RankMember, save_s: float) -> None:
         """After the calibration checkpoint: K = Young/Daly interval / step time (max over ranks)."""
         if self.every is not None or self.mtbf_s is None:
             return
-        cost_s, step_s = _max_over_ranks(trainer, save_s, statistics.median(self.step_times[1:]))
+        cost_s, step_s = _max_over_ranks(member, save_s, statistics.median(self.step_times[1:]))
         interval_s = daly_interval_s(cost_s, self.mtbf_s)
         self.every = steps_between(interval_s, step_s)
         rec = {"every": self.every, "ckpt_cost_s": round(cost_s, 6), "step_s": round(step_s, 6),
                "mtbf_s": self.mtbf_s, "interval_s": round(interval_s, 3)}
-        if trainer.rank == 0:
+        if member.rank == 0:
             _write_json_atomic(self.file, rec)
         emit(self.job, "ckpt_interval", **rec)
 
@@ -367,11 +359,11 @@ def main(argv: list[str] | None = None) -> None:
             pass
         return
     ckpt = make_checkpointer(ck, job, fingerprint(args, job.world_size))
-    trainer.connect()  # join the process group now, so a checkpoint can be loaded before step 0
+    trainer.member.connect()  # join the process group now, so a checkpoint can be loaded before step 0
     emit(job, "job_up", mode=ck.ckpt_mode)
     t0 = time.perf_counter()
-    restored = ckpt.restore(trainer)
-    (restore_s,) = _max_over_ranks(trainer, time.perf_counter() - t0)
+    restored = ckpt.restore(trainer.member)
+    (restore_s,) = _max_over_ranks(trainer.member, time.perf_counter() - t0)
     if restored is not None:
         emit(job, "restore", step=restored, restore_s=round(restore_s, 6), mode=ck.ckpt_mode)
     schedule = Schedule(ck, job)
@@ -382,9 +374,9 @@ def main(argv: list[str] | None = None) -> None:
         schedule.step_times.append(time.perf_counter() - t_step)
         ckpt.poll()
         if schedule.due(trainer.step_count, args.steps):
-            save_s = ckpt.save(trainer)
+            save_s = ckpt.save(trainer.member)
             emit(job, "ckpt_save", step=trainer.step_count, save_s=round(save_s, 6), mode=ck.ckpt_mode)
-            schedule.calibrated(trainer, save_s)
+            schedule.calibrated(trainer.member, save_s)
     ckpt.close()
 
 

@@ -53,6 +53,7 @@ from leto.training.corpus import load_tokens
 from leto.training.data import Sampler
 from leto.training.model import GPT, PRESETS
 from leto.training.optim import MASTER, AdamW, warmup_cosine
+from leto.training.member import RankMember
 from leto.training.trainer import Trainer
 
 NVRX_VERSION = "0.7.0"
@@ -142,35 +143,32 @@ class ShardCheckpoint:
             if f.readinto(memoryview(out.numpy()).cast("B")) != nbytes:
                 raise RuntimeError(f"{p} is shorter than its commit marker says")
 
-    def restore(self, trainer: Trainer) -> tuple[int, int] | None:
-        """Load the newest complete checkpoint into `trainer` (a collective); (step, its world size)."""
+    def restore(self, member: RankMember) -> tuple[int, int] | None:
+        """Load the newest complete checkpoint into `member` (a collective); (step, its world size)."""
         found = self.newest()
         step, world = found if found is not None else (-1, 0)
         agree = torch.tensor([step, -step, world, -world], dtype=torch.int64)
-        trainer.comm.all_reduce(agree, dist.ReduceOp.MAX)
+        member.comm.all_reduce(agree, dist.ReduceOp.MAX)
         if agree[0] != -agree[1] or agree[2] != -agree[3]:
             raise RuntimeError(f"ranks see different checkpoints: {agree.tolist()}")
         if found is None:
             return None
-        trainer.step_count = step  # first: `trainer.state` may be a buffer chosen by the step
-        held = getattr(trainer, "buf_step", None)  # which step each state buffer holds, if tracked
-        if isinstance(held, list) and held:
-            held[step % len(held)] = step
-        state = trainer.state
-        if world == trainer.world_size:
-            self._load(world, trainer.rank, step, state)
+        member.set_step(step)  # first: `member.state` may be a buffer chosen by the step
+        state = member.state
+        if world == member.world_size:
+            self._load(world, member.rank, step, state)
         else:
-            self._reshard(world, step, trainer)
-        trainer.param_shard.copy_(state[:, MASTER, :].reshape(-1))
-        trainer.comm.all_gather(trainer.flat_param, trainer.param_shard)
+            self._reshard(world, step, member)
+        member.param_shard.copy_(state[:, MASTER, :].reshape(-1))
+        member.comm.all_gather(member.flat_param, member.param_shard)
         return step, world
 
-    def _reshard(self, world: int, step: int, trainer: Trainer) -> None:
-        ce = trainer.chunk_elems
-        old_chunks = -(-trainer.numel // (world * ce))
+    def _reshard(self, world: int, step: int, member: RankMember) -> None:
+        ce = member.chunk_elems
+        old_chunks = -(-member.numel // (world * ce))
         old_elems = old_chunks * ce
-        new_elems = trainer.shard_elems
-        lo, hi = trainer.rank * new_elems, (trainer.rank + 1) * new_elems
+        new_elems = member.shard_elems
+        lo, hi = member.rank * new_elems, (member.rank + 1) * new_elems
         rows = torch.zeros(3, new_elems)  # this rank's new range of (master, exp_avg, exp_avg_sq)
         buf = torch.empty(old_chunks, 3, ce)
         for q in range(world):
@@ -180,12 +178,12 @@ class ShardCheckpoint:
             self._load(world, q, step, buf)
             old_rows = buf.transpose(0, 1).reshape(3, old_elems)
             rows[:, a - lo:b - lo] = old_rows[:, a - q * old_elems:b - q * old_elems]
-        trainer.state.copy_(rows.view(3, trainer.n_chunks, ce).transpose(0, 1))
+        member.state.copy_(rows.view(3, member.n_chunks, ce).transpose(0, 1))
 
-    def save(self, trainer: Trainer) -> float:
+    def save(self, member: RankMember) -> float:
         """Copy this rank's shard at the trainer's step; returns the seconds it took."""
         t0 = time.perf_counter()
-        step, world, rank = trainer.step_count, trainer.world_size, trainer.rank
+        step, world, rank = member.step_count, member.world_size, member.rank
         slot = step % 2
         p = self.path(world, rank, slot)
         marker = p.with_name(p.name + ".commit")
@@ -194,7 +192,7 @@ class ShardCheckpoint:
         fd = self._fds.get(key)
         if fd is None:
             fd = self._fds[key] = os.open(p, os.O_RDWR | os.O_CREAT, 0o600)
-        data = memoryview(trainer.state.numpy()).cast("B")
+        data = memoryview(member.state.numpy()).cast("B")
         write_whole(fd, data)
         tmp = marker.with_name(f".{marker.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"step": step, "slot": slot, "world": world, "nbytes": len(data),
@@ -248,7 +246,7 @@ def _train(ctx: _Ctx, call_wrapper) -> dict:
     config = solo(JobConfig(training=TrainingConfig(workers=world, nodes=ctx.nodes),
                             timeouts=Timeouts(collective_s=ctx.timeout_s)))
     job = Job(config=config, role="worker", rank=rank, world_size=world, node=ctx.node, run_dir=ctx.run_dir,
-              store=store, proc_id="solo",  # "solo": no Leto membership plan or heartbeat (Trainer.connect)
+              store=store, proc_id="solo",  # "solo": no Leto membership plan or heartbeat (RankMember.connect)
               device=torch.device("cpu"))
     args = ctx.args
     optimizer = AdamW(lr=warmup_cosine(args.lr, warmup=min(20, args.steps // 10), total=args.steps))
@@ -257,7 +255,7 @@ def _train(ctx: _Ctx, call_wrapper) -> dict:
         # the harness names this process by its new rank in procs.json before any step is recorded
         store.set(f"assign/{rank}", json.dumps({"initial_rank": ctx.initial_rank, "pid": os.getpid()}))
         t_connect = time.perf_counter()
-        trainer.connect()
+        trainer.member.connect()
         t_connected = time.perf_counter()
         if rank == 0:  # numbered in order of publication: an iteration cut short publishes nothing
             assign = {json.loads(store.get(f"assign/{r}"))["initial_rank"]: r for r in range(world)}
@@ -270,9 +268,9 @@ def _train(ctx: _Ctx, call_wrapper) -> dict:
                          connect_s=round(t_connected - t_connect, 4),  # gloo group + broadcast
                          call_s=round(time.perf_counter() - t_call, 4))
         t0 = time.perf_counter()
-        restored = ctx.ckpt.restore(trainer)
+        restored = ctx.ckpt.restore(trainer.member)
         restore_s = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        trainer.comm.all_reduce(restore_s, dist.ReduceOp.MAX)
+        trainer.member.comm.all_reduce(restore_s, dist.ReduceOp.MAX)
         if restored is not None and rank == 0:
             runlog.event(ctx.run_dir, "restore", iteration=it, step=restored[0],
                          restore_s=round(float(restore_s), 6), from_world_size=restored[1],
@@ -281,7 +279,7 @@ def _train(ctx: _Ctx, call_wrapper) -> dict:
             x, y, weight = ctx.sampler.batch(step, trainer.rank, trainer.world_size)
             trainer.step(lambda: ctx.model(x, y), weight=weight, tokens=ctx.tokens)
             with call_wrapper.atomic():  # the guide: no checkpoint write once a restart has begun
-                ctx.save_s.append(ctx.ckpt.save(trainer))
+                ctx.save_s.append(ctx.ckpt.save(trainer.member))
         result = {"steps": trainer.step_count, "final_loss": trainer.last_loss, "digest": trainer.digest(),
                   "iteration": it, "world_size": world}
         if rank == 0:
@@ -289,8 +287,8 @@ def _train(ctx: _Ctx, call_wrapper) -> dict:
             (ctx.run_dir / "result.json").write_text(json.dumps(result))
         return result
     except BaseException:
-        if trainer.comm is not None:  # a gloo group with a dead peer: never destroy it (it may block)
-            trainer.comm.close(abandon=True)
+        if trainer.member.comm is not None:  # a gloo group with a dead peer: never destroy it (it may block)
+            trainer.member.comm.close(abandon=True)
         raise
 
 

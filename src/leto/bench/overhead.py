@@ -103,7 +103,7 @@ def worker_copy_bytes(layout: Layout) -> dict[str, int]:
     generation commits: transient, not counted."""
     g = layout.geometry
     shard, gshard = g.n_chunks * g.state_bytes, g.n_chunks * g.grad_bytes
-    inplace = layout.replicated_grads and layout.protect_every == 1  # Trainer.inplace
+    inplace = layout.replicated_grads and layout.protect_every == 1  # ShardedState.inplace
     return {"worker_second_state": 0 if inplace else shard,
             "worker_second_grads": gshard if layout.protects_grads else 0,
             "worker_snapshot": shard if layout.protect_every > 1 else 0,

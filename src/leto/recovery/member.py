@@ -1,6 +1,6 @@
 """What in-place recovery needs from a process that joins a generation, and from its state.
 
-Implemented by `leto.training.trainer.Trainer` and `leto.training.shard.ShardedState`;
+Implemented by `leto.training.member.RankMember` and `leto.training.shard.ShardedState`;
 recovery sits below training and knows them only through these protocols.
 """
 from __future__ import annotations

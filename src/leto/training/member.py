@@ -1,0 +1,288 @@
+"""This process as a member of the job: its rank, process group, generation and protection.
+
+`RankMember` is what recovery (`leto.recovery.member.Member`), persistence and the baselines
+work with; `leto.Trainer` drives it and shows users only the loop.
+"""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+
+from leto.persistence import loader
+from leto.persistence.store import RESUME_FAILED, CheckpointError
+from leto.persistence.writer import persister_for
+from leto.protection.client import Protector
+from leto.protection.layout import Geometry, Layout
+from leto.protocol import keys
+from leto.protocol.messages import Plan, RecoveryRecord
+from leto.recovery.inject import InProcessInjector
+from leto.recovery.inplace import join, latest_generation, read_message
+from leto.recovery.rebuild import RecoveryError
+from leto.runtime import env as rt
+from leto.runtime import trace
+from leto.runtime.comm import Comm, PeerFailure
+from leto.runtime.env import Job
+from leto.runtime.membership import GenerationWatch, read_plan
+from leto.training.protection_modes import Unprotected, mode_for
+from leto.training.rank_state import RankState
+from leto.training.shard import ShardedState
+
+
+def _of_sharded(name: str, doc: str) -> property:
+    """A read-only view of `RankMember.sharded.<name>`."""
+    return property(lambda self: getattr(self.sharded, name), doc=doc)
+
+
+class RankMember:
+    """A worker (or a shadow until it adopts a rank): its ZeRO-1 state (`sharded`), module
+    buffers and registered state (`rank_state`), process group (`comm`), generation watch and
+    plan, the protection mode of its generation (`mode`) and its persistent checkpoints."""
+
+    def __init__(self, job: Job, sharded: ShardedState, rank_state: RankState, backend: str) -> None:
+        self.job, self.sharded, self.rank_state, self.backend = job, sharded, rank_state, backend
+        self.replicated_grads = sharded.replicated_grads
+        self.generation = 0
+        self.recoveries: list[RecoveryRecord] = []
+        self._layout_published: int | None = None  # the generation whose layout this rank 0 published
+        specs = list(job.config.recovery.inject)
+        self.injector = InProcessInjector(job.store, specs, job.run_dir, job.proc_id) if specs else None
+        self.comm: Comm | None = None
+        self.watch: GenerationWatch | None = None
+        self.plan: Plan | None = None
+        self.mode: Unprotected = Unprotected(sharded)
+        self.persister = persister_for(job)
+
+    @property
+    def protector(self) -> Protector | None:
+        """This generation's protector (None before protection starts, or without keepers)."""
+        return self.mode.protector
+
+    # ----- the sharded state, as persistence and the baselines read it
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps applied."""
+        return self.sharded.step
+
+    def set_step(self, step: int) -> None:
+        """Be at `step`, about to load that step's state into `state` (a harness's checkpoint)."""
+        self.sharded.step = step
+        self.sharded.mark_held(step)
+
+    state = _of_sharded("state", "This rank's unique state at `step_count`: [n_chunks, 3, chunk_elems].")
+    flat_param = _of_sharded("flat_param", "All parameters (views of it), padded to whole shards.")
+    param_shard = _of_sharded("param_shard", "This rank's updated parameters, sent by the all-gather.")
+    numel = _of_sharded("numel", "Elements of all trainable parameters.")
+    chunk_elems = _of_sharded("chunk_elems", "Elements of one protected chunk.")
+    n_chunks = _of_sharded("n_chunks", "Chunks of this rank's shard.")
+    shard_elems = _of_sharded("shard_elems", "Elements of one rank's shard (whole chunks).")
+
+    # ----- membership
+    @property
+    def rank(self) -> int:
+        if self.job.rank is None:
+            raise RuntimeError("a shadow has no rank until it adopts one")
+        return self.job.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.job.world_size
+
+    def start(self) -> bool:
+        """Before the first step: a zygote forks shadows (and goes on in a fork, a shadow from
+        here on), a shadow waits to be adopted, a worker connects. False when this process has
+        no steps to run (the zygote's server, or a shadow at shutdown)."""
+        if self.job.is_zygote:
+            from leto.runtime.zygote import serve
+            if not serve(self.job):
+                return False
+            if self.injector is not None:
+                self.injector.store, self.injector.proc_id = self.job.store, self.job.proc_id
+        if self.job.is_shadow:
+            return self._wait_for_adoption()
+        if self.comm is None:
+            self.connect()
+        return True
+
+    def connect(self) -> None:
+        """Join generation 0: its plan, the generation watch, the process group, rank 0's
+        initial parameters (a collective; `Trainer.steps()` does it, a harness may do it earlier)."""
+        job = self.job
+        if job.proc_id != "solo":
+            self.plan = read_plan(job.store, 0)
+            self.watch = GenerationWatch(os.environ[rt.ENV_STORE], job.proc_id, 0, job.timeout_s)
+        abort = self.watch.reason if self.watch else (lambda: None)
+        self.comm = Comm(job.store, 0, self.rank, self.world_size, job.timeout_s, abort, job.device,
+                         backend=self.backend)
+        self.comm.broadcast(self.flat_param, 0)  # all ranks start from rank 0's initialization
+        self.sharded.take_master(self.rank)
+        self._resume()  # --resume: start from a persistent checkpoint
+        self.gather_rank_state(self.step_count)  # rank 0's buffers (resumed ones too) are everyone's
+        if job.config.protection.enabled and self.plan is not None:
+            self.protect(0, self.step_count)
+
+    def enter(self, generation: int, plan: Plan) -> None:
+        """Become `plan`'s member (a recovery or resize): its rank and world size, and a new
+        process group; the old one is parked."""
+        rank = plan.rank_of(self.job.proc_id)
+        if rank is None:  # declared lost (e.g. its host was cut off): the others go on without it
+            raise SystemExit(f"leto: process {self.job.proc_id} is not part of generation {generation} (it was "
+                             f"declared lost): it stops")
+        self.watch.advance(generation)
+        self.generation, self.plan = generation, plan
+        self.job.rank, self.job.world_size = rank, len(plan.proc_of_rank)
+        if self.comm is not None:
+            self.comm.close(abandon=True)
+            if self.sharded.grad_step is None:  # its reduction of the step in flight may still be running
+                self.sharded.fresh_grads()
+        self.comm = Comm(self.job.store, generation, rank, self.world_size, self.job.timeout_s, self.watch.reason,
+                         self.job.device, backend=self.backend)
+
+    def protect(self, generation: int, base_step: int, state: torch.Tensor | None = None, wait: bool = True) -> None:
+        """Start protection of this generation: encode the full state at `base_step` (this
+        rank's current shard, or `state` when the generation shards differently). With
+        `wait=False` the commit is awaited by the next step, before its update (every-step
+        protection only: until then the previous generation's protection still covers
+        `base_step`, see docs/protection.md)."""
+        state = self.state if state is None else state
+        self.mode.close()
+        self.mode = Unprotected(self.sharded)
+        self.publish_layout(generation, base_step, state.shape[0])
+        layout = read_message(self.job.store, Layout.from_json, keys.layout(generation))
+        protector = Protector(self.job.store, layout, self.rank, self.job.job_id, self.job.timeout_s,
+                              self.watch.reason, self.job.device)
+        self.mode = mode_for(self.sharded, protector, self.fault)
+        trace.mark("protector_ready", generation=generation)
+        protector.stage_deltas(base_step, None, state)
+        trace.mark("base_staged", generation=generation)
+        if wait or layout.protect_every > 1:
+            protector.wait_delta_commit(base_step)
+            self.sharded.release_kept()
+        if layout.protect_every > 1:  # the next protected step's deltas start from here
+            self.sharded.snapshot(base_step, state)
+
+    def publish_layout(self, generation: int, base_step: int, state_chunks: int) -> None:
+        """Rank 0: publish `generation`'s protection layout, once (a recovery does it as soon as
+        the step is agreed, so the keepers set up while the lost state is decoded)."""
+        if self.rank != 0 or self._layout_published == generation:
+            return
+        geometry = Geometry(state_chunks, self.sharded.chunk_elems)
+        layout = Layout(generation, base_step, geometry, self.plan.node_of_rank, self.job.config.protection.ec,
+                        protect_every=self.job.config.protection.every, replicated_grads=self.replicated_grads)
+        self.job.store.set(keys.layout(generation), layout.to_json())
+        self._layout_published = generation
+
+    def recover(self, why: str) -> None:
+        """After a peer failure (`why`): join the generation the controller announces, again
+        after each further failure during the recovery."""
+        while True:
+            gen = latest_generation(self.job.store, self.generation)
+            if gen == self.generation:  # the failure was seen here first: wait for the controller's plan
+                if rt.await_keys(self.job.store, [keys.plan(gen + 1)], self.job.timeout_s) is not None:
+                    raise PeerFailure(f"{why}; and no new generation was announced")
+                continue
+            try:
+                self.recoveries.append(join(self, gen))
+                return
+            except PeerFailure:
+                continue  # another failure during recovery: join the next generation
+            except RecoveryError as e:
+                self.job.store.set(keys.FATAL, f"rank {self.rank}: {e}")
+                raise
+
+    def _wait_for_adoption(self) -> bool:
+        """A shadow waits, fully initialized, until a generation names it; False at shutdown."""
+        gen = 1
+        self.job.store.set(keys.warm(self.job.proc_id), "1")
+        while not self.job.shutdown_requested():
+            try:  # returns as soon as generation `gen` is announced
+                self.job.store.wait([keys.plan(gen)], timedelta(seconds=0.5))
+            except RuntimeError:
+                continue
+            plan = read_plan(self.job.store, gen)
+            trace.mark("shadow_plan", generation=gen)
+            if plan.rank_of(self.job.proc_id) is None:
+                gen += 1
+                continue
+            self.job.role = "worker"
+            self.watch = GenerationWatch(os.environ[rt.ENV_STORE], self.job.proc_id, gen, self.job.timeout_s)
+            self.generation = gen
+            while True:
+                try:
+                    self.recoveries.append(join(self, gen))
+                    return True
+                except RecoveryError as e:
+                    self.job.store.set(keys.FATAL, f"rank {self.rank}: {e}")
+                    raise
+                except PeerFailure:
+                    gen = latest_generation(self.job.store, gen)
+                    if read_plan(self.job.store, gen).rank_of(self.job.proc_id) is None:
+                        return False  # replaced again before it finished adopting
+        return False
+
+    def fault(self, phase: str, step: int, chunk: int | None = None) -> None:
+        """A fault injection point (--inject)."""
+        if self.injector is not None:
+            self.injector.at(phase, step, self.rank, self.plan.node_of_rank if self.plan else (), chunk,
+                             self.sharded.n_chunks)
+
+    # ----- module buffers and registered state
+    def gather_rank_state(self, step: int) -> None:
+        """Rank 0's module buffers and every rank's registered state at `step`, to everyone (a
+        collective; nothing when there is nothing to carry)."""
+        if self.rank_state.active:
+            procs = list(self.plan.proc_of_rank) if self.plan is not None else [str(r) for r in range(self.world_size)]
+            self.rank_state.gather(self.comm, step, self.rank, procs)
+
+    def restore_rank_state(self, step: int, lineage: list[str]) -> None:
+        """At a recovery to `step` (a collective): buffers and registered state as they were at
+        the end of `step` (`lineage`: this process, then those whose rank it continues)."""
+        # always a collective: an adopter may not have registered its state yet
+        held = self.rank_state.restore(self.comm, step, self.rank, self.world_size, lineage)
+        if not held and self.rank_state.buffers:
+            raise RecoveryError(f"no member holds the module buffers of step {step}")
+
+    def extra_state(self) -> dict:
+        """This rank's module buffers and registered user state now (for a persistent checkpoint)."""
+        return self.rank_state.state()
+
+    def load_extra_state(self, state: dict) -> None:
+        self.rank_state.load(state)
+
+    # ----- state
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Every parameter and optimizer tensor, unsharded, in canonical order (a collective)."""
+        if self.comm is None:
+            raise RuntimeError("not connected")
+        return self.sharded.full_state(self.comm, self.world_size)
+
+    def persist(self) -> None:
+        """After a completed step: maybe start this rank's part of a persistent checkpoint
+        (a host copy now, the write in DCP's thread)."""
+        if self.persister is not None:
+            self.persister.after_step(self)
+
+    def _resume(self) -> None:
+        """At the start of a `--resume` job: load this rank's state from the checkpoint."""
+        target = loader.resume_target()
+        if target is None:
+            return
+        s = self.sharded
+        try:
+            got = loader.load(*target, self.rank, self.world_size, s.numel, s.n_chunks, s.chunk_elems)
+        except CheckpointError as e:  # a corrupt or hostile checkpoint: the job stops with one line
+            self.job.store.set(keys.FATAL, f"rank {self.rank}: {RESUME_FAILED} {e}")
+            os._exit(1)  # at once: an orderly exit tears down gloo's threads noisily
+        s.load(got.shard, got.params, got.step, self.rank)
+        self.load_extra_state(got.extra)
+
+    def close(self) -> None:
+        """Stop heartbeating, finish persisting and unmap protection; the process group stays
+        usable."""
+        if self.watch is not None:
+            self.watch.stop()
+        if self.persister is not None:
+            self.persister.close()
+        self.mode.close()
+        self.mode = Unprotected(self.sharded)
