@@ -33,8 +33,9 @@ from leto.protocol.protection import Drain
 
 
 def _config(run_dir: Path) -> JobConfig:
-    return JobConfig(TrainingConfig(("-m", "x"), workers=4, nodes=2, steps=10), ProtectionConfig(True, (1, 1)),
-                     RecoveryConfig(spares=1, zygotes=False, inject=("kill:rank=1:step=3",)),
+    return JobConfig(training=TrainingConfig(command=("-m", "x"), workers=4, nodes=2, steps=10),
+                     protection=ProtectionConfig(enabled=True, ec=(1, 1)),
+                     recovery=RecoveryConfig(spares=1, zygotes=False, inject=("kill:rank=1:step=3",)),
                      run_dir=str(run_dir), quiet=True)
 
 

@@ -9,19 +9,11 @@ import shlex
 import sys
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from leto.config import (
-    DEFAULT_TIMEOUT_S,
-    JobConfig,
-    ProtectionConfig,
-    RecoveryConfig,
-    RendezvousConfig,
-    Timeouts,
-    TrainingConfig,
-)
+from leto.config import JobConfig
 from leto.errors import UsageError
 from leto.training.model import PRESETS
 from leto.training.trainer import DEFAULT_CHUNK_BYTES
@@ -50,61 +42,139 @@ def _finite(text: str) -> float:
     return value
 
 
-def _add_job_flags(p: argparse.ArgumentParser, workers: int, spares: int, nodes: int) -> None:
-    p.add_argument("--workers", type=int, default=workers, help=f"worker processes (ranks) [{workers}]")
-    p.add_argument("--spares", type=int, default=spares, help=f"shadow trainers kept ready [{spares}]")
-    p.add_argument("--nodes", type=int, default=nodes, help=f"failure domains the workers are split over [{nodes}]")
-    p.add_argument("--run-dir", type=Path, default=None, help="output folder [a new one under ./runs]")
-    p.add_argument("--timeout", type=_finite, default=DEFAULT_TIMEOUT_S,
-                   help=f"collective and store timeout in seconds [{DEFAULT_TIMEOUT_S:g}]")
-    p.add_argument("--protection", choices=["on", "off"], default="on",
-                   help="erasure-coded in-memory protection of every step [on]")
-    p.add_argument("--no-spare", choices=["shrink", "wait"], default="shrink",
-                   help="ranks lost with no shadow left: survivors take over their shards (shrink; the job grows "
-                        "back when a shadow is ready), or wait for a newly started shadow (wait) [shrink]")
-    p.add_argument("--zygotes", choices=["on", "off"], default="on",
-                   help="one zygote per node forks replacement shadows in milliseconds instead of starting them "
-                        "(CPU jobs; costs one more warm copy of the model per node) [on]")
-    p.add_argument("--fork-server", choices=["on", "off"], default="on",
-                   help="fork each host's processes from one interpreter that imported torch once, instead of "
-                        "starting an interpreter for each (seconds of CPU each) [on]")
-    p.add_argument("--ec", default="auto",
-                   help="tier-2 code across nodes, k+m (e.g. 1+1, 3+1, 2+2) or none; auto: (nodes-1)+1 [auto]")
-    p.add_argument("--protect-every", type=int, default=1, metavar="N",
-                   help="protect the state every N steps (for very large models): a recovery redoes at most N "
-                        "steps plus the one in flight; costs one more shard of memory per worker [1]")
-    p.add_argument("--protect-grads", choices=["auto", "on"], default="auto",
-                   help="hand each step's gradient shard to the keepers: auto does so only where the reduction "
-                        "leaves a rank alone with its shard (NCCL's reduce-scatter); on gloo every rank holds "
-                        "the whole reduced gradient and a replay takes it from a survivor; on: always [auto]")
-    p.add_argument("--rdzv", default=None, metavar="etcd://H1:2379,H2:2379,...",
-                   help="a multi-host job: the etcd cluster where the hosts meet; run the same command on every "
-                        "host (docs/deployment.md) [one host, no etcd]")
-    p.add_argument("--job-id", default=None, help="names the job in etcd, the same on every host (with --rdzv)")
-    p.add_argument("--lease", type=int, default=2, metavar="S",
-                   help="seconds a host may be silent before the others declare it lost (with --rdzv) [2]")
-    _add_persist_flags(p)
+_ASK_FIELD = object()  # an option's default: its config field's
 
 
-def _add_persist_flags(p: argparse.ArgumentParser) -> None:
-    """Persistence, the last line of defence (docs/design.md, "Persistence")."""
-    from leto.persistence.resume import DEFAULT_MTBF
-    p.add_argument("--persist", choices=["on", "off"], default=os.environ.get(ENV_PERSIST_DEFAULT, "on"),
-                   help="an asynchronous DCP checkpoint of the whole state every K steps, off the critical "
-                        f"path; the last 2 complete ones are kept [on, or ${ENV_PERSIST_DEFAULT}]")
-    p.add_argument("--persist-dir", type=Path, default=None, help="checkpoint folder [RUN_DIR/checkpoints]")
-    p.add_argument("--mtbf", default=DEFAULT_MTBF, metavar="DURATION",
-                   help=f"expected time between failures the codes cannot absorb (e.g. 90s, 5m, 2h): K is the "
-                        f"Young/Daly interval for it and the measured cost of a checkpoint [{DEFAULT_MTBF}]")
-    p.add_argument("--persist-every", type=int, default=None, metavar="K",
-                   help="checkpoint every K steps instead of Young/Daly's K")
-    p.add_argument("--persist-timeout", type=float, default=Timeouts.persist_write_s, metavar="S",
-                   help="a checkpoint write unfinished after S seconds (a hung file system) is reported and "
-                        f"abandoned; the next checkpoints go on [{Timeouts.persist_write_s:g}]")
-    p.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
-                   help="continue the run in RUN_DIR from its newest complete checkpoint, with the flags it "
-                        "recorded; flags given with it must agree, except --steps, the persistence flags and "
-                        "those of protection, recovery and timeouts")
+@dataclass(frozen=True)
+class _Option:
+    """An option of `leto run` and `leto train`. One that sets a field of a `JobConfig` section
+    (`field`, "section.name") takes that field's default, shown in its help as " [default]";
+    one with no field (`field` None) belongs to this attempt or to how the CLI resolves the job."""
+
+    flag: str
+    field: str | None
+    help: str
+    kwargs: dict                      # argparse's: type, choices, metavar, action
+    words: tuple[str, str] | None = None  # a bool field's (true, false) on the command line
+    default: object = _ASK_FIELD      # the command line's own default (a callable: read when the parser is built)
+    shown: str | None = None          # the default as the help names it, where not the default itself
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
+
+    def flag_value(self, value: object) -> object:
+        """A field's value as this option's value."""
+        if self.words is not None:
+            return self.words[0] if value else self.words[1]
+        return list(value) if isinstance(value, tuple) else value
+
+    def field_value(self, value: object) -> object:
+        """This option's value (checked, not None) as its field's value."""
+        if self.words is not None:
+            return value == self.words[0]
+        return tuple(value) if isinstance(value, list) else value
+
+
+def _opt(flag: str, field: str | None, help: str, *, words: tuple[str, str] | None = None,
+         default: object = _ASK_FIELD, shown: str | None = None, **kwargs: object) -> _Option:
+    if words is not None:
+        kwargs.setdefault("choices", list(words))
+    return _Option(flag, field, help, kwargs, words, default, shown)
+
+
+_ON_OFF = ("on", "off")
+
+# The options of both job commands, in the order --help lists them. A new section of `JobConfig`
+# adds its options here; their defaults are its fields'.
+JOB_OPTIONS = (
+    _opt("--workers", "training.workers", "worker processes (ranks)", type=int),
+    _opt("--spares", "recovery.spares", "shadow trainers kept ready", type=int),
+    _opt("--nodes", "training.nodes", "failure domains the workers are split over", type=int),
+    _opt("--run-dir", None, "output folder", type=Path, default=None, shown="a new one under ./runs"),
+    _opt("--timeout", "timeouts.collective_s", "collective and store timeout in seconds", type=_finite),
+    _opt("--protection", "protection.enabled", "erasure-coded in-memory protection of every step", words=_ON_OFF),
+    _opt("--no-spare", "recovery.no_spare",
+         "ranks lost with no shadow left: survivors take over their shards (shrink; the job grows back when a "
+         "shadow is ready), or wait for a newly started shadow (wait)", choices=["shrink", "wait"]),
+    _opt("--zygotes", "recovery.zygotes",
+         "one zygote per node forks replacement shadows in milliseconds instead of starting them (CPU jobs; costs "
+         "one more warm copy of the model per node)", words=_ON_OFF),
+    _opt("--fork-server", "training.fork_server",
+         "fork each host's processes from one interpreter that imported torch once, instead of starting an "
+         "interpreter for each (seconds of CPU each)", words=_ON_OFF),
+    _opt("--ec", "protection.ec", "tier-2 code across nodes, k+m (e.g. 1+1, 3+1, 2+2) or none; auto: (nodes-1)+1",
+         default="auto"),
+    _opt("--protect-every", "protection.every",
+         "protect the state every N steps (for very large models): a recovery redoes at most N steps plus the one "
+         "in flight; costs one more shard of memory per worker", type=int, metavar="N"),
+    _opt("--protect-grads", "protection.grads",
+         "hand each step's gradient shard to the keepers: auto does so only where the reduction leaves a rank alone "
+         "with its shard (NCCL's reduce-scatter); on gloo every rank holds the whole reduced gradient and a replay "
+         "takes it from a survivor; on: always", words=("on", "auto"), choices=["auto", "on"]),
+    _opt("--rdzv", "rendezvous.url",
+         "a multi-host job: the etcd cluster where the hosts meet; run the same command on every host "
+         "(docs/deployment.md)", metavar="etcd://H1:2379,H2:2379,...", shown="one host, no etcd"),
+    _opt("--job-id", "rendezvous.job_id", "names the job in etcd, the same on every host (with --rdzv)",
+         default=None),
+    _opt("--lease", "rendezvous.lease_s",
+         "seconds a host may be silent before the others declare it lost (with --rdzv)", type=int, metavar="S"),
+    # persistence, the last line of defence (docs/design.md, "Persistence")
+    _opt("--persist", None,
+         "an asynchronous DCP checkpoint of the whole state every K steps, off the critical path; the last 2 "
+         "complete ones are kept", choices=list(_ON_OFF), default=lambda: os.environ.get(ENV_PERSIST_DEFAULT, "on"),
+         shown=f"on, or ${ENV_PERSIST_DEFAULT}"),
+    _opt("--persist-dir", None, "checkpoint folder", type=Path, default=None, shown="RUN_DIR/checkpoints"),
+    _opt("--mtbf", "persistence.mtbf",
+         "expected time between failures the codes cannot absorb (e.g. 90s, 5m, 2h): K is the Young/Daly interval "
+         "for it and the measured cost of a checkpoint", metavar="DURATION"),
+    _opt("--persist-every", "persistence.every", "checkpoint every K steps instead of Young/Daly's K", type=int,
+         metavar="K"),
+    _opt("--persist-timeout", "timeouts.persist_write_s",
+         "a checkpoint write unfinished after S seconds (a hung file system) is reported and abandoned; the next "
+         "checkpoints go on", type=float, metavar="S"),
+    _opt("--resume", None,
+         "continue the run in RUN_DIR from its newest complete checkpoint, with the flags it recorded; flags given "
+         "with it must agree, except --steps, the persistence flags and those of protection, recovery and timeouts",
+         type=Path, default=None, metavar="RUN_DIR"),
+)
+# `leto train`'s own (`leto run` leaves them to their defaults), after its job's arguments
+TRAIN_OPTIONS = (
+    _opt("--inject", "recovery.inject", "inject a failure (kill, stop, hang, node-kill); repeatable", action="append",
+         metavar="KIND:rank=R|node=N:step=S[:phase=P]"),
+    _opt("--heartbeat-timeout", "timeouts.heartbeat_s",
+         "seconds without a heartbeat before a worker or keeper is declared hung", type=_finite),
+    _opt("--progress-floor", "timeouts.progress_floor_s",
+         "a worker whose training thread has not advanced for max(S, F x median step time) seconds is declared "
+         "hung, though its process heartbeats", type=_finite, metavar="S"),
+    _opt("--progress-factor", "recovery.progress_factor", "F of --progress-floor", type=_finite, metavar="F"),
+)
+# the built-in job's shape where it is not a job's default: 4 workers on 2 nodes, with a shadow
+TRAIN_DEFAULTS = {"training.workers": 4, "training.nodes": 2, "recovery.spares": 1}
+
+
+def _options(cmd: str) -> tuple[_Option, ...]:
+    return JOB_OPTIONS + (TRAIN_OPTIONS if cmd == "train" else ())
+
+
+def _add_options(p: argparse.ArgumentParser, options: tuple[_Option, ...], defaults: dict[str, object]) -> None:
+    """Add `options` to `p`, each with its default (a field's: `defaults`, else the section's)."""
+    sections = {name: cls() for name, cls in JobConfig.sections().items()}
+    for opt in options:
+        if opt.default is not _ASK_FIELD:
+            default = opt.default() if callable(opt.default) else opt.default
+        else:
+            section, name = opt.field.split(".")  # type: ignore[union-attr]
+            default = opt.flag_value(defaults.get(opt.field, getattr(sections[section], name)))
+        shown = opt.shown if opt.shown is not None else _shown_default(default)
+        p.add_argument(opt.flag, default=default, help=f"{opt.help} [{shown}]" if shown else opt.help, **opt.kwargs)
+
+
+def _shown_default(value: object) -> str:
+    """A default as the help names it: none for nothing."""
+    if value is None or value in ("", [], ()):
+        return ""
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def build_parser() -> _Parser:
@@ -112,29 +182,21 @@ def build_parser() -> _Parser:
     sub = root.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
 
     run = sub.add_parser("run", help="run a training script under the Leto controller (like torchrun)")
-    _add_job_flags(run, workers=1, spares=0, nodes=1)
+    _add_options(run, JOB_OPTIONS, {})
     run.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name (python -m)")
     run.add_argument("script", nargs="?", default=None,
                      help="the training script (or module with -m); with --resume, the run's")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
     train = sub.add_parser("train", help="train the built-in GPT job")
-    _add_job_flags(train, workers=4, spares=1, nodes=2)
+    _add_options(train, JOB_OPTIONS, TRAIN_DEFAULTS)
     train.add_argument("--steps", type=int, default=300, help="training steps [300]")
     train.add_argument("--seed", type=int, default=0, help="seed of model init and data order [0]")
     train.add_argument("--model", default="tiny", help=f"size preset: {', '.join(PRESETS)} [tiny]")
     train.add_argument("--lr", type=_finite, default=3e-3, help="peak learning rate [3e-3]")
     train.add_argument("--rows", type=int, default=None,
                        help="rows (sequences) of the global batch, split over the workers [the model preset's]")
-    train.add_argument("--inject", action="append", default=[], metavar="KIND:rank=R|node=N:step=S[:phase=P]",
-                       help="inject a failure (kill, stop, hang, node-kill); repeatable")
-    train.add_argument("--heartbeat-timeout", type=_finite, default=3.0,
-                       help="seconds without a heartbeat before a worker or keeper is declared hung [3]")
-    train.add_argument("--progress-floor", type=_finite, default=30.0, metavar="S",
-                       help="a worker whose training thread has not advanced for max(S, F x median step time) "
-                            "seconds is declared hung, though its process heartbeats [30]")
-    train.add_argument("--progress-factor", type=_finite, default=20.0, metavar="F",
-                       help="F of --progress-floor [20]")
+    _add_options(train, TRAIN_OPTIONS, TRAIN_DEFAULTS)
     train.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES,
                        help=f"bytes of unique state per protected chunk, a multiple of 12 [{DEFAULT_CHUNK_BYTES}]")
 
@@ -195,7 +257,7 @@ def _check_job(args: argparse.Namespace, prog: str) -> None:
         raise UsageError(f"{prog}: error: ${ENV_PERSIST_DEFAULT} must be 'on' or 'off', got {args.persist!r}")
     from leto.persistence.resume import check_flags
     try:
-        args.mtbf_s = check_flags(args.persist, args.mtbf, args.persist_every)
+        check_flags(args.persist, args.mtbf, args.persist_every)
     except ValueError as e:
         raise UsageError(f"{prog}: error: {e}") from e
 
@@ -239,17 +301,17 @@ def _run_job(config: JobConfig, summary_extra: dict) -> int:
     return run_job(config, summary_extra)
 
 
-def _start(args: argparse.Namespace, command: list[str], prog: str) -> tuple[Path, Start]:
-    """The run folder and what persistence (or --resume) adds to the job: `command` is what
-    identifies the trajectory (checked on --resume)."""
+def _start(args: argparse.Namespace, command: list[str], prog: str, config: JobConfig) -> tuple[Path, Start]:
+    """The run folder and what persistence (or --resume) adds to the job `config` from the
+    flags: `command` is what identifies the trajectory (checked on --resume)."""
     from leto.persistence import resume
     from leto.persistence.store import CheckpointError
-    flags = args.recorded
+    flags, persist = args.recorded, args.persist == "on"
     try:
         if args.resume is not None:
             run_dir = args.resume.resolve()
-            return run_dir, resume.resume(run_dir, command, args.persist == "on", args.mtbf_s, args.persist_every,
-                                          args.job_id if args.rdzv else None, persist_dir=args.persist_dir,
+            return run_dir, resume.resume(run_dir, command, config.persistence, persist=persist,
+                                          attempt=args.job_id if args.rdzv else None, persist_dir=args.persist_dir,
                                           steps=getattr(args, "steps", None), flags=flags)
         run_dir = make_run_dir(args.run_dir, prog)
         earlier = resume.earlier_run(run_dir, args.job_id if args.rdzv else None)
@@ -257,8 +319,8 @@ def _start(args: argparse.Namespace, command: list[str], prog: str) -> tuple[Pat
             raise UsageError(f"{prog}: error: run dir {run_dir} holds an earlier run's {' and '.join(earlier)}, "
                              f"which a new job would overwrite: continue that run with --resume {run_dir}, "
                              f"or choose another --run-dir")
-        return run_dir, resume.fresh(run_dir, command, args.persist == "on", args.persist_dir, args.mtbf_s,
-                                     args.persist_every, flags)
+        return run_dir, resume.fresh(run_dir, command, config.persistence, persist=persist,
+                                     persist_dir=args.persist_dir, flags=flags)
     except CheckpointError as e:
         flag = f"--resume {args.resume}" if args.resume is not None else "--persist-dir"
         raise UsageError(f"{prog}: error: {flag}: {e}") from e
@@ -387,21 +449,30 @@ def make_run_dir(path: Path | None, prog: str, what: str = "run dir") -> Path:
     return path.resolve()
 
 
-def _config(args: argparse.Namespace, command: list[str], run_dir: Path, child_env: dict[str, str],
-            steps: int | None = None) -> JobConfig:
-    """The job's one configuration, from the checked flags (`leto run` has no injections nor
-    hang-detection flags: their defaults)."""
-    t = Timeouts(collective_s=args.timeout)
-    recovery = RecoveryConfig(args.spares, args.no_spare, args.zygotes == "on")
-    if args.cmd == "train":
-        t = Timeouts(args.timeout, heartbeat_s=args.heartbeat_timeout, progress_floor_s=args.progress_floor)
-        recovery = RecoveryConfig(args.spares, args.no_spare, args.zygotes == "on", args.progress_factor,
-                                  tuple(args.inject))
-    t = replace(t, persist_write_s=args.persist_timeout)
-    return JobConfig(TrainingConfig(tuple(command), args.workers, args.nodes, steps, args.fork_server == "on"),
-                     ProtectionConfig(args.protection == "on", args.ec, args.protect_every, args.protect_grads == "on"),
-                     recovery, t, RendezvousConfig(args.rdzv, args.job_id or "", args.lease), run_dir=str(run_dir),
-                     child_env=dict(child_env))
+def _config(args: argparse.Namespace, command: list[str], steps: int | None = None) -> JobConfig:
+    """The job's one configuration from the checked flags: each option's value in its field,
+    every other field its default (`leto run` has no injections nor hang-detection flags)."""
+    values: dict[str, dict] = {name: {} for name in JobConfig.sections()}
+    for opt in _options(args.cmd):
+        value = getattr(args, opt.dest)
+        if opt.field is not None and value is not None:  # None: not given, the field's default
+            section, name = opt.field.split(".")
+            values[section][name] = opt.field_value(value)
+    values["training"].update(command=tuple(command), steps=steps)
+    return JobConfig(**{name: cls(**values[name]) for name, cls in JobConfig.sections().items()})
+
+
+def _job(args: argparse.Namespace, command: list[str], ident: list[str], prog: str,
+         steps: int | None = None) -> tuple[Path, int]:
+    """Start the job (`ident`: what identifies its trajectory) and wait for it: its run folder
+    and its exit code."""
+    config = _config(args, command, steps)
+    run_dir, start = _start(args, ident, prog, config)
+    code = _run_job(replace(config, run_dir=str(run_dir), persistence=start.persistence), start.summary)
+    if code != 0:
+        from leto.persistence.resume import after_failure
+        after_failure(run_dir, start.persist_dir, prog)
+    return run_dir, code
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -423,12 +494,7 @@ def _run(args: argparse.Namespace) -> int:
             raise UsageError(f"leto run: error: script {args.script!r} not found")
         command = [args.script, *args.script_args]
     ident = [str(Path(command[0]).resolve()), *command[1:]] if not args.module else command
-    run_dir, start = _start(args, ident, "leto run")
-    code = _run_job(_config(args, command, run_dir, start.env), start.summary)
-    if code != 0:
-        from leto.persistence.resume import after_failure
-        after_failure(run_dir, start.persist_dir, "leto run")
-    return code
+    return _job(args, command, ident, "leto run")[1]
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -475,11 +541,7 @@ def _train(args: argparse.Namespace) -> int:
     trajectory = ["-m", "leto.training.job", "--seed", str(args.seed), "--model", args.model, "--lr", str(args.lr),
                   "--chunk-bytes", str(args.chunk_bytes), *rows_flag]
     command = [*trajectory[:2], "--steps", str(args.steps), *trajectory[2:]]
-    run_dir, start = _start(args, trajectory, "leto train")  # --steps may change on resume: not in it
-    code = _run_job(_config(args, command, run_dir, start.env, args.steps), start.summary)
-    if code != 0:
-        from leto.persistence.resume import after_failure
-        after_failure(run_dir, start.persist_dir, "leto train")
+    run_dir, code = _job(args, command, trajectory, "leto train", args.steps)  # --steps may change on resume
     path = run_dir / "summary.json"
     summary = json.loads(path.read_text()) if path.exists() else None  # another host's coordinator wrote it
     if code == 0 and summary is not None and summary.get("steps") is not None:

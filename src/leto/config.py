@@ -4,28 +4,32 @@ A child reads it from one environment variable (`ENV_CONFIG`, the JSON of `JobCo
 what differs per process (role, rank, node, process id) and where the running job is (its store
 address and id, known once the store is up) travel in variables of their own (`runtime/env.py`).
 The whole configuration is also recorded as `RUN_DIR/config.json` and in `summary.json`.
+
+Each section is a keyword-only dataclass whose field defaults are the job's defaults: the CLI
+derives its options and their defaults from them (`cli.py`, `JOB_OPTIONS`). A new section is
+one dataclass here, one field of `JobConfig`, and its options in that table.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 
 ENV_CONFIG = "LETO_CONFIG"   # the JSON of the job's JobConfig
 DEFAULT_TIMEOUT_S = 60.0     # every collective and store wait of a job, unless --timeout says otherwise
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TrainingConfig:
     """What runs: the script and its processes."""
 
     command: tuple[str, ...] = ()     # argv after the python interpreter
-    workers: int = 1                  # ranks
-    nodes: int = 1                    # failure domains the ranks are split over
+    workers: int = 1                  # ranks (--workers)
+    nodes: int = 1                    # failure domains the ranks are split over (--nodes)
     steps: int | None = None          # for the progress bar only
     fork_server: bool = True          # fork the host's processes from one warm interpreter (--fork-server)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ProtectionConfig:
     """Erasure-coded in-memory protection (docs/protection.md)."""
 
@@ -35,7 +39,7 @@ class ProtectionConfig:
     grads: bool = False               # stage gradients even where every rank holds them (--protect-grads on)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RecoveryConfig:
     """How lost ranks come back."""
 
@@ -46,7 +50,7 @@ class RecoveryConfig:
     inject: tuple[str, ...] = ()      # fault injections (--inject, tests and demos)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Timeouts:
     """Every timeout of a job, in seconds."""
 
@@ -58,7 +62,7 @@ class Timeouts:
     persist_write_s: float = 600.0    # a checkpoint write still unfinished then is reported and abandoned (--persist-timeout)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RendezvousConfig:
     """Where the hosts of a multi-host job meet (docs/deployment.md); url None: one host."""
 
@@ -67,18 +71,36 @@ class RendezvousConfig:
     lease_s: int = 2                  # a host whose supervisor is silent this long is lost (--lease)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
+class PersistenceConfig:
+    """Persistent checkpoints, the last line of defence (docs/design.md, "Persistence")."""
+
+    dir: str | None = None            # where the workers write checkpoints (--persist, --persist-dir); None: nowhere
+    fingerprint: str = ""             # names the trajectory: only its own checkpoints are resumed
+    mtbf: str = "5m"                  # a duration: Young/Daly's K for failures this often (--mtbf)
+    every: int | None = None          # a checkpoint every K steps instead of Young/Daly's K (--persist-every)
+    start_step: int = 0               # the step the job starts from (its checkpoint's, on --resume)
+    resume_from: str | None = None    # the checkpoint every rank loads at the start (--resume)
+
+
+@dataclass(frozen=True, kw_only=True)
 class JobConfig:
-    """The resolved configuration of one job."""
+    """The resolved configuration of one job: its sections, where it writes, and how loudly."""
 
     training: TrainingConfig = field(default_factory=TrainingConfig)
     protection: ProtectionConfig = field(default_factory=ProtectionConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     timeouts: Timeouts = field(default_factory=Timeouts)
     rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)
+    persistence: PersistenceConfig = field(default_factory=PersistenceConfig)
     run_dir: str = "runs"
     quiet: bool = False               # no progress output, nor the children's prints (benchmarks)
-    child_env: dict[str, str] = field(default_factory=dict)  # more environment for children (persistence's)
+
+    @staticmethod
+    def sections() -> dict[str, type]:
+        """The sections by field name (each a dataclass, its JSON an object of its own)."""
+        return {f.name: f.default_factory for f in fields(JobConfig)
+                if is_dataclass(f.default_factory)}  # type: ignore[misc]
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -88,13 +110,12 @@ class JobConfig:
 
     @staticmethod
     def from_dict(d: dict) -> JobConfig:
-        return JobConfig(training=_section(TrainingConfig, d.get("training", {})),
-                         protection=_section(ProtectionConfig, d.get("protection", {})),
-                         recovery=_section(RecoveryConfig, d.get("recovery", {})),
-                         timeouts=_section(Timeouts, d.get("timeouts", {})),
-                         rendezvous=_section(RendezvousConfig, d.get("rendezvous", {})),
-                         run_dir=str(d.get("run_dir", "runs")), quiet=bool(d.get("quiet", False)),
-                         child_env=dict(d.get("child_env", {})))
+        """The configuration from its JSON; what it leaves out takes its default."""
+        values: dict = {name: _section(cls, d.get(name, {})) for name, cls in JobConfig.sections().items()}
+        for name, convert in (("run_dir", str), ("quiet", bool)):
+            if name in d:
+                values[name] = convert(d[name])
+        return JobConfig(**values)
 
     @staticmethod
     def from_json(text: str | bytes) -> JobConfig:

@@ -68,8 +68,10 @@ class BaselineSpec:
 
 def _job_config(command: list[str], spec: BaselineSpec) -> JobConfig:
     # a baseline runs without Leto's keepers and in-memory protection
-    return JobConfig(TrainingConfig(tuple(command), spec.workers, spec.nodes, spec.steps), ProtectionConfig(False),
-                     timeouts=Timeouts(collective_s=spec.timeout_s), run_dir=str(spec.run_dir), quiet=spec.quiet)
+    return JobConfig(training=TrainingConfig(command=tuple(command), workers=spec.workers, nodes=spec.nodes,
+                                             steps=spec.steps),
+                     protection=ProtectionConfig(enabled=False), timeouts=Timeouts(collective_s=spec.timeout_s),
+                     run_dir=str(spec.run_dir), quiet=spec.quiet)
 
 
 @dataclass

@@ -125,9 +125,11 @@ def _run_leto(system: System, cfg: JobConfig, run_dir: Path) -> int:
     """The built-in job under Leto's controller, exactly as `leto train` builds it."""
     command = ["-m", "leto.training.job", "--steps", str(cfg.steps), "--seed", str(cfg.seed), "--model", cfg.model]
     return run_job(job_config.JobConfig(
-        job_config.TrainingConfig(tuple(command), cfg.workers, cfg.nodes, cfg.steps),
-        job_config.ProtectionConfig(True, default_code(cfg.nodes)), job_config.RecoveryConfig(system.spares),
-        job_config.Timeouts(collective_s=cfg.timeout_s), run_dir=str(run_dir), quiet=True))
+        training=job_config.TrainingConfig(command=tuple(command), workers=cfg.workers, nodes=cfg.nodes,
+                                           steps=cfg.steps),
+        protection=job_config.ProtectionConfig(enabled=True, ec=default_code(cfg.nodes)),
+        recovery=job_config.RecoveryConfig(spares=system.spares),
+        timeouts=job_config.Timeouts(collective_s=cfg.timeout_s), run_dir=str(run_dir), quiet=True))
 
 
 class RunTimeout(Exception):

@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 
 from leto.bench.cpu import CpuSampler
-from leto.config import JobConfig, ProtectionConfig, RecoveryConfig, TrainingConfig
+from leto.config import JobConfig, PersistenceConfig, ProtectionConfig, RecoveryConfig, TrainingConfig
 from leto.console import read_jsonl
 from leto.control import job as leto_job
 from leto.training.model import PRESETS
@@ -26,13 +26,13 @@ def run_job(workers: int, steps: int, model: str, run_dir: Path, extra: list[str
     default (every K steps, K from Young/Daly for the default --mtbf)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     command = ["-m", module or "leto.training.job", "--steps", str(steps), "--model", model, *(extra or [])]
-    env = {}
+    persistence = PersistenceConfig()
     if persist:
-        from leto.persistence.interval import parse_duration
-        from leto.persistence.resume import DEFAULT_MTBF, fresh
-        env = fresh(run_dir, command, True, None, parse_duration(DEFAULT_MTBF), None).env
-    config = JobConfig(TrainingConfig(tuple(command), workers, nodes), ProtectionConfig(protection, ec),
-                       RecoveryConfig(spares), run_dir=str(run_dir), quiet=True, child_env=env)
+        from leto.persistence.resume import fresh
+        persistence = fresh(run_dir, command, persistence, persist=True).persistence
+    config = JobConfig(training=TrainingConfig(command=tuple(command), workers=workers, nodes=nodes),
+                       protection=ProtectionConfig(enabled=protection, ec=ec), recovery=RecoveryConfig(spares=spares),
+                       persistence=persistence, run_dir=str(run_dir), quiet=True)
     with CpuSampler(run_dir, memory_every_s=memory_every_s) as cpu:
         code = leto_job.run_job(config)
     if code != 0:

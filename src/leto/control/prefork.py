@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 
+from leto.config import JobConfig
 from leto.protection import doorbell
 from leto.runtime import linux
 
@@ -34,8 +35,7 @@ READY_TIMEOUT_S = 120.0   # the server's imports, on a host that is busy startin
 REQUEST_TIMEOUT_S = 10.0  # one fork and adoption
 ADOPT_TIMEOUT_S = 5.0
 PRELOAD = ("torch", "torch.distributed", "leto.runtime.env", "leto.protection.keeper", "leto.training.job")
-PERSIST_PRELOAD = ("torch.distributed.checkpoint",)  # ~2 s more per process where persistence is on
-ENV_PERSIST = "LETO_PERSIST"  # persistence.writer's; the server does not import it to read a name
+PERSIST_PRELOAD = ("torch.distributed.checkpoint",)  # ~2 s more per process where the job persists
 
 
 def start_keeper() -> None:
@@ -71,10 +71,10 @@ def forkable(argv: tuple[str, ...] | list[str]) -> bool:
 class ForkServer:
     """The supervisor's end of its host's fork server (started at once, ready seconds later)."""
 
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, env: dict[str, str], config: JobConfig) -> None:
         req_r, self._req_w = os.pipe()
         self._resp_r, resp_w = os.pipe()
-        preload = PRELOAD + (PERSIST_PRELOAD if ENV_PERSIST in env else ())
+        preload = PRELOAD + (PERSIST_PRELOAD if config.persistence.dir is not None else ())
         try:
             self.popen = subprocess.Popen([sys.executable, "-m", "leto.control.prefork", str(req_r), str(resp_w),
                                            ",".join(preload)], env=env, pass_fds=(req_r, resp_w),

@@ -153,7 +153,7 @@ class Supervisor:
             self._report(SupervisorReport(shm_removed=tuple(removed)))
         shm.write_owner(self.job_id, os.getpid())
         if self.cfg.training.fork_server:
-            self._forker = ForkServer(self._child_env())
+            self._forker = ForkServer(self._child_env(), self.cfg)
         self._write_procs()
 
     def close(self) -> None:
@@ -266,7 +266,7 @@ class Supervisor:
 
     # ----- processes
     def _child_env(self) -> dict[str, str]:
-        env = dict(os.environ, **self.cfg.child_env, **self.child_env)
+        env = dict(os.environ, **self.child_env)
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # store waits that time out are routine here
         return env
 

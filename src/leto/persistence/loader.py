@@ -8,17 +8,19 @@ its shard out of the overlapping ones.
 """
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from leto.persistence import store
 from leto.persistence.files import read_json
-from leto.persistence.writer import ENV_RESUME, EXTRA
+from leto.persistence.writer import EXTRA
 from leto.runtime import plain
+
+if TYPE_CHECKING:
+    from leto.runtime.env import Job
 
 _ROWS = 3  # master, exp_avg, exp_avg_sq
 
@@ -33,13 +35,10 @@ class Loaded:
     extra: dict              # the extra state of the same rank of the old job (rank 0's if it had fewer)
 
 
-def resume_target() -> tuple[Path, int] | None:
-    """The checkpoint this job starts from (ENV_RESUME, set by `--resume`), if any."""
-    text = os.environ.get(ENV_RESUME)
-    if not text:
-        return None
-    info = json.loads(text)
-    return Path(info["path"]), int(info["step"])
+def resume_target(job: Job) -> tuple[Path, int] | None:
+    """The checkpoint `job` starts from (set by `--resume`), and its step; None for a new job."""
+    cfg = job.config.persistence
+    return (Path(cfg.resume_from), cfg.start_step) if cfg.resume_from is not None else None
 
 
 def _load(path: Path, sd: dict) -> dict:

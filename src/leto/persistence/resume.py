@@ -25,31 +25,36 @@ import time
 from collections.abc import Iterator
 from typing import IO
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from leto.config import PersistenceConfig
 from leto.console import read_jsonl
 from leto.persistence import store
 from leto.persistence.files import read_json, write_json_atomic
 from leto.persistence.interval import parse_duration
-from leto.persistence.writer import ENV_PERSIST, ENV_RESUME, PersistConfig
 from leto.runtime import linux
 
 RECORD = "persist.json"
 CLAIM = "resume-claim.json"   # which attempt of a multi-host run has been resumed (by its first host)
 DEFAULT_DIR = "checkpoints"   # under RUN_DIR
-DEFAULT_MTBF = "5m"           # --mtbf: a failure every few minutes of training (docs/design.md)
+DEFAULT_MTBF = PersistenceConfig.mtbf  # --mtbf: a failure every few minutes of training (docs/design.md)
 CLAIM_TIMEOUT_S = 60.0  # the longest one host waits for another's claim of a resumed attempt (a few file reads)
 EARLIER_RUN = ("metrics.jsonl", "summary.json")  # what a new job in a used run folder would overwrite
 
 
 @dataclass
 class Start:
-    """What one start of a job adds to its configuration (env for the children, summary fields)."""
+    """What one start of a job adds to its configuration: its persistence section whole, and
+    fields of its summary."""
 
-    persist_dir: Path | None
-    env: dict[str, str] = field(default_factory=dict)
+    persistence: PersistenceConfig
     summary: dict = field(default_factory=dict)
+
+    @property
+    def persist_dir(self) -> Path | None:
+        """Where the job writes its checkpoints; None: nowhere."""
+        return None if self.persistence.dir is None else Path(self.persistence.dir)
 
 
 def fingerprint(command: list[str]) -> str:
@@ -66,13 +71,13 @@ def check_flags(persist: str, mtbf: str, every: int | None) -> float:
         raise ValueError(f"--mtbf: {e}") from None
 
 
-def fresh(run_dir: Path, command: list[str], persist: bool, persist_dir: Path | None, mtbf_s: float,
-          every: int | None, flags: dict | None = None) -> Start:
-    """A new job: persist into `persist_dir` (default RUN_DIR/checkpoints), which must hold no
-    checkpoints yet; `flags` (the CLI's, JSON) are recorded for `--resume`. CheckpointError
-    names the problem."""
+def fresh(run_dir: Path, command: list[str], settings: PersistenceConfig, *, persist: bool,
+          persist_dir: Path | None = None, flags: dict | None = None) -> Start:
+    """A new job: with `persist`, it persists into `persist_dir` (default RUN_DIR/checkpoints),
+    which must hold no checkpoints yet, as `settings` (mtbf, every) say; `flags` (the CLI's,
+    JSON) are recorded for `--resume`. CheckpointError names the problem."""
     if not persist:
-        return Start(None)
+        return Start(settings)
     root = (persist_dir or run_dir / DEFAULT_DIR).resolve()
     if store.steps_on_disk(root):
         raise store.CheckpointError(f"{root} already holds checkpoints: continue that run with --resume, "
@@ -82,8 +87,7 @@ def fresh(run_dir: Path, command: list[str], persist: bool, persist_dir: Path | 
     except OSError as e:
         raise store.CheckpointError(f"cannot create the checkpoint folder {root}: {e.strerror or e}") from e
     _record(run_dir, root, command, flags)
-    cfg = PersistConfig(str(root), fingerprint(command), mtbf_s, every)
-    return Start(root, {ENV_PERSIST: cfg.to_env()})
+    return Start(replace(settings, dir=str(root), fingerprint=fingerprint(command)))
 
 
 def read_record(run_dir: Path) -> dict:
@@ -109,16 +113,17 @@ def read_record(run_dir: Path) -> dict:
     return record
 
 
-def resume(run_dir: Path, command: list[str], persist: bool, mtbf_s: float, every: int | None,
-           attempt: str | None = None, *, persist_dir: Path | None = None, steps: int | None = None,
+def resume(run_dir: Path, command: list[str], settings: PersistenceConfig, *, persist: bool,
+           attempt: str | None = None, persist_dir: Path | None = None, steps: int | None = None,
            flags: dict | None = None) -> Start:
-    """Resume the run in `run_dir` from its newest complete checkpoint. CheckpointError names
-    what is wrong with the folder. `attempt`: where the hosts of a multi-host job resume it
-    together, the new job's id: only the first of them checks that the old run is over and
-    sets its records aside (the others would find this attempt's own). `persist_dir`: the
-    checkpoint folder given on the command line (else the record's, which must be inside
-    `run_dir`); `steps`: the last step of the resumed job, not before the checkpoint's; `flags`:
-    the flags to record for the next resume (else the record's are kept)."""
+    """Resume the run in `run_dir` from its newest complete checkpoint, and with `persist` go on
+    persisting as `settings` (mtbf, every) say. CheckpointError names what is wrong with the
+    folder. `attempt`: where the hosts of a multi-host job resume it together, the new job's id:
+    only the first of them checks that the old run is over and sets its records aside (the
+    others would find this attempt's own). `persist_dir`: the checkpoint folder given on the
+    command line (else the record's, which must be inside `run_dir`); `steps`: the last step of
+    the resumed job, not before the checkpoint's; `flags`: the flags to record for the next
+    resume (else the record's are kept)."""
     record = read_record(run_dir)
     with _claim(run_dir, attempt) as claim:
         if claim.first:
@@ -141,11 +146,12 @@ def resume(run_dir: Path, command: list[str], persist: bool, mtbf_s: float, ever
             _set_aside(run_dir)
             _record(run_dir, root, command, record.get("flags") if flags is None else flags)
     last = claim.last
-    start = Start(root if persist else None, {ENV_RESUME: json.dumps({"path": str(ck.path), "step": ck.step})},
-                  {"resumed_from_step": ck.step, "steps_lost": None if last is None else max(0, last - ck.step),
-                   "resumed_from": str(ck.path)})
+    persistence = replace(settings, start_step=ck.step, resume_from=str(ck.path))
     if persist:
-        start.env[ENV_PERSIST] = PersistConfig(str(root), fingerprint(command), mtbf_s, every, ck.step).to_env()
+        persistence = replace(persistence, dir=str(root), fingerprint=fingerprint(command))
+    start = Start(persistence, {"resumed_from_step": ck.step,
+                                "steps_lost": None if last is None else max(0, last - ck.step),
+                                "resumed_from": str(ck.path)})
     print(f"leto: resuming from step {ck.step} ({ck.path})"
           + (f", {start.summary['steps_lost']} completed step(s) to redo" if last is not None else ""),
           file=sys.stderr)

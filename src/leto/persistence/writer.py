@@ -13,31 +13,28 @@ failures starts - and abandoned; training goes on and the next checkpoint is tri
 abandoned write's thread is left behind (it is a daemon: it never holds the process at exit),
 it never commits, and the next write stages into fresh host buffers.
 
-K: `every` if given (`--persist-every`), else Young/Daly for `mtbf_s` with the measured cost of
+K: `every` if given (`--persist-every`), else Young/Daly for the MTBF (`--mtbf`) with the measured cost of
 one write (the whole background write: it runs on the same cores) and the measured step time,
 decided by rank 0 after a calibration checkpoint `CALIBRATE_AFTER` steps after the start and
 published in the store, so every rank (and a shadow that adopts one later) uses the same K.
 """
 from __future__ import annotations
 
-import json
 import math
-import os
 import statistics
 import sys
 import threading
 import time
 import warnings
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from leto.config import Timeouts
+from leto.config import PersistenceConfig
 from leto.persistence import store
-from leto.persistence.interval import daly_interval_s, steps_between
+from leto.persistence.interval import daly_interval_s, parse_duration, steps_between
 from leto.errors import BadValue
 from leto.protocol import keys
 from leto.protocol.messages import PersistPlan, Refusals
@@ -46,8 +43,6 @@ from leto.runtime import plain, runlog, threads
 if TYPE_CHECKING:
     from leto.runtime.env import Job
 
-ENV_PERSIST = "LETO_PERSIST"   # JSON PersistConfig, set by `leto train|run` (absent: persistence off)
-ENV_RESUME = "LETO_RESUME"     # JSON {"path", "step"}: load this checkpoint at the start
 CALIBRATE_AFTER = 5            # steps timed before the calibration checkpoint (the first is not used)
 EXTRA = "extra"                # a part's extra state: the bytes of `leto.runtime.plain`, as a uint8 tensor
 
@@ -82,30 +77,12 @@ class _Write:
         self.abandoned = False  # the training thread gave up on it: it must never commit
 
 
-@dataclass(frozen=True)
-class PersistConfig:
-    """What the workers need to persist (passed in ENV_PERSIST)."""
-
-    dir: str
-    fingerprint: str
-    mtbf_s: float
-    every: int | None = None      # fixed K (--persist-every); None: Young/Daly
-    start_step: int = 0           # the step the job started from (a resume's checkpoint)
-
-    def to_env(self) -> str:
-        return json.dumps(self.__dict__)
-
-    @classmethod
-    def from_env(cls) -> PersistConfig | None:
-        text = os.environ.get(ENV_PERSIST)
-        return cls(**json.loads(text)) if text else None
-
-
 class Persister:
     """Schedules and writes this rank's checkpoint parts (one write in flight at a time)."""
 
-    def __init__(self, cfg: PersistConfig, job: Job) -> None:
+    def __init__(self, cfg: PersistenceConfig, job: Job) -> None:
         self.cfg, self.job = cfg, job
+        self.mtbf_s = parse_duration(cfg.mtbf)
         # DCP costs ~1.2 s of imports (DTensor, sympy): only a process that trains pays it, in a
         # background thread started after its first step (shadows and zygotes never do)
         self._importer: threading.Thread | None = None
@@ -114,7 +91,7 @@ class Persister:
         self.unwrap = None
         self.root = Path(cfg.dir)
         self.every, self.first = (cfg.every, 0) if cfg.every else (None, 0)
-        self.write_s = (job.config.timeouts if job.config is not None else Timeouts()).persist_write_s
+        self.write_s = job.config.timeouts.persist_write_s
         self.pending: _Write | None = None
         self.step_times: list[float] = []
         self._t_last: float | None = None
@@ -147,14 +124,14 @@ class Persister:
         """Rank 0, after the calibration write: K from Young/Daly, published for every rank."""
         times = self.step_times[1:] or self.step_times  # the first step after a start is slow
         step_s = statistics.median(times[-20:]) if times else 0.0
-        interval_s = daly_interval_s(write_s, self.cfg.mtbf_s)
+        interval_s = daly_interval_s(write_s, self.mtbf_s)
         # never two writes in flight: K steps must outlast a write
         every = max(steps_between(interval_s, step_s), math.ceil(write_s / step_s) + 1 if step_s > 0 else 1)
         first = step + max(every, 2)  # every rank reads the plan before that step (lock-step)
         self.job.store.set(keys.PERSIST_EVERY, PersistPlan(every, first).to_json())
         self.every, self.first, self.calibrated = every, first, True
         self._event("persist_interval", every=every, first=first, write_s=round(write_s, 4),
-                    step_s=round(step_s, 5), mtbf_s=self.cfg.mtbf_s, interval_s=round(interval_s, 3))
+                    step_s=round(step_s, 5), mtbf_s=self.mtbf_s, interval_s=round(interval_s, 3))
 
     def _import_dcp(self) -> None:
         import torch.distributed.checkpoint as dcp
@@ -286,6 +263,6 @@ def part_state(trainer: Persisted, step: int) -> dict:
 
 
 def persister_for(job: Job) -> Persister | None:
-    """The job's persister, where `leto train|run` turned persistence on; None otherwise."""
-    cfg = PersistConfig.from_env()
-    return Persister(cfg, job) if cfg is not None else None
+    """The job's persister, where its configuration names a checkpoint folder; None otherwise."""
+    cfg = job.config.persistence
+    return Persister(cfg, job) if cfg.dir is not None else None
