@@ -51,7 +51,7 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled", categ
 
 
 class Persisted(Protocol):
-    """What a rank persists (implemented by `leto.training.trainer.Trainer`)."""
+    """What a rank persists (implemented by `leto.training.member.RankMember`)."""
 
     @property
     def step_count(self) -> int: ...

@@ -265,7 +265,7 @@ class RankMember:
 
     def _resume(self) -> None:
         """At the start of a `--resume` job: load this rank's state from the checkpoint."""
-        target = loader.resume_target()
+        target = loader.resume_target(self.job)
         if target is None:
             return
         s = self.sharded
