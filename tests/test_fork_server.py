@@ -43,6 +43,6 @@ def test_a_forked_worker_sees_what_a_new_interpreter_would(launcher, tmp_path: P
 
 
 def test_only_a_plain_python_command_is_forked() -> None:
-    assert forkable(["-m", "leto.training.job", "--steps", "3"]) and forkable(["train.py", "--lr", "1"])
+    assert forkable(["-m", "leto.training.train_gpt", "--steps", "3"]) and forkable(["train.py", "--lr", "1"])
     assert not forkable(["-X", "importtime", "train.py"]) and not forkable(["-c", "print(1)"])
     assert not forkable([]) and not forkable(["-m"])

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, Launcher, leto_cmd, reference_digest, summary, tmpfs, wait_for
-from leto.persistence import store
+from leto.persistence import ckpt_format
 
 STEPS = 30
 JOB = ("--workers", "2", "--nodes", "1", "--spares", "0", "--steps", str(STEPS), "--seed", "0")
@@ -114,11 +114,11 @@ def test_a_full_checkpoint_disk_is_reported_and_later_checkpoints_are_written(
     last_failed = max(f["step"] for f in failed)
     # checkpoints are written again once there is space, and pruning kept the newest two
     assert any(c["step"] > last_failed for c in events(run_dir, "persist_commit"))
-    kept = store.complete(ckpts)
-    assert len(kept) == 2 and kept[0].step > last_failed and [p for _, p in store.steps_on_disk(ckpts)] == [
+    kept = ckpt_format.complete(ckpts)
+    assert len(kept) == 2 and kept[0].step > last_failed and [p for _, p in ckpt_format.steps_on_disk(ckpts)] == [
         ck.path for ck in reversed(kept)]
     for ck in kept:
-        store.verify(ck)
+        ckpt_format.verify(ck)
     # one line per rank when its checkpoints start failing, and one when they are written again
     ranks = said_once_per_rank(err, FAILED)
     assert ranks and ranks == said_once_per_rank(err, "checkpoints are written again"), err[-3000:]
@@ -132,7 +132,7 @@ def test_a_hung_checkpoint_write_is_abandoned_and_later_checkpoints_are_written(
     run_dir, ckpts = tmp_path / "run", tmp_path / "checkpoints"
     popen = start(launcher, run_dir, ckpts, "--persist-timeout", "2")
     wait_for(lambda: ckpts.is_dir() or popen.poll() is not None, 60, "the checkpoint folder")
-    part = store.part_dir(store.step_dir(ckpts, 8), 0)
+    part = ckpt_format.part_dir(ckpt_format.step_dir(ckpts, 8), 0)
     part.mkdir(parents=True)
     os.mkfifo(part / "__0_0.distcp")
     assert not events(run_dir, "persist_commit"), "the job checkpointed before the FIFO was in place"
@@ -144,6 +144,6 @@ def test_a_hung_checkpoint_write_is_abandoned_and_later_checkpoints_are_written(
     assert said_once_per_rank(err, FAILED) == {0} and "checkpoint of step 8 failed" in err
     commits = [c["step"] for c in events(run_dir, "persist_commit")]
     assert 8 not in commits and max(commits) > 8
-    kept = store.complete(ckpts)
-    assert kept[0].step > 8 and not store.step_dir(ckpts, 8).exists()  # pruned once newer ones verified
-    store.verify(kept[0])
+    kept = ckpt_format.complete(ckpts)
+    assert kept[0].step > 8 and not ckpt_format.step_dir(ckpts, 8).exists()  # pruned once newer ones verified
+    ckpt_format.verify(kept[0])

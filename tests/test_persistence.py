@@ -17,7 +17,7 @@ import torch
 
 from conftest import (JOB, Launcher, alive, processes_left, read_procs, reference_digest, step_records, train,
                       wait_for, with_flags, without_flags)
-from leto.persistence import loader, resume, store
+from leto.persistence import ckpt_format, loader, resume
 from leto.persistence.interval import parse_duration, steps_between
 from leto.runtime import plain
 from leto.persistence.interval import daly_interval_s
@@ -42,7 +42,7 @@ def events(run_dir: Path, kind: str) -> list[dict]:
 
 
 def committed_steps(run_dir: Path) -> list[int]:
-    return sorted(ck.step for ck in store.complete(run_dir / "checkpoints"))
+    return sorted(ck.step for ck in ckpt_format.complete(run_dir / "checkpoints"))
 
 
 @pytest.fixture(scope="module")
@@ -72,18 +72,18 @@ def test_a_run_keeps_the_last_two_complete_checkpoints(small_run) -> None:
     assert commits == sorted(set(commits)) and commits[0] == 2, commits
     assert set(commits) <= {2, 4, 6, 8} - skipped and len(commits) >= 2, (commits, skipped)
     assert committed_steps(run_dir) == commits[-2:]  # older ones pruned
-    ck = store.complete(run_dir / "checkpoints")[0]
+    ck = ckpt_format.complete(run_dir / "checkpoints")[0]
     assert ck.world_size == 2 and sorted(p.name for p in ck.path.iterdir()) == [
-        store.COMMIT_CLAIM, "COMMIT", "rank0", "rank0.done", "rank1", "rank1.done"]
-    store.verify(ck)
+        ckpt_format.COMMIT_CLAIM, "COMMIT", "rank0", "rank0.done", "rank1", "rank1.done"]
+    ckpt_format.verify(ck)
 
 
 def _damage(newest: Path, damage: str) -> None:
-    data = store.part_dir(newest, 1) / "__0_0.distcp"
+    data = ckpt_format.part_dir(newest, 1) / "__0_0.distcp"
     if damage == "marker":
-        (newest / store.COMMIT).unlink()
+        (newest / ckpt_format.COMMIT).unlink()
     elif damage == "part-marker":
-        store.part_marker(newest, 0).unlink()
+        ckpt_format.part_marker(newest, 0).unlink()
     elif damage == "corrupt":
         raw = bytearray(data.read_bytes())
         raw[len(raw) // 2] ^= 0xFF
@@ -91,9 +91,9 @@ def _damage(newest: Path, damage: str) -> None:
     elif damage == "outside":  # a marker naming a file outside its part (with its true checksum): refused
         outside = newest.parent / "outside"
         outside.write_bytes(b"")
-        marker = store.part_marker(newest, 0)
+        marker = ckpt_format.part_marker(newest, 0)
         rec = json.loads(marker.read_text())
-        rec["files"]["../../outside"] = [0, store._file_digest(outside)]
+        rec["files"]["../../outside"] = [0, ckpt_format._file_digest(outside)]
         marker.write_text(json.dumps(rec))
     else:
         data.write_bytes(data.read_bytes()[:-100])
@@ -102,11 +102,11 @@ def _damage(newest: Path, damage: str) -> None:
 @pytest.mark.parametrize("damage", ["marker", "part-marker", "corrupt", "truncate", "outside"])
 def test_a_torn_or_corrupt_newest_checkpoint_is_passed_over(tmp_path: Path, small_run, damage: str) -> None:
     run_dir = copy_run(small_run[0], tmp_path / "run")
-    previous, newest = (ck.path for ck in store.complete(run_dir / "checkpoints")[::-1])
+    previous, newest = (ck.path for ck in ckpt_format.complete(run_dir / "checkpoints")[::-1])
     _damage(newest, damage)
     said: list[str] = []
     record = json.loads((run_dir / "persist.json").read_text())
-    ck = store.choose(run_dir / "checkpoints", resume.fingerprint(record["command"]), said.append)
+    ck = ckpt_format.choose(run_dir / "checkpoints", resume.fingerprint(record["command"]), said.append)
     assert ck.path == previous
     assert any(newest.name in msg and "passed over" in msg for msg in said), said
 
@@ -114,7 +114,7 @@ def test_a_torn_or_corrupt_newest_checkpoint_is_passed_over(tmp_path: Path, smal
 def test_a_resume_past_a_corrupt_newest_checkpoint_ends_with_the_failure_free_digest(launcher, tmp_path: Path,
                                                                                    small_run) -> None:
     run_dir = copy_run(small_run[0], tmp_path / "run")
-    previous, newest = (ck.path for ck in store.complete(run_dir / "checkpoints")[::-1])
+    previous, newest = (ck.path for ck in ckpt_format.complete(run_dir / "checkpoints")[::-1])
     before = int(previous.name[5:])
     _damage(newest, "corrupt")
     res, s = train(launcher, run_dir, "--resume", str(run_dir), *SMALL, "--protection", "off")
@@ -222,8 +222,8 @@ def test_bad_resume_input_is_one_clear_line(launcher, tmp_path: Path, small_run,
         args[args.index("--seed") + 1] = "1"
     elif case == "all-torn":
         copy_run(small_run[0], run_dir)
-        for ck in store.complete(run_dir / "checkpoints"):
-            (ck.path / store.COMMIT).unlink()
+        for ck in ckpt_format.complete(run_dir / "checkpoints"):
+            (ck.path / ckpt_format.COMMIT).unlink()
     elif case == "with-run-dir":
         args += ["--run-dir", str(tmp_path / "elsewhere")]
     res = launcher.run("train", "--resume", str(run_dir), *args, timeout=60)
@@ -240,7 +240,7 @@ def test_a_checkpoint_loads_into_another_world_size(tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp
     numel, chunk = 1000, 64
     full = torch.randn(3, numel)
-    ck = store.step_dir(tmp_path, 5)
+    ck = ckpt_format.step_dir(tmp_path, 5)
 
     def shards(world: int) -> tuple[int, list[torch.Tensor]]:
         n_chunks = -(-numel // (world * chunk))
@@ -257,10 +257,10 @@ def test_a_checkpoint_loads_into_another_world_size(tmp_path: Path) -> None:
               "extra": torch.frombuffer(bytearray(plain.dumps({"rank": r})), dtype=torch.uint8)}
         if r == 0:
             sd["params"] = full[0].clone()
-        dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(store.part_dir(ck, r))), no_dist=True)
-        committed.append(store.mark_part(ck, r, 5, 3, "fp"))
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(ckpt_format.part_dir(ck, r))), no_dist=True)
+        committed.append(ckpt_format.mark_part(ck, r, 5, 3, "fp"))
     assert committed == [False, False, True]  # the last part to be marked commits the checkpoint
-    assert [c.step for c in store.complete(tmp_path)] == [5]
+    assert [c.step for c in ckpt_format.complete(tmp_path)] == [5]
     n_chunks, want = shards(2)
     for r in range(2):
         got = loader.load(ck, 5, r, 2, numel, n_chunks, chunk)
@@ -270,18 +270,18 @@ def test_a_checkpoint_loads_into_another_world_size(tmp_path: Path) -> None:
 def test_the_last_parts_written_together_commit_once(tmp_path: Path) -> None:
     """The last two ranks to finish a checkpoint both see every part marked: both write the
     commit marker, and exactly one of them reports it (one persist_commit event, one prune)."""
-    ck = store.step_dir(tmp_path, 5)
+    ck = ckpt_format.step_dir(tmp_path, 5)
     for r in range(2):
-        store.part_dir(ck, r).mkdir(parents=True)
-        (store.part_dir(ck, r) / "data").write_bytes(b"x")
-    marked = [store.part_marker(ck, r) for r in range(2)]
+        ckpt_format.part_dir(ck, r).mkdir(parents=True)
+        (ckpt_format.part_dir(ck, r) / "data").write_bytes(b"x")
+    marked = [ckpt_format.part_marker(ck, r) for r in range(2)]
     for r in range(2):  # both markers first, as when the two writes end together
-        store.mark_part(ck, r, 5, 2, "fp")
+        ckpt_format.mark_part(ck, r, 5, 2, "fp")
         assert marked[r].exists()
-    (ck / store.COMMIT).unlink()
-    (ck / store.COMMIT_CLAIM).unlink()
-    assert [store.mark_part(ck, r, 5, 2, "fp") for r in range(2)] == [True, False]
-    assert [c.step for c in store.complete(tmp_path)] == [5]
+    (ck / ckpt_format.COMMIT).unlink()
+    (ck / ckpt_format.COMMIT_CLAIM).unlink()
+    assert [ckpt_format.mark_part(ck, r, 5, 2, "fp") for r in range(2)] == [True, False]
+    assert [c.step for c in ckpt_format.complete(tmp_path)] == [5]
 
 
 def test_interval_helpers() -> None:
@@ -317,10 +317,10 @@ def test_leto_run_resumes_a_user_script(launcher, tmp_path: Path) -> None:
     res = launcher.run("run", "--run-dir", str(run_dir), *job, run_dir=run_dir)
     assert res.returncode == 0, res.stderr[-3000:]
     digest = json.loads((run_dir / "summary.json").read_text())["digest"]
-    kept = store.complete(run_dir / "checkpoints")
+    kept = ckpt_format.complete(run_dir / "checkpoints")
     assert {ck.step for ck in kept} <= {4, 8, 12} and len(kept) in (1, 2), kept
     if len(kept) == 2:  # the newest torn: the resume passes over it
-        (kept.pop(0).path / store.COMMIT).unlink()
+        (kept.pop(0).path / ckpt_format.COMMIT).unlink()
     assert kept[0].step < 12, kept  # the first write (step 4) is never skipped
     res = launcher.run("run", "--resume", str(run_dir), *job, run_dir=run_dir)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -332,8 +332,8 @@ def test_a_resumed_job_still_recovers_in_place(launcher, tmp_path: Path, small_r
     """Protection starts from the resumed step: a worker SIGKILLed after the resume is adopted
     by a shadow and decoded from the keepers, and the digest is still the failure-free one."""
     run_dir = copy_run(small_run[0], tmp_path / "run")
-    newest, previous = store.complete(run_dir / "checkpoints")
-    (newest.path / store.COMMIT).unlink()
+    newest, previous = ckpt_format.complete(run_dir / "checkpoints")
+    (newest.path / ckpt_format.COMMIT).unlink()
     assert previous.step < 7  # the older of two kept of steps 2, 4, 6, 8
     args = [*SMALL, "--protection", "on"]  # the run had it off: a resume may turn it on
     args[args.index("--spares") + 1] = "1"

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from conftest import step_records, summary
-from leto.training.job import PROMPT, sample
+from leto.training.train_gpt import PROMPT, sample
 from leto.training.model import GPT, PRESETS
 
 SMALL = ("--workers", "2", "--spares", "0", "--nodes", "1")

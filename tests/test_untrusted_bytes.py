@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from conftest import REPO, Launcher, train
-from leto.persistence import safe_dcp, store
+from leto.persistence import ckpt_format, safe_dcp
 from leto.runtime import plain
 from leto.training.rank_state import RankState
 
@@ -101,18 +101,18 @@ def persisted_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         lx.cleanup()
 
 
-def _rewrite_parts(run_dir: Path, change) -> store.Checkpoint:
+def _rewrite_parts(run_dir: Path, change) -> ckpt_format.Checkpoint:
     """Rewrite every part of the newest checkpoint with `change(part folder, state dict)` and record
     the new files' checksums (an attacker who can write the folder can write its markers too)."""
     import torch.distributed.checkpoint as dcp
-    ck = store.complete(run_dir / "checkpoints")[0]
+    ck = ckpt_format.complete(run_dir / "checkpoints")[0]
     for r in range(ck.world_size):
-        part = store.part_dir(ck.path, r)
+        part = ckpt_format.part_dir(ck.path, r)
         md = safe_dcp.metadata(part).state_dict_metadata
         sd = safe_dcp.load({k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.items()}, part)
         change(part, sd)
-        store.mark_part(ck.path, r, ck.step, ck.world_size, ck.fingerprint)
-    store.verify(ck)
+        ckpt_format.mark_part(ck.path, r, ck.step, ck.world_size, ck.fingerprint)
+    ckpt_format.verify(ck)
     return ck
 
 

@@ -297,7 +297,7 @@ def _run_job(config: JobConfig, summary_extra: dict) -> int:
     if config.rendezvous.url is not None:
         from leto.control.hosts import run_host
         return run_host(config, summary_extra)
-    from leto.control.job import run_job
+    from leto.control.one_host import run_job
     return run_job(config, summary_extra)
 
 
@@ -305,7 +305,7 @@ def _start(args: argparse.Namespace, command: list[str], prog: str, config: JobC
     """The run folder and what persistence (or --resume) adds to the job `config` from the
     flags: `command` is what identifies the trajectory (checked on --resume)."""
     from leto.persistence import resume
-    from leto.persistence.store import CheckpointError
+    from leto.persistence.ckpt_format import CheckpointError
     flags, persist = args.recorded, args.persist == "on"
     try:
         if args.resume is not None:
@@ -384,7 +384,7 @@ def _with_record(parser: _Parser, argv: list[str], args: argparse.Namespace) -> 
     up its trajectory must agree with it. A record without flags changes nothing (the command
     line must then repeat them)."""
     from leto.persistence.resume import RECORD, read_record
-    from leto.persistence.store import CheckpointError
+    from leto.persistence.ckpt_format import CheckpointError
     where = f"leto {args.cmd}: error: --resume {args.resume}"
     if args.run_dir is not None and args.run_dir.resolve() != args.resume.resolve():
         raise UsageError(f"{where} continues that run in its own folder; drop --run-dir {args.run_dir}")
@@ -538,7 +538,7 @@ def _train(args: argparse.Namespace) -> int:
     except CorpusError as e:
         raise UsageError(f"leto train: error: {e}") from e
     rows_flag = ["--rows", str(args.rows)] if args.rows is not None else []
-    trajectory = ["-m", "leto.training.job", "--seed", str(args.seed), "--model", args.model, "--lr", str(args.lr),
+    trajectory = ["-m", "leto.training.train_gpt", "--seed", str(args.seed), "--model", args.model, "--lr", str(args.lr),
                   "--chunk-bytes", str(args.chunk_bytes), *rows_flag]
     command = [*trajectory[:2], "--steps", str(args.steps), *trajectory[2:]]
     run_dir, code = _job(args, command, trajectory, "leto train", args.steps)  # --steps may change on resume

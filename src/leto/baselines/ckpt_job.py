@@ -1,6 +1,6 @@
 """The built-in GPT job plus checkpointing, for the checkpoint-restart baselines.
 
-Same model presets, sampler, AdamW schedule and `Trainer` as `leto.training.job`; on top:
+Same model presets, sampler, AdamW schedule and `Trainer` as `leto.training.train_gpt`; on top:
 
 * `--ckpt-mode disk`: `torch.distributed.checkpoint` (DCP) of each rank's ZeRO-1 shard
   (`trainer.member.state`), the replicated parameters and the step, to local disk every K steps
@@ -39,7 +39,7 @@ from leto.protocol import keys
 from leto.runtime import runlog
 from leto.runtime.env import Job
 from leto.persistence.interval import daly_interval_s
-from leto.training import job as base_job
+from leto.training import train_gpt
 from leto.training.optim import MASTER
 from leto.training.member import RankMember
 
@@ -297,7 +297,7 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, argparse.N
         p.error("disk mode needs --ckpt-every or --mtbf-s")
     if ck.ckpt_every is not None and ck.ckpt_every < 0:
         p.error(f"--ckpt-every cannot be negative, got {ck.ckpt_every}")
-    return ck, base_job.parse(rest)
+    return ck, train_gpt.parse(rest)
 
 
 def fingerprint(args: argparse.Namespace, world_size: int) -> str:
@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None) -> None:
     ck, args = parse(argv)
     torch.set_num_threads(1)  # workers share the machine's cores
     job = leto.init()
-    trainer, model, sampler, tokens = base_job.build(args, job)
+    trainer, model, sampler, tokens = train_gpt.build(args, job)
     if job.is_shadow:  # the baselines run without shadows; one would just idle
         for _ in trainer.steps(args.steps):
             pass

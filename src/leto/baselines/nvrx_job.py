@@ -48,7 +48,7 @@ from leto.protocol.messages import node_of_rank
 from leto.runtime import runlog
 from leto.runtime.env import LOOPBACK, Job, loopback_store, network_env, solo
 from leto.runtime.linux import describe_exit, die_with_parent, proc_stat
-from leto.training import job as base_job
+from leto.training import train_gpt
 from leto.training.corpus import load_tokens
 from leto.training.data import Sampler
 from leto.training.model import GPT, PRESETS
@@ -367,7 +367,7 @@ def worker_main(argv: list[str]) -> None:
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S)
     p.add_argument("--max-iterations", type=int, default=None)
     ours, rest = p.parse_known_args(argv)
-    args = base_job.parse(rest)
+    args = train_gpt.parse(rest)
     torch.set_num_threads(1)  # workers share the machine's cores
     host, port = ours.store.rsplit(":", 1)
     cfg = PRESETS[args.model]

@@ -1,6 +1,6 @@
 """The restart supervisor of the checkpoint-restart baselines, as torchrun would do it.
 
-It runs `leto.baselines.ckpt_job` as a Leto job without protection (`control.job.run_job`); when
+It runs `leto.baselines.ckpt_job` as a Leto job without protection (`control.one_host.run_job`); when
 the job returns non-zero because a worker died (it has already reaped every process), it starts a
 fresh job with fresh processes, which load the newest checkpoint, up to `max_restarts` times.
 Each failure gets a recovery record with its breakdown; the metrics of all attempts end up in one
@@ -31,7 +31,7 @@ from leto.config import (
     TrainingConfig,
 )
 from leto.console import read_jsonl
-from leto.control.job import run_job
+from leto.control.one_host import run_job
 from leto.runtime import runlog
 
 __all__ = ["SYSTEMS", "BaselineSpec", "RestartSupervisor", "main", "run_baseline"]

@@ -37,7 +37,7 @@ from leto.protocol.messages import node_of_rank
 from leto.runtime import runlog
 from leto.runtime.env import LOOPBACK, loopback_store, network_env
 from leto.runtime.linux import describe_exit
-from leto.training import job as base_job
+from leto.training import train_gpt
 from leto.training.corpus import load_tokens
 from leto.training.data import Sampler
 from leto.training.flat import bind_grads, flatten, state_digest
@@ -90,7 +90,7 @@ def worker_main(argv: list[str]) -> None:
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S)
     p.add_argument("--expect", type=int, default=0, help="replicas to wait for before the first quorum")
     ours, rest = p.parse_known_args(argv)
-    args = base_job.parse(rest)
+    args = train_gpt.parse(rest)
     _quiet_rust_logs()
     from torch.distributed import ReduceOp
     from torchft import Manager, ProcessGroupGloo

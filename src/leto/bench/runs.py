@@ -29,7 +29,7 @@ from leto.baselines.restart import run_baseline
 from leto.bench.throughput import steady_step_s
 from leto.console import read_jsonl
 from leto import config as job_config
-from leto.control.job import run_job
+from leto.control.one_host import run_job
 from leto.protection.placement import default_code
 from leto.training.model import PRESETS
 from leto.training.trainer import DEFAULT_CHUNK_BYTES
@@ -123,7 +123,7 @@ def torchft_status() -> str | None:
 
 def _run_leto(system: System, cfg: JobConfig, run_dir: Path) -> int:
     """The built-in job under Leto's controller, exactly as `leto train` builds it."""
-    command = ["-m", "leto.training.job", "--steps", str(cfg.steps), "--seed", str(cfg.seed), "--model", cfg.model]
+    command = ["-m", "leto.training.train_gpt", "--steps", str(cfg.steps), "--seed", str(cfg.seed), "--model", cfg.model]
     return run_job(job_config.JobConfig(
         training=job_config.TrainingConfig(command=tuple(command), workers=cfg.workers, nodes=cfg.nodes,
                                            steps=cfg.steps),

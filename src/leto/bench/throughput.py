@@ -10,7 +10,7 @@ from pathlib import Path
 from leto.bench.cpu import CpuSampler
 from leto.config import JobConfig, PersistenceConfig, ProtectionConfig, RecoveryConfig, TrainingConfig
 from leto.console import read_jsonl
-from leto.control import job as leto_job
+from leto.control import one_host
 from leto.training.model import PRESETS
 
 WARMUP_STEPS = 5
@@ -25,7 +25,7 @@ def run_job(workers: int, steps: int, model: str, run_dir: Path, extra: list[str
     (`CpuSampler.peak_memory`). `persist`: persistent checkpoints as `leto train` writes them by
     default (every K steps, K from Young/Daly for the default --mtbf)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    command = ["-m", module or "leto.training.job", "--steps", str(steps), "--model", model, *(extra or [])]
+    command = ["-m", module or "leto.training.train_gpt", "--steps", str(steps), "--model", model, *(extra or [])]
     persistence = PersistenceConfig()
     if persist:
         from leto.persistence.resume import fresh
@@ -34,7 +34,7 @@ def run_job(workers: int, steps: int, model: str, run_dir: Path, extra: list[str
                        protection=ProtectionConfig(enabled=protection, ec=ec), recovery=RecoveryConfig(spares=spares),
                        persistence=persistence, run_dir=str(run_dir), quiet=True)
     with CpuSampler(run_dir, memory_every_s=memory_every_s) as cpu:
-        code = leto_job.run_job(config)
+        code = one_host.run_job(config)
     if code != 0:
         raise RuntimeError(f"benchmark job failed with exit code {code}; see {run_dir}")
     records = read_jsonl(run_dir / "metrics.jsonl")

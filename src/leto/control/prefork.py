@@ -34,7 +34,7 @@ from leto.runtime import linux
 READY_TIMEOUT_S = 120.0   # the server's imports, on a host that is busy starting a job
 REQUEST_TIMEOUT_S = 10.0  # one fork and adoption
 ADOPT_TIMEOUT_S = 5.0
-PRELOAD = ("torch", "torch.distributed", "leto.runtime.env", "leto.protection.keeper", "leto.training.job")
+PRELOAD = ("torch", "torch.distributed", "leto.runtime.env", "leto.protection.keeper", "leto.training.train_gpt")
 PERSIST_PRELOAD = ("torch.distributed.checkpoint",)  # ~2 s more per process where the job persists
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from leto.persistence import store
+from leto.persistence import ckpt_format
 from leto.persistence.files import read_json
 from leto.persistence.writer import EXTRA
 from leto.runtime import plain
@@ -46,7 +46,7 @@ def _load(path: Path, sd: dict) -> dict:
     try:
         return safe_dcp.load(sd, path)
     except Exception as e:  # noqa: BLE001 - DCP raises several kinds (RuntimeError, OSError, refusals)
-        raise store.CheckpointError(f"cannot load checkpoint part {path}: {e}") from e
+        raise ckpt_format.CheckpointError(f"cannot load checkpoint part {path}: {e}") from e
 
 
 def _shape(path: Path, name: str, dtype: torch.dtype | None = None) -> torch.Size:
@@ -56,45 +56,45 @@ def _shape(path: Path, name: str, dtype: torch.dtype | None = None) -> torch.Siz
     try:
         md = safe_dcp.metadata(path).state_dict_metadata.get(name)
     except Exception as e:  # noqa: BLE001 - a missing, corrupt or refused .metadata
-        raise store.CheckpointError(f"cannot read the metadata of checkpoint part {path}: {e}") from e
+        raise ckpt_format.CheckpointError(f"cannot read the metadata of checkpoint part {path}: {e}") from e
     if getattr(md, "properties", None) is None or dtype not in (None, md.properties.dtype):
-        raise store.CheckpointError(f"checkpoint part {path} holds no {dtype} tensor {name!r} (another format?)")
+        raise ckpt_format.CheckpointError(f"checkpoint part {path} holds no {dtype} tensor {name!r} (another format?)")
     return md.size
 
 
 def load(path: Path, step: int, rank: int, world_size: int, numel: int, n_chunks: int, chunk_elems: int) -> Loaded:
     """This rank's state in a job of `world_size` ranks, from the checkpoint at `path`."""
-    commit = read_json(path / store.COMMIT)
+    commit = read_json(path / ckpt_format.COMMIT)
     if commit is None or commit.get("step") != step:
-        raise store.CheckpointError(f"{path} is not the complete checkpoint of step {step}")
+        raise ckpt_format.CheckpointError(f"{path} is not the complete checkpoint of step {step}")
     old_world = int(commit["world_size"])
     shard_elems = n_chunks * chunk_elems
     lo, hi = rank * shard_elems, min(numel, (rank + 1) * shard_elems)
     rows = torch.zeros(_ROWS, shard_elems)
-    old_shard = _shape(store.part_dir(path, 0), "state")
+    old_shard = _shape(ckpt_format.part_dir(path, 0), "state")
     old_elems = old_shard[0] * old_shard[2]
     for r in range(old_world):
         a, b = max(lo, r * old_elems), min(hi, (r + 1) * old_elems)
         if a >= b and not (r == rank and old_world == world_size):
             continue
-        part = store.part_dir(path, r)
+        part = ckpt_format.part_dir(path, r)
         sd = _load(part, {"state": torch.empty(old_shard), "step": torch.tensor(-1, dtype=torch.int64)})
         if int(sd["step"]) != step:
-            raise store.CheckpointError(f"{part} holds step {int(sd['step'])}, expected {step}")
+            raise ckpt_format.CheckpointError(f"{part} holds step {int(sd['step'])}, expected {step}")
         src = sd["state"].transpose(0, 1).reshape(_ROWS, -1)
         if old_world == world_size and old_elems == shard_elems:  # the same sharding: the part, bit for bit
             rows.copy_(src)
             break
         rows[:, a - lo:b - lo] = src[:, a - r * old_elems:b - r * old_elems]
     shard = rows.view(_ROWS, n_chunks, chunk_elems).transpose(0, 1).contiguous()
-    params = _load(store.part_dir(path, 0), {"params": torch.empty(numel)})["params"]
+    params = _load(ckpt_format.part_dir(path, 0), {"params": torch.empty(numel)})["params"]
     own = rank if rank < old_world else 0
-    own_part = store.part_dir(path, own)
+    own_part = ckpt_format.part_dir(path, own)
     blob = _load(own_part, {EXTRA: torch.empty(_shape(own_part, EXTRA, torch.uint8), dtype=torch.uint8)})[EXTRA]
     try:
         extra = plain.loads(blob.numpy().tobytes(), f"the extra state in {own_part}")
     except plain.NotPlainData as e:
-        raise store.CheckpointError(str(e)) from None
+        raise ckpt_format.CheckpointError(str(e)) from None
     if not isinstance(extra, dict):
-        raise store.CheckpointError(f"the extra state in {own_part} is not a dict")
+        raise ckpt_format.CheckpointError(f"the extra state in {own_part} is not a dict")
     return Loaded(step, shard, params, extra)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from leto.config import PersistenceConfig
 from leto.console import read_jsonl
-from leto.persistence import store
+from leto.persistence import ckpt_format
 from leto.persistence.files import read_json, write_json_atomic
 from leto.persistence.interval import parse_duration
 from leto.runtime import linux
@@ -79,13 +79,13 @@ def fresh(run_dir: Path, command: list[str], settings: PersistenceConfig, *, per
     if not persist:
         return Start(settings)
     root = (persist_dir or run_dir / DEFAULT_DIR).resolve()
-    if store.steps_on_disk(root):
-        raise store.CheckpointError(f"{root} already holds checkpoints: continue that run with --resume, "
+    if ckpt_format.steps_on_disk(root):
+        raise ckpt_format.CheckpointError(f"{root} already holds checkpoints: continue that run with --resume, "
                                     f"or choose another --persist-dir / --run-dir")
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise store.CheckpointError(f"cannot create the checkpoint folder {root}: {e.strerror or e}") from e
+        raise ckpt_format.CheckpointError(f"cannot create the checkpoint folder {root}: {e.strerror or e}") from e
     _record(run_dir, root, command, flags)
     return Start(replace(settings, dir=str(root), fingerprint=fingerprint(command)))
 
@@ -94,22 +94,22 @@ def read_record(run_dir: Path) -> dict:
     """The run's persist.json (`dir`, `command`, and `flags` where recorded); CheckpointError
     names why there is none to resume from."""
     if not run_dir.is_dir():
-        raise store.CheckpointError(f"{run_dir} is not a folder")
+        raise ckpt_format.CheckpointError(f"{run_dir} is not a folder")
     path = run_dir / RECORD
     try:
         record = json.loads(path.read_text())
     except FileNotFoundError:
-        raise store.CheckpointError(f"{run_dir} has no {RECORD}: it is not a run that persisted checkpoints "
+        raise ckpt_format.CheckpointError(f"{run_dir} has no {RECORD}: it is not a run that persisted checkpoints "
                                     f"(was it started with --persist off?)") from None
     except OSError as e:
-        raise store.CheckpointError(f"cannot read {path}: {e.strerror or e}") from None
+        raise ckpt_format.CheckpointError(f"cannot read {path}: {e.strerror or e}") from None
     except (json.JSONDecodeError, UnicodeDecodeError):
-        raise store.CheckpointError(f"{path} is corrupt (not JSON)") from None
+        raise ckpt_format.CheckpointError(f"{path} is corrupt (not JSON)") from None
     if (not isinstance(record, dict) or not isinstance(record.get("dir"), str)
             or not isinstance(record.get("command"), list)
             or not all(isinstance(a, str) for a in record["command"])
             or not isinstance(record.get("flags") or {}, dict)):
-        raise store.CheckpointError(f"{path} is corrupt (it needs a folder `dir` and a `command` list)")
+        raise ckpt_format.CheckpointError(f"{path} is corrupt (it needs a folder `dir` and a `command` list)")
     return record
 
 
@@ -130,16 +130,16 @@ def resume(run_dir: Path, command: list[str], settings: PersistenceConfig, *, pe
             _not_running(run_dir)
         root = checkpoint_root(run_dir, record["dir"], persist_dir)
         if record["command"] != command:
-            raise store.CheckpointError(
+            raise ckpt_format.CheckpointError(
                 f"its checkpoints belong to another configuration: recorded `{shlex.join(record['command'])}`, "
                 f"now `{shlex.join(command)}`")
-        ck = store.choose(root, fingerprint(command), lambda msg: print(f"leto: {msg}", file=sys.stderr))
+        ck = ckpt_format.choose(root, fingerprint(command), lambda msg: print(f"leto: {msg}", file=sys.stderr))
         if not ck.path.resolve().is_relative_to(root):
-            raise store.CheckpointError(f"{ck.path} leads out of the checkpoint folder {root} (a symbolic link)")
+            raise ckpt_format.CheckpointError(f"{ck.path} leads out of the checkpoint folder {root} (a symbolic link)")
         if steps is not None and ck.step > steps:
-            raise store.CheckpointError(f"its newest complete checkpoint is step {ck.step}, past --steps {steps}")
+            raise ckpt_format.CheckpointError(f"its newest complete checkpoint is step {ck.step}, past --steps {steps}")
         if claim.first:
-            for step, path in store.steps_on_disk(root):  # newer ones are torn or corrupt: this run rewrites them
+            for step, path in ckpt_format.steps_on_disk(root):  # newer ones are torn or corrupt: this run rewrites them
                 if step > ck.step and not path.is_symlink():
                     shutil.rmtree(path, ignore_errors=True)
             claim.last = _last_step(run_dir / "metrics.jsonl")
@@ -167,7 +167,7 @@ def checkpoint_root(run_dir: Path, recorded: str, given: Path | None) -> Path:
     inside = run_dir.resolve()
     root = (inside / recorded).resolve()  # an absolute `recorded` replaces `inside`
     if not root.is_relative_to(inside):
-        raise store.CheckpointError(
+        raise ckpt_format.CheckpointError(
             f"{RECORD} names the checkpoint folder {recorded!r}, which leads out of the run folder to {root}; "
             f"resume reads and deletes checkpoints only inside it: give --persist-dir {root} if they are this run's")
     return root
@@ -209,7 +209,7 @@ def _claim(run_dir: Path, attempt: str | None, timeout_s: float = CLAIM_TIMEOUT_
     try:  # never through a link: it could name any file
         fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     except OSError as e:
-        raise store.CheckpointError(f"cannot lock {path}: {e.strerror or e}") from None
+        raise ckpt_format.CheckpointError(f"cannot lock {path}: {e.strerror or e}") from None
     with os.fdopen(fd, "rb") as lock:
         _lock(lock, path, timeout_s)
         seen = read_json(run_dir / CLAIM)
@@ -230,7 +230,7 @@ def _lock(lock: IO[bytes], path: Path, timeout_s: float) -> None:
             return
         except BlockingIOError:
             if time.monotonic() > deadline:
-                raise store.CheckpointError(f"{path} stayed locked by another host for {timeout_s:.0f} s") from None
+                raise ckpt_format.CheckpointError(f"{path} stayed locked by another host for {timeout_s:.0f} s") from None
             time.sleep(0.05)
 
 
@@ -242,7 +242,7 @@ def _not_running(run_dir: Path) -> None:
         for p in read_json_list(path):
             pid = p.get("pid")
             if p.get("role") == "controller" and _alive(pid, p.get("start"), path):
-                raise store.CheckpointError(f"the run is still going (its controller, pid {pid}, is alive)")
+                raise ckpt_format.CheckpointError(f"the run is still going (its controller, pid {pid}, is alive)")
 
 
 def _alive(pid: object, start: object, record: Path) -> bool:
@@ -295,13 +295,13 @@ def after_failure(run_dir: Path, persist_dir: Path | None, prog: str) -> None:
     from, on the console and in summary.json."""
     if persist_dir is None:
         return
-    done = store.complete(persist_dir)
+    done = ckpt_format.complete(persist_dir)
     if not done:
         return
     ck = done[0]
     summary_path = run_dir / "summary.json"
     summary = read_json(summary_path)
-    if summary is not None and store.RESUME_FAILED in str(summary.get("fatal")):
+    if summary is not None and ckpt_format.RESUME_FAILED in str(summary.get("fatal")):
         return  # the checkpoint itself is what failed: naming it again would send the user in a circle
     outside = "" if persist_dir.resolve().is_relative_to(run_dir.resolve()) else f" --persist-dir {persist_dir}"
     print(f"leto: the newest complete checkpoint is step {ck.step} ({ck.path}); continue from it with "

@@ -3,7 +3,7 @@
 In the step (after it completed) DCP's stager takes a host copy of the part - a memcpy of the
 shard and the parameters - and a daemon thread writes it with `dcp.save`, then records the
 part's checksums and commits the checkpoint if this rank was the last to finish
-(`store.mark_part`). Each rank saves with `no_dist=True`, a one-process DCP checkpoint of its
+(`ckpt_format.mark_part`). Each rank saves with `no_dist=True`, a one-process DCP checkpoint of its
 own folder: DCP needs no process group, so nothing interferes with the job's generations of
 gloo groups (docs/design.md, "Persistence").
 
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from leto.config import PersistenceConfig
-from leto.persistence import store
+from leto.persistence import ckpt_format
 from leto.persistence.interval import daly_interval_s, parse_duration, steps_between
 from leto.errors import BadValue
 from leto.protocol import keys
@@ -172,7 +172,7 @@ class Persister:
             if rank == 0:
                 self._event("persist_skipped", step=step, writing=self.pending.step)
             return
-        path = store.part_dir(store.step_dir(self.root, step), rank)
+        path = ckpt_format.part_dir(ckpt_format.step_dir(self.root, step), rank)
         self._importer.join(timeout=self.job.timeout_s)  # started steps ago: done by now
         if self.dcp is None:
             self.failed += 1
@@ -191,19 +191,19 @@ class Persister:
 
     def _write(self, w: _Write, staged: dict, path: Path, rank: int, world: int, stage_s: float) -> None:
         """The write's thread: the part's bytes to disk, then its marker, and maybe the commit."""
-        ckpt = store.step_dir(self.root, w.step)
+        ckpt = ckpt_format.step_dir(self.root, w.step)
         try:
             self.dcp.save(staged, storage_writer=self.dcp.FileSystemWriter(str(path), overwrite=True), no_dist=True)
             if w.abandoned:  # reported as hung already; the folder is left to pruning
                 return
-            if store.mark_part(ckpt, rank, w.step, world, self.cfg.fingerprint):
-                store.prune(self.root, verified=self.verified)
+            if ckpt_format.mark_part(ckpt, rank, w.step, world, self.cfg.fingerprint):
+                ckpt_format.prune(self.root, verified=self.verified)
                 self._event("persist_commit", step=w.step, world_size=world, rank=rank, stage_s=round(stage_s, 6),
                             write_s=round(time.perf_counter() - w.t0, 4))
             w.done.set_result(time.perf_counter() - w.t0)
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is one; handed to the training thread
             if not w.abandoned:
-                store.discard_part(ckpt, rank)  # a torn part only takes space (a full disk wants it back)
+                ckpt_format.discard_part(ckpt, rank)  # a torn part only takes space (a full disk wants it back)
             w.done.set_exception(self.unwrap(e))
 
     def _finish_pending(self, rank: int) -> None:

@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch
 
 from leto.persistence import loader
-from leto.persistence.store import RESUME_FAILED, CheckpointError
+from leto.persistence.ckpt_format import RESUME_FAILED, CheckpointError
 from leto.persistence.writer import persister_for
 from leto.protection.client import Protector
 from leto.protection.layout import Geometry, Layout

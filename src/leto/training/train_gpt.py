@@ -19,7 +19,7 @@ from leto.training.trainer import DEFAULT_CHUNK_BYTES, Trainer
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="leto.training.job")
+    p = argparse.ArgumentParser(prog="leto.training.train_gpt")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", choices=sorted(PRESETS), default="tiny")
