@@ -1,4 +1,5 @@
-"""What the coordinator shows: a rich progress bar on a terminal, plain lines otherwise."""
+"""What the coordinator shows: a rich progress bar on a terminal, plain lines otherwise; the
+notices it shows are in `console/notices.py`."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,8 @@ from types import TracebackType
 from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
+
+from leto.console.notices import TO_STDERR, Notice, Recovered, SegmentsRemoved, render
 
 
 def parse_records(lines: list[bytes] | list[str]) -> list[dict]:
@@ -101,6 +104,16 @@ class StepDisplay:
             of = f"/{self.total}" if self.total else ""
             left = f"  eta {eta:.0f}s" if eta is not None else ""
             say(f"step {rec['step']}{of}{left}  {info}")
+
+    def show(self, notice: Notice) -> None:
+        """Say what the coordinator noticed (a recovery also counts in the progress line)."""
+        if isinstance(notice, Recovered):
+            self.recovered()
+        if isinstance(notice, TO_STDERR):
+            if not (self.quiet and isinstance(notice, SegmentsRemoved)):
+                say(render(notice), err=True)
+            return
+        self.message(render(notice))
 
     def message(self, text: str) -> None:
         if self._progress is None:
