@@ -23,7 +23,7 @@ from leto.protocol import keys
 from leto.protocol.messages import (
     Command,
     JobState,
-    Plan,
+    Membership,
     ProcEvent,
     StepProgress,
     SupervisorReport,
@@ -86,7 +86,7 @@ def test_the_coordinator_acts_only_through_the_store(tmp_path: Path) -> None:
         [("spawn", "worker", r, n) for r, n in enumerate((0, 0, 1, 1))]
         + [("spawn", "shadow", None, 0), ("spawn", "keeper", None, 0), ("spawn", "keeper", None, 1)])
     assert [c.proc_id for c in started[:5]] == ["worker0-1", "worker1-2", "worker2-3", "worker3-4", "shadow-5"]
-    assert Plan.from_json(store.get(keys.plan(0))).proc_of_rank == tuple(c.proc_id for c in started[:4])
+    assert Membership.from_json(store.get(keys.membership(0))).proc_of_rank == tuple(c.proc_id for c in started[:4])
     assert JobState.from_json(store.get(keys.JOB_STATE)) == JobState(0, False)
     assert JobConfig.from_json((tmp_path / "config.json").read_text()) == _config(tmp_path)
     _report(store, *(ProcEvent("started", c.proc_id, c.role, c.rank, c.node, 100 + i) for i, c in enumerate(started)))
@@ -95,8 +95,8 @@ def test_the_coordinator_acts_only_through_the_store(tmp_path: Path) -> None:
     store.set(keys.committed(0, 0), "1")
     _report(store, ProcEvent("exited", "worker1-2", "worker", 1, 0, 101, -9, "was killed by SIGKILL"))
     assert coord.tick() is None
-    plan = Plan.from_json(store.get(keys.plan(1)))
-    assert plan.proc_of_rank == ("worker0-1", "shadow-5", "worker2-3", "worker3-4")
+    membership = Membership.from_json(store.get(keys.membership(1)))
+    assert membership.proc_of_rank == ("worker0-1", "shadow-5", "worker2-3", "worker3-4")
     assert [(c.kind, c.proc_id) for c in _commands(store)[len(started):]] == [("wake_keepers", ""), ("boost", "shadow-5")]
     assert Drain.from_json(store.get(keys.drain(0))) == Drain((0, 1), 1)
     assert JobState.from_json(store.get(keys.JOB_STATE)) == JobState(1, True)
@@ -132,7 +132,7 @@ def test_a_recovery_forks_a_shadow_at_normal_priority_and_names_it_once_forked(t
             forks.extend(c for c in _commands(store)[len(started):] if c.kind == "fork")
             time.sleep(0.01)
         if forks:
-            announced_before.append(store.check([keys.plan(1)]))
+            announced_before.append(store.check([keys.membership(1)]))
             _report(store, ProcEvent("started", forks[0].proc_id, "shadow", None, forks[0].node, 200))
 
     answering = threading.Thread(target=supervisor, daemon=True)
@@ -142,5 +142,5 @@ def test_a_recovery_forks_a_shadow_at_normal_priority_and_names_it_once_forked(t
     assert coord.tick() is None
     answering.join(10)
     assert [(c.node, c.boost) for c in forks] == [(1, True)] and announced_before == [False]
-    assert Plan.from_json(store.get(keys.plan(1))).proc_of_rank[2] == forks[0].proc_id
+    assert Membership.from_json(store.get(keys.membership(1))).proc_of_rank[2] == forks[0].proc_id
     coord._exit.close()

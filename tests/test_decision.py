@@ -4,46 +4,46 @@ from __future__ import annotations
 
 import pytest
 
-from leto.control.decision import Spare, grow_plan, next_plan
-from leto.protocol.messages import Plan
+from leto.control.decision import Spare, grow_membership, next_membership
+from leto.protocol.messages import Membership
 
 # 4 ranks over 2 nodes, generation 3
-PLAN = Plan(3, (0, 0, 1, 1), ("w0", "w1", "w2", "w3"))
+MEMBERSHIP = Membership(3, (0, 0, 1, 1), ("w0", "w1", "w2", "w3"))
 
 
 def test_a_lost_rank_is_adopted_by_a_shadow_on_its_own_node() -> None:
-    new, adopted = next_plan(PLAN, {2}, set(), [Spare("s0", 0), Spare("s1", 1)], "rank 2 died")
+    new, adopted = next_membership(MEMBERSHIP, {2}, set(), [Spare("s0", 0), Spare("s1", 1)], "rank 2 died")
     assert adopted == {2: Spare("s1", 1)}
-    assert new == Plan(4, (0, 0, 1, 1), ("w0", "w1", "s1", "w3"), (2,), (), "rank 2 died")
+    assert new == Membership(4, (0, 0, 1, 1), ("w0", "w1", "s1", "w3"), (2,), (), "rank 2 died")
 
 
 def test_without_a_shadow_on_its_node_the_least_loaded_node_adopts() -> None:
     """A lost node's shadows are not preferred for its ranks; ties go to the lower node."""
-    plan = Plan(0, (0, 0, 0, 1), ("w0", "w1", "w2", "w3"))
-    new, adopted = next_plan(plan, {0, 1}, {0}, [Spare("s0", 0), Spare("s2", 2), Spare("s1", 1)], "node 0 lost")
+    membership = Membership(0, (0, 0, 0, 1), ("w0", "w1", "w2", "w3"))
+    new, adopted = next_membership(membership, {0, 1}, {0}, [Spare("s0", 0), Spare("s2", 2), Spare("s1", 1)], "node 0 lost")
     assert adopted == {0: Spare("s2", 2), 1: Spare("s1", 1)}
     assert new.node_of_rank == (2, 1, 0, 1) and new.proc_of_rank == ("s2", "s1", "w2", "w3")
     assert new.failed_ranks == (0, 1) and new.failed_nodes == (0,)
 
 
 def test_ranks_left_without_a_shadow_are_dropped_and_the_ranks_after_them_move_down() -> None:
-    new, adopted = next_plan(PLAN, {1, 3}, set(), [Spare("s0", 0)], "two ranks died")
+    new, adopted = next_membership(MEMBERSHIP, {1, 3}, set(), [Spare("s0", 0)], "two ranks died")
     assert adopted == {1: Spare("s0", 0)}
-    assert new == Plan(4, (0, 0, 1), ("w0", "s0", "w2"), (1, 3), (), "two ranks died")
+    assert new == Membership(4, (0, 0, 1), ("w0", "s0", "w2"), (1, 3), (), "two ranks died")
 
 
 def test_with_no_shadow_the_survivors_shrink_the_job() -> None:
-    new, adopted = next_plan(PLAN, {0, 2}, set(), [], "two ranks died")
+    new, adopted = next_membership(MEMBERSHIP, {0, 2}, set(), [], "two ranks died")
     assert adopted == {}
     assert new.generation == 4 and new.node_of_rank == (0, 1) and new.proc_of_rank == ("w1", "w3")
 
 
 def test_losing_every_rank_with_no_shadow_left_cannot_be_decided() -> None:
     with pytest.raises(LookupError, match="every rank was lost"):
-        next_plan(PLAN, {0, 1, 2, 3}, {0, 1}, [], "all lost")
+        next_membership(MEMBERSHIP, {0, 1, 2, 3}, {0, 1}, [], "all lost")
 
 
 def test_after_a_shrink_shadows_grow_the_job_back_as_new_last_ranks() -> None:
-    shrunk, _ = next_plan(PLAN, {1, 3}, set(), [], "two ranks died")
-    grown = grow_plan(shrunk, [Spare("s5", 1), Spare("s6", 0)])
-    assert grown == Plan(5, (0, 1, 1, 0), ("w0", "w2", "s5", "s6"), (), (), "grow: s5, s6 joined")
+    shrunk, _ = next_membership(MEMBERSHIP, {1, 3}, set(), [], "two ranks died")
+    grown = grow_membership(shrunk, [Spare("s5", 1), Spare("s6", 0)])
+    assert grown == Membership(5, (0, 1, 1, 0), ("w0", "w2", "s5", "s6"), (), (), "grow: s5, s6 joined")

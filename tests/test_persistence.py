@@ -298,15 +298,15 @@ def test_young_daly_k_is_chosen_from_measured_costs_and_shared(launcher, tmp_pat
     res, s = train(launcher, run_dir, *without_flags(SMALL, "persist-every"), "--steps", "14", "--mtbf", "3s",
                    "--protection", "off")
     assert res.returncode == 0, res.stderr[-3000:]
-    (plan,) = events(run_dir, "persist_interval")
-    k = max(steps_between(daly_interval_s(plan["write_s"], 3.0), plan["step_s"]),
-            -(-plan["write_s"] // plan["step_s"]) + 1)
-    assert abs(plan["every"] - k) <= 1 and plan["mtbf_s"] == 3.0  # the event's times are rounded
-    k = plan["every"]
+    (membership,) = events(run_dir, "persist_interval")
+    k = max(steps_between(daly_interval_s(membership["write_s"], 3.0), membership["step_s"]),
+            -(-membership["write_s"] // membership["step_s"]) + 1)
+    assert abs(membership["every"] - k) <= 1 and membership["mtbf_s"] == 3.0  # the event's times are rounded
+    k = membership["every"]
     commits = [e["step"] for e in events(run_dir, "persist_commit")]
-    schedule = range(plan["first"], 14 + 1, k)  # the steps every rank writes at, once K is shared
+    schedule = range(membership["first"], 14 + 1, k)  # the steps every rank writes at, once K is shared
     assert commits == sorted(set(commits)) and commits[0] == 5, commits
-    assert set(commits[1:]) <= set(schedule) and (commits[1:] or not schedule), (plan, commits)
+    assert set(commits[1:]) <= set(schedule) and (commits[1:] or not schedule), (membership, commits)
 
 
 def test_leto_run_resumes_a_user_script(launcher, tmp_path: Path) -> None:

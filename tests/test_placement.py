@@ -15,7 +15,7 @@ from leto.protection.placement import (
     Stripe,
     lost_summary,
     padded_size,
-    plan_stripes,
+    place_stripes,
     segment_bounds,
 )
 
@@ -29,7 +29,7 @@ FAST = settings(max_examples=30, deadline=None)
 @given(layout=layouts)
 def test_stripe_shape_and_roles(layout: tuple[int, int, int]) -> None:
     k, m, num_nodes = layout
-    stripes = plan_stripes(num_nodes, k, m)
+    stripes = place_stripes(num_nodes, k, m)
     assert len(stripes) == num_nodes
     assert [s.index for s in stripes] == list(range(num_nodes))
     for s in stripes:
@@ -44,7 +44,7 @@ def test_stripe_shape_and_roles(layout: tuple[int, int, int]) -> None:
 @given(layout=layouts)
 def test_every_segment_covered_exactly_once(layout: tuple[int, int, int]) -> None:
     k, m, num_nodes = layout
-    stripes = plan_stripes(num_nodes, k, m)
+    stripes = place_stripes(num_nodes, k, m)
     covered = Counter((node, s.segment_of(node)) for s in stripes for node in s.data_nodes)
     assert covered == Counter({(node, seg): 1 for node in range(num_nodes) for seg in range(k)})
     parity_load = Counter(node for s in stripes for node in s.parity_nodes)
@@ -56,7 +56,7 @@ def test_every_segment_covered_exactly_once(layout: tuple[int, int, int]) -> Non
 def test_survives_up_to_m_losses_in_a_group(layout: tuple[int, int, int]) -> None:
     k, m, num_nodes = layout
     n = k + m
-    stripes = plan_stripes(num_nodes, k, m)
+    stripes = place_stripes(num_nodes, k, m)
     for group in range(num_nodes // n):
         nodes = range(group * n, (group + 1) * n)
         for count in range(m + 1):
@@ -73,7 +73,7 @@ def test_losing_m_plus_one_of_a_stripe_is_fatal(
     layout: tuple[int, int, int], data: st.DataObject
 ) -> None:
     k, m, num_nodes = layout
-    stripes = plan_stripes(num_nodes, k, m)
+    stripes = place_stripes(num_nodes, k, m)
     victim = data.draw(st.sampled_from(stripes))
     lost = set(data.draw(st.permutations(victim.nodes))[: m + 1])
     summary = lost_summary(stripes, lost)
@@ -81,24 +81,24 @@ def test_losing_m_plus_one_of_a_stripe_is_fatal(
 
 
 def test_rotation_layout_2_plus_1() -> None:
-    assert plan_stripes(3, 2, 1) == [
+    assert place_stripes(3, 2, 1) == [
         Stripe(0, (0, 1), (2,), (0, 1)),
         Stripe(1, (1, 2), (0,), (0, 1)),
         Stripe(2, (2, 0), (1,), (0, 1)),
     ]
-    assert plan_stripes(6, 2, 1)[3] == Stripe(3, (3, 4), (5,), (0, 1))
+    assert place_stripes(6, 2, 1)[3] == Stripe(3, (3, 4), (5,), (0, 1))
 
 
 @pytest.mark.parametrize(("num_nodes", "k", "m"), [(4, 2, 1), (5, 2, 2), (1, 1, 1), (0, 2, 1)])
 def test_bad_node_count_explains(num_nodes: int, k: int, m: int) -> None:
     with pytest.raises(ValueError) as info:
-        plan_stripes(num_nodes, k, m)
+        place_stripes(num_nodes, k, m)
     assert f"{num_nodes} nodes" in str(info.value) and f"k+m={k + m}" in str(info.value)
 
 
 def test_bad_node_count_suggests_specs() -> None:
     with pytest.raises(ValueError, match="3\\+1"):
-        plan_stripes(4, 2, 1)
+        place_stripes(4, 2, 1)
 
 
 @FAST
@@ -124,7 +124,7 @@ def test_end_to_end_recovery_of_lost_nodes() -> None:
     for buf in memory.values():
         buf[:nbytes] = rng.integers(0, 256, nbytes, dtype=np.uint8)
     seg = lambda node, s: memory[node][bounds[s][0] : bounds[s][1]]  # noqa: E731
-    stripes = plan_stripes(num_nodes, k, m)
+    stripes = place_stripes(num_nodes, k, m)
     parity = {s.index: [np.zeros(bounds[0][1], np.uint8) for _ in range(m)] for s in stripes}
     for s in stripes:
         for p, node in enumerate(s.data_nodes):  # distributed: each node contributes

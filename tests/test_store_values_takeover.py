@@ -24,7 +24,7 @@ from test_store_values import _client
 
 from leto.errors import BadValue
 from leto.protocol import keys
-from leto.protocol.messages import JobResult, PersistPlan, SupervisorReport
+from leto.protocol.messages import JobResult, PersistSchedule, SupervisorReport
 
 HOSTILE = {
     keys.JOB_STATE: "{not json",
@@ -88,7 +88,7 @@ def test_a_malformed_drain_and_checkpoint_schedule_are_ignored_in_a_one_host_job
     wait_for(lambda: ctl.poll() is not None or any(p["role"] == "controller" for p in read_procs(run_dir)),
              60, "the job's store")
     store = _client(run_dir)
-    hostile = {keys.drain(0): "{", keys.PERSIST_EVERY: PersistPlan(0, 1).to_json()}
+    hostile = {keys.drain(0): "{", keys.PERSIST_EVERY: PersistSchedule(0, 1).to_json()}
     for key, value in hostile.items():
         store.set(key, value)
     out, err = ctl.communicate(timeout=240)
@@ -104,11 +104,11 @@ def test_a_malformed_drain_and_checkpoint_schedule_are_ignored_in_a_one_host_job
 
 
 def test_store_messages_refuse_values_no_writer_writes() -> None:
-    assert PersistPlan.from_json(PersistPlan(4, 10).to_json()) == PersistPlan(4, 10)
+    assert PersistSchedule.from_json(PersistSchedule(4, 10).to_json()) == PersistSchedule(4, 10)
     assert JobResult.from_json(JobResult(5, float("nan"), "ab").to_json()).steps == 5  # a diverged loss is data
-    for cls, value, why in [(PersistPlan, '{"every": 0, "first": 3}', "not positive"),
-                            (PersistPlan, '{"every": 2.5, "first": 3}', "not int"),
-                            (PersistPlan, '{"every": 2, "first": -1}', "negative"),
+    for cls, value, why in [(PersistSchedule, '{"every": 0, "first": 3}', "not positive"),
+                            (PersistSchedule, '{"every": 2.5, "first": 3}', "not int"),
+                            (PersistSchedule, '{"every": 2, "first": -1}', "negative"),
                             (JobResult, '{"steps": 3, "final_loss": 1.0, "digest": 7}', "not str"),
                             (JobResult, '[1, 2]', "not an object")]:
         with pytest.raises(BadValue, match=why) as e:

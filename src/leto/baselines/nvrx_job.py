@@ -246,7 +246,7 @@ def _train(ctx: _Ctx, call_wrapper) -> dict:
     config = solo(JobConfig(training=TrainingConfig(workers=world, nodes=ctx.nodes),
                             timeouts=Timeouts(collective_s=ctx.timeout_s)))
     job = Job(config=config, role="worker", rank=rank, world_size=world, node=ctx.node, run_dir=ctx.run_dir,
-              store=store, proc_id="solo",  # "solo": no Leto membership plan or heartbeat (RankMember.connect)
+              store=store, proc_id="solo",  # "solo": no Leto membership or heartbeat (RankMember.connect)
               device=torch.device("cpu"))
     args = ctx.args
     optimizer = AdamW(lr=warmup_cosine(args.lr, warmup=min(20, args.steps // 10), total=args.steps))

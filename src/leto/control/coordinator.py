@@ -1,6 +1,6 @@
 """The per-job coordinator: membership and generations, and what the job reports.
 
-It decides who is rank what (`decision.next_plan` / `grow_plan`), announces plans and drains,
+It decides who is rank what (`decision.next_membership` / `grow_membership`), announces memberships and drains,
 shrinks and grows the job, and keeps the events (`metrics.jsonl`). The processes and their
 commands are `procs.Processes`, spare finding `spares.Spares`, the recovery records
 `records.Recovery`, `summary.json` `summary.write_summary`; it emits `console.notices` and the
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from leto.config import JobConfig
 from leto.console import StepDisplay, notices, read_jsonl
 from leto.control import takeover
-from leto.control.decision import grow_plan, next_plan
+from leto.control.decision import grow_membership, next_membership
 from leto.control.procs import POLL_S, Processes, ProcView
 from leto.control.records import Recovery
 from leto.control.spares import Spares
@@ -34,7 +34,7 @@ from leto.protocol.failures import ProcEventKind
 from leto.protocol.messages import (
     Command,
     JobState,
-    Plan,
+    Membership,
     ProcEvent,
     RecoveryRecord,
     Refusals,
@@ -91,7 +91,7 @@ class Coordinator:
         self.host_lost_at: dict[int, float] = {}  # a lost host's last sign of life (time.time())
         self.events: list[dict] = []
         self.max_step = 0
-        self.plan = Plan(0, (), ())
+        self.membership = Membership(0, (), ())
         self.display = StepDisplay(config.training.steps, quiet=config.quiet)
         self._inbox: list[ProcEvent] = []
         self._refused = Refusals()               # malformed store values seen (said once)
@@ -116,15 +116,15 @@ class Coordinator:
             self.display.show(notices.ConfigNotWritten(str(self.run_dir / "config.json"), str(e.strerror)))
 
     def start(self) -> None:
-        """Ask for generation 0's workers, the shadows, zygotes and keepers, and announce plan 0."""
+        """Ask for generation 0's workers, the shadows, zygotes and keepers, and announce membership 0."""
         self._exit.enter_context(self.display)
         self.store.add(keys.REPORTS, 0)  # the counter exists from now on: `_poll` reads it
         t = self.cfg.training
         nodes = [node_of_rank(r, t.workers, t.nodes) for r in range(t.workers)]
         workers = [self.processes.spawn("worker", r, nodes[r]) for r in range(t.workers)]
         self.members = dict(enumerate(workers))
-        self.plan = Plan(0, tuple(nodes), tuple(w.proc_id for w in workers))
-        self.store.set(keys.plan(0), self.plan.to_json())
+        self.membership = Membership(0, tuple(nodes), tuple(w.proc_id for w in workers))
+        self.store.set(keys.membership(0), self.membership.to_json())
         self._set_state(recovering=False)
         self.spares.start()
         if self.cfg.protection.enabled:
@@ -134,7 +134,7 @@ class Coordinator:
 
     def restore(self, commands: dict[str, bytes], reports: dict[str, bytes]) -> None:
         """Take over a running job whose coordinator was lost: the processes from the command
-        and report streams (every entry so far, by key), the plan from the newest generation,
+        and report streams (every entry so far, by key), the membership from the newest generation,
         the events from metrics.jsonl. Failures its predecessor had not decided on yet are
         decided on at the next round (`takeover`)."""
         self._exit.enter_context(self.display)
@@ -159,15 +159,15 @@ class Coordinator:
                 self._refused.refuse(e, text)
         self._read_reports()  # any written since
         self._inbox.clear()
-        self.plan = takeover.newest_plan(self.store, self.procs, self._refused)
-        gen = self.plan.generation
-        self.members = {q: self.procs[proc_id] for q, proc_id in enumerate(self.plan.proc_of_rank)}
+        self.membership = takeover.newest_membership(self.store, self.procs, self._refused)
+        gen = self.membership.generation
+        self.members = {q: self.procs[proc_id] for q, proc_id in enumerate(self.membership.proc_of_rank)}
         for q, proc in self.members.items():
             proc.role, proc.rank = "worker", q
-        in_plan = set(self.plan.node_of_rank)
-        self.dead_keeper_nodes = {n for n in range(self.cfg.training.nodes) if n not in in_plan}
-        for p in self.procs.values():  # undecided: a dead member, the last keeper of a node in the plan
-            keeper_gone = p.role == "keeper" and p.node in in_plan and not any(
+        in_membership = set(self.membership.node_of_rank)
+        self.dead_keeper_nodes = {n for n in range(self.cfg.training.nodes) if n not in in_membership}
+        for p in self.procs.values():  # undecided: a dead member, the last keeper of a node in the membership
+            keeper_gone = p.role == "keeper" and p.node in in_membership and not any(
                 q.role == "keeper" and q.node == p.node and q.alive for q in self.procs.values())
             if (p in self.members.values() and p.code not in (None, 0)) or (keeper_gone and p.code is not None):
                 self._inbox.append(ProcEvent(ProcEventKind.EXITED, p.proc_id, p.role, p.rank, p.node, p.pid, p.code,
@@ -287,7 +287,7 @@ class Coordinator:
         return out
 
     def _set_state(self, recovering: bool) -> None:
-        self.store.set(keys.JOB_STATE, JobState(self.plan.generation, recovering).to_json())
+        self.store.set(keys.JOB_STATE, JobState(self.membership.generation, recovering).to_json())
 
     # ----- decisions
     def _on_failures(self, failed: list[tuple[ProcView, str]]) -> int | None:
@@ -320,7 +320,7 @@ class Coordinator:
         spares = self.spares.for_ranks(len(lost_ranks), down, lost_nodes | self.dead_keeper_nodes)
         cause = "; ".join(sorted({why for _, why in failed}))
         try:
-            new, adopted = next_plan(self.plan, lost_ranks, lost_nodes, spares, cause)
+            new, adopted = next_membership(self.membership, lost_ranks, lost_nodes, spares, cause)
         except LookupError as e:
             self.display.show(notices.CannotRecover(str(e)))
             return 1
@@ -356,7 +356,7 @@ class Coordinator:
         if not self.cfg.protection.enabled:
             self.display.show(notices.ProtectionOff())
             return 1
-        if self.plan.generation >= MAX_GENERATIONS:
+        if self.membership.generation >= MAX_GENERATIONS:
             self.display.show(notices.RecoveringInALoop(MAX_GENERATIONS))
             return 1
         if not self._ever_protected():
@@ -372,11 +372,11 @@ class Coordinator:
                 record.absorb(old)
         self.pending = [record]
 
-    def _announce(self, new: Plan, dead_keepers: set[int] = frozenset()) -> None:
+    def _announce(self, new: Membership, dead_keepers: set[int] = frozenset()) -> None:
         """Drain the current generation's keepers and publish generation g+1."""
-        live_nodes = sorted({n for n in self.plan.node_of_rank if n not in self.dead_keeper_nodes | dead_keepers})
-        # one etcd transaction: whoever sees the plan finds the drain it rebuilds from
-        self.store.multi_set([keys.drain(self.plan.generation), keys.plan(new.generation), keys.JOB_STATE],
+        live_nodes = sorted({n for n in self.membership.node_of_rank if n not in self.dead_keeper_nodes | dead_keepers})
+        # one etcd transaction: whoever sees the membership finds the drain it rebuilds from
+        self.store.multi_set([keys.drain(self.membership.generation), keys.membership(new.generation), keys.JOB_STATE],
                              [Drain(tuple(live_nodes), new.generation).to_json(), new.to_json(),
                               JobState(new.generation, True).to_json()])
         self.processes.command(Command("wake_keepers"))
@@ -388,10 +388,10 @@ class Coordinator:
         self.members = {q: self.procs[proc_id] for q, proc_id in enumerate(new.proc_of_rank)}
         for q, proc in self.members.items():
             proc.role, proc.rank = "worker", q
-        self.plan = new
+        self.membership = new
         self.dead_keeper_nodes |= dead_keepers
 
-    def _note_degradation(self, new: Plan) -> None:
+    def _note_degradation(self, new: Membership) -> None:
         """After a loss, say what the tier-2 code re-placed over the nodes left no longer covers
         (a `degraded` event, on the console and in summary.json); once per change."""
         nodes = sorted(set(new.node_of_rank))
@@ -409,9 +409,9 @@ class Coordinator:
             return
         self._last_grow_check = now
         warm = self.spares.warm(self.dead_keeper_nodes)
-        if not warm or self.plan.generation >= MAX_GENERATIONS:
+        if not warm or self.membership.generation >= MAX_GENERATIONS:
             return
-        new = grow_plan(self.plan, warm[:workers - len(self.members)])
+        new = grow_membership(self.membership, warm[:workers - len(self.members)])
         t = time.time()
         self._announce(new)
         self.pending = [Recovery(new.generation, new.cause, t, t, len(new.proc_of_rank))]
@@ -420,7 +420,7 @@ class Coordinator:
     def _ever_protected(self) -> bool:
         """Has any generation's protection been committed (by any keeper)?"""
         return any(self.store.check([keys.committed(g, n)])
-                   for g in range(self.plan.generation + 1) for n in range(self.cfg.training.nodes))
+                   for g in range(self.membership.generation + 1) for n in range(self.cfg.training.nodes))
 
     def _failure_time(self, p: ProcView, t_detect: float) -> float:
         """When the failure happened: the injector's record, else the last sign of life of its

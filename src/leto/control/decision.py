@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from leto.protocol.messages import Plan
+from leto.protocol.messages import Membership
 
 
 @dataclass(frozen=True)
@@ -14,14 +14,14 @@ class Spare:
     node: int
 
 
-def next_plan(plan: Plan, failed_ranks: set[int], failed_nodes: set[int], spares: list[Spare],
-              cause: str) -> tuple[Plan, dict[int, Spare]]:
+def next_membership(membership: Membership, failed_ranks: set[int], failed_nodes: set[int], spares: list[Spare],
+              cause: str) -> tuple[Membership, dict[int, Spare]]:
     """Generation g+1 and the spare adopting each failed rank: a shadow on the same node preferred
     (its keeper holds the tier-1 parity), else on the node with the fewest ranks. Failed ranks
     left without a shadow are dropped (the survivors take over their shards and the ranks after
     them move down); LookupError when no rank is left."""
     free = list(spares)
-    node_of_rank, proc_of_rank = list(plan.node_of_rank), list(plan.proc_of_rank)
+    node_of_rank, proc_of_rank = list(membership.node_of_rank), list(membership.proc_of_rank)
     adopted: dict[int, Spare] = {}
     dropped: list[int] = []
     for r in sorted(failed_ranks):
@@ -29,7 +29,7 @@ def next_plan(plan: Plan, failed_ranks: set[int], failed_nodes: set[int], spares
             dropped.append(r)
             continue
         load = {n: node_of_rank.count(n) for n in set(node_of_rank)}
-        same = [s for s in free if s.node == plan.node_of_rank[r] and s.node not in failed_nodes]
+        same = [s for s in free if s.node == membership.node_of_rank[r] and s.node not in failed_nodes]
         pick = same[0] if same else min(free, key=lambda s: (load.get(s.node, 0), s.node))
         free.remove(pick)
         adopted[r] = pick
@@ -37,13 +37,13 @@ def next_plan(plan: Plan, failed_ranks: set[int], failed_nodes: set[int], spares
     keep = [r for r in range(len(node_of_rank)) if r not in dropped]
     if not keep:
         raise LookupError("every rank was lost and no shadow is left")
-    new = Plan(plan.generation + 1, tuple(node_of_rank[r] for r in keep), tuple(proc_of_rank[r] for r in keep),
+    new = Membership(membership.generation + 1, tuple(node_of_rank[r] for r in keep), tuple(proc_of_rank[r] for r in keep),
                tuple(sorted(failed_ranks)), tuple(sorted(failed_nodes)), cause)
     return new, adopted
 
 
-def grow_plan(plan: Plan, spares: list[Spare]) -> Plan:
+def grow_membership(membership: Membership, spares: list[Spare]) -> Membership:
     """Generation g+1 with `spares` joining as new ranks at the end (after a shrink)."""
-    return Plan(plan.generation + 1, plan.node_of_rank + tuple(s.node for s in spares),
-                plan.proc_of_rank + tuple(s.proc_id for s in spares), (), (),
+    return Membership(membership.generation + 1, membership.node_of_rank + tuple(s.node for s in spares),
+                membership.proc_of_rank + tuple(s.proc_id for s in spares), (), (),
                 f"grow: {', '.join(s.proc_id for s in spares)} joined")

@@ -343,7 +343,7 @@ def _elect(store: EtcdStore, config: JobConfig, node: int, lease: HostLease, sup
     # the supervisor's store (this thread's, reading control/ from its mirror): the coordinator polls too
     hosts = Cluster(store, config.training.nodes, node, leader.watch)
     coordinator = Coordinator(store, config, serve=supervisor.serve_commands, summary_extra=summary_extra, hosts=hosts)
-    if store.check([keys.plan(0)]):
+    if store.check([keys.membership(0)]):
         coordinator.restore(store.under(keys.COMMAND_PREFIX), store.under(keys.REPORT_PREFIX))
     else:
         coordinator.prepare()

@@ -67,7 +67,7 @@ class Processes:
         """Ask the node's warm zygote for a shadow; None if it has none ready in time. `boost`
         (a recovery's fork): the zygote forks at normal priority, and the shadow starts at it.
         A recovery names the shadow only once it is forked: asked for while the survivors still
-        wait, the fork took ~0.1 s here; run alongside the survivors' join (the plan out first)
+        wait, the fork took ~0.1 s here; run alongside the survivors' join (the membership out first)
         it took 0.4-0.6 s on 2 cores, and the new group waits for the shadow either way."""
         if not any(p.role == "zygote" and p.node == node and p.alive and self.store.check([keys.warm(p.proc_id)])
                    for p in self.views.values()):

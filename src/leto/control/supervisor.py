@@ -27,7 +27,7 @@ from leto.control.prefork import ForkServer, forkable, prepare
 from leto.control.progress import ProgressCheck
 from leto.protection import doorbell, shm
 from leto.protocol import keys
-from leto.protocol.messages import (Command, ForkRequest, JobState, Plan, ProcEvent, Refusals, StepProgress,
+from leto.protocol.messages import (Command, ForkRequest, JobState, Membership, ProcEvent, Refusals, StepProgress,
                                     SupervisorReport, parse_beat, parse_pid)
 from leto.runtime import env as rt
 from leto.runtime import linux, trace
@@ -38,7 +38,7 @@ FAILURE_SETTLE_S = 0.005  # after a death: signals sent in one burst (a node's p
 DYING_GRACE_S = 0.5       # the longest wait for killed processes to be reaped, to decide one event
 HEARTBEAT_CHECK_S = 0.1
 _PF_EXITING = 0x4
-M = TypeVar("M", JobState, StepProgress, Plan)
+M = TypeVar("M", JobState, StepProgress, Membership)
 
 
 class Forked:
@@ -418,7 +418,7 @@ class Supervisor:
         state = self._read(self._state.read(), JobState, keys.JOB_STATE)
         if state is not None:
             if state.generation != self.state.generation or not self.members:
-                self._adopt_plan(state.generation)
+                self._adopt_membership(state.generation)
             self.state = state
         if self.state.recovering:  # a recovery or resize runs: its phases are no steps
             self.progress.reset()
@@ -438,18 +438,18 @@ class Supervisor:
             self._refused.refuse(e, value)
             return None
 
-    def _adopt_plan(self, generation: int) -> None:
+    def _adopt_membership(self, generation: int) -> None:
         """A new generation: its members are workers of their new ranks (procs.json says so)."""
-        key = keys.plan(generation)
+        key = keys.membership(generation)
         if not self.store.check([key]):
             return
-        plan = self._read(self.store.get(key), Plan, key)
-        if plan is None:
+        membership = self._read(self.store.get(key), Membership, key)
+        if membership is None:
             return
-        self.members = set(plan.proc_of_rank)
+        self.members = set(membership.proc_of_rank)
         for p in self.procs:
             if p.proc_id in self.members:
-                p.role, p.rank = "worker", plan.rank_of(p.proc_id)
+                p.role, p.rank = "worker", membership.rank_of(p.proc_id)
         self._write_procs()
 
     def _hung(self, p: Proc, now: float) -> str | None:

@@ -1,5 +1,5 @@
 """What a coordinator taking over a running job reads back: the command and report streams in
-order, and the newest valid plan (`Coordinator.restore`)."""
+order, and the newest valid membership (`Coordinator.restore`)."""
 from __future__ import annotations
 
 from collections.abc import Container
@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from leto.errors import BadValue
 from leto.protocol import keys
-from leto.protocol.messages import JobState, Plan, Refusals, parse_int
+from leto.protocol.messages import JobState, Membership, Refusals, parse_int
 
 
 def entry_seq(key: str) -> int:
@@ -32,29 +32,29 @@ def ordered(entries: dict[str, bytes], refused: Refusals, written: int | None = 
     return [(key, text) for _, key, text in sorted(out)]
 
 
-def newest_plan(store: dist.Store, started: Container[str], refused: Refusals) -> Plan:
-    """The newest generation's plan. A malformed one (or one naming processes no command
+def newest_membership(store: dist.Store, started: Container[str], refused: Refusals) -> Membership:
+    """The newest generation's membership. A malformed one (or one naming processes no command
     `started`) is refused and the one before it taken: the next decision writes the generation
-    after it. Only a job without one valid plan cannot be taken over (`BadValue`)."""
+    after it. Only a job without one valid membership cannot be taken over (`BadValue`)."""
     value = store.get(keys.JOB_STATE)
     try:
         gen = JobState.from_json(value, keys.JOB_STATE).generation
     except BadValue as e:
         refused.refuse(e, value)
         gen = 0
-    if not store.check([keys.plan(gen)]):
+    if not store.check([keys.membership(gen)]):
         gen = 0  # a generation never announced: look from the first
-    while store.check([keys.plan(gen + 1)]):
+    while store.check([keys.membership(gen + 1)]):
         gen += 1
     while True:
-        key = keys.plan(gen)
+        key = keys.membership(gen)
         value = store.get(key)
         try:
-            plan = Plan.from_json(value, key)
-            unknown = [p for p in plan.proc_of_rank if p not in started]
-            if plan.generation != gen or unknown:
-                raise BadValue(key, f"generation {plan.generation}, processes {unknown[:3]} no command started")
-            return plan
+            membership = Membership.from_json(value, key)
+            unknown = [p for p in membership.proc_of_rank if p not in started]
+            if membership.generation != gen or unknown:
+                raise BadValue(key, f"generation {membership.generation}, processes {unknown[:3]} no command started")
+            return membership
         except BadValue as e:
             refused.refuse(e, value)
             if gen == 0:

@@ -37,7 +37,7 @@ from leto.persistence import ckpt_format
 from leto.persistence.interval import daly_interval_s, parse_duration, steps_between
 from leto.errors import BadValue
 from leto.protocol import keys
-from leto.protocol.messages import PersistPlan, Refusals
+from leto.protocol.messages import PersistSchedule, Refusals
 from leto.runtime import plain, runlog, threads
 
 if TYPE_CHECKING:
@@ -109,8 +109,8 @@ class Persister:
         if self.every is None and self.job.store.check([keys.PERSIST_EVERY]):
             value = self.job.store.get(keys.PERSIST_EVERY)
             try:
-                plan = PersistPlan.from_json(value, keys.PERSIST_EVERY)
-                self.every, self.first, self.calibrated = plan.every, plan.first, True
+                schedule = PersistSchedule.from_json(value, keys.PERSIST_EVERY)
+                self.every, self.first, self.calibrated = schedule.every, schedule.first, True
             except BadValue as e:  # as if K were not chosen yet: read again at the next step
                 self._refused.refuse(e, value)
         if self.every is not None:
@@ -127,8 +127,8 @@ class Persister:
         interval_s = daly_interval_s(write_s, self.mtbf_s)
         # never two writes in flight: K steps must outlast a write
         every = max(steps_between(interval_s, step_s), math.ceil(write_s / step_s) + 1 if step_s > 0 else 1)
-        first = step + max(every, 2)  # every rank reads the plan before that step (lock-step)
-        self.job.store.set(keys.PERSIST_EVERY, PersistPlan(every, first).to_json())
+        first = step + max(every, 2)  # every rank reads the schedule before that step (lock-step)
+        self.job.store.set(keys.PERSIST_EVERY, PersistSchedule(every, first).to_json())
         self.every, self.first, self.calibrated = every, first, True
         self._event("persist_interval", every=every, first=first, write_s=round(write_s, 4),
                     step_s=round(step_s, 5), mtbf_s=self.mtbf_s, interval_s=round(interval_s, 3))

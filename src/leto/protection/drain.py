@@ -93,18 +93,18 @@ def drain(keeper: Keeper, live_nodes: set[int], timeout_s: float,
         return report(keeper)
 
 
-def superseded(plan: Drain, job: rt.Job) -> Callable[[], bool]:
-    """Whether the drain `plan` became moot: the job shuts down or a later drain was announced."""
-    later = keys.drain(plan.next_generation)
+def superseded(request: Drain, job: rt.Job) -> Callable[[], bool]:
+    """Whether the drain `request` became moot: the job shuts down or a later drain was announced."""
+    later = keys.drain(request.next_generation)
     return lambda: job.shutdown_requested() or job.store.check([later])
 
 
-def report_for(committed: Keeper | None, plan: Drain, job: rt.Job) -> KeeperReport:
-    """Drain and describe the last committed generation for the drain `plan`; a keeper with none
+def report_for(committed: Keeper | None, request: Drain, job: rt.Job) -> KeeperReport:
+    """Drain and describe the last committed generation for the drain `request`; a keeper with none
     says so."""
     if committed is None:
         return KeeperReport(job.node, empty=True)
-    drained = drain(committed, set(plan.live_nodes), job.timeout_s, superseded(plan, job))
+    drained = drain(committed, set(request.live_nodes), job.timeout_s, superseded(request, job))
     return replace(drained, generation_used=committed.gen)
 
 

@@ -1,5 +1,5 @@
 """The keepers' gloo group of a generation, and its early formation as soon as the
-generation's plan is out."""
+generation's membership is out."""
 from __future__ import annotations
 
 from datetime import timedelta
@@ -12,13 +12,13 @@ from leto.protocol import keys
 from leto.protocol.messages import Refusals
 from leto.runtime import env as rt
 from leto.runtime import threads
-from leto.runtime.membership import read_plan
+from leto.runtime.membership import read_membership
 
 _refused = Refusals("leto keeper")  # malformed store values this keeper ignored (said once each)
 
 
 def keeper_group(store: dist.Store, gen: int, nodes: list[int], node: int, timeout_s: float) -> dist.ProcessGroup:
-    """The gloo group of generation `gen`'s keepers (one per node of its plan, in node order).
+    """The gloo group of generation `gen`'s keepers (one per node of its membership, in node order).
     Every wait on it ends within `timeout_s` (the job's collective timeout): idle links carry
     keepalives (`transport.Link`), and blocked waits of an abandoned generation end by that time too."""
     return dist.ProcessGroupGloo(dist.PrefixStore(keys.keeper_pg(gen), store), nodes.index(node), len(nodes),
@@ -26,8 +26,8 @@ def keeper_group(store: dist.Store, gen: int, nodes: list[int], node: int, timeo
 
 
 class EarlyGroup:
-    """Generation `gen`'s keeper group, built in a thread as soon as its plan is out (its nodes
-    are the plan's): its rendezvous through the store overlaps the workers' recovery instead of
+    """Generation `gen`'s keeper group, built in a thread as soon as its membership is out (its nodes
+    are the membership's): its rendezvous through the store overlaps the workers' recovery instead of
     following rank 0's layout, which comes only once the state is rebuilt. A generation that is
     superseded before its layout leaves its thread blocked in the rendezvous, like the waits of
     an abandoned generation."""
@@ -46,7 +46,7 @@ class EarlyGroup:
     def take(self, layout: Layout) -> dist.ProcessGroup:
         """The group, once built (bounded by the timeout); raises what the rendezvous raised."""
         if layout.nodes != self.nodes:
-            raise RuntimeError(f"generation {self.gen}'s layout names nodes {layout.nodes}, its plan {self.nodes}")
+            raise RuntimeError(f"generation {self.gen}'s layout names nodes {layout.nodes}, its membership {self.nodes}")
         self._thread.join(self.timeout_s)
         if not self._box:
             raise RuntimeError(f"the keepers of generation {self.gen} did not form their group "
@@ -57,11 +57,11 @@ class EarlyGroup:
 
 
 def early_group(job: rt.Job, gen: int, node: int) -> EarlyGroup | None:
-    """Start generation `gen`'s keeper group if its plan is out and names this node."""
-    if not job.store.check([keys.plan(gen)]):
+    """Start generation `gen`'s keeper group if its membership is out and names this node."""
+    if not job.store.check([keys.membership(gen)]):
         return None
     try:
-        nodes = sorted(set(read_plan(job.store, gen).node_of_rank))
+        nodes = sorted(set(read_membership(job.store, gen).node_of_rank))
     except BadValue as e:  # no early group: the generation's group forms once its layout is out
         _refused.refuse(e)
         return None

@@ -211,9 +211,9 @@ def main() -> None:
     gen = 0
     early: EarlyGroup | None = None
     while not job.shutdown_requested():
-        if (plan := drain_of(job, gen)) is not None:  # abandoned before it started: report the committed one
-            job.store.set(keys.report(gen, node), report_for(committed, plan, job).to_json())
-            gen = plan.next_generation
+        if (request := drain_of(job, gen)) is not None:  # abandoned before it started: report the committed one
+            job.store.set(keys.report(gen, node), report_for(committed, request, job).to_json())
+            gen = request.next_generation
             continue
         if early is None or early.gen != gen:  # never for a drained generation (a new keeper passes
             early = early_group(job, gen, node)  # those): its group may have formed long ago
@@ -238,8 +238,8 @@ def main() -> None:
         reason = current.run(should_stop)
         if reason == "drain":
             trace.mark("keeper_drain_seen", generation=gen)
-            plan = read_drain(job, gen)
-            current.barrier.settle(set(plan.live_nodes), job.timeout_s, superseded(plan, job))
+            request = read_drain(job, gen)
+            current.barrier.settle(set(request.live_nodes), job.timeout_s, superseded(request, job))
             trace.mark("keeper_settled", generation=gen)
         if current.region.header[H_DCOMMIT] >= layout.base_step:
             if committed is not None:
@@ -247,12 +247,12 @@ def main() -> None:
             committed = current
         if reason == "shutdown":
             break
-        plan = read_drain(job, gen)
-        job.store.set(keys.report(gen, node), report_for(committed, plan, job).to_json())
+        request = read_drain(job, gen)
+        job.store.set(keys.report(gen, node), report_for(committed, request, job).to_json())
         trace.mark("keeper_reported", generation=gen)
         if current is not committed:
             current.close(unlink=True)
-        gen = plan.next_generation
+        gen = request.next_generation
     if committed is not None:
         committed.close(unlink=True)
 

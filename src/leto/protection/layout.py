@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from leto.protection.codec import ErasureCode, make_code
-from leto.protection.placement import Stripe, fitted_code, plan_stripes
+from leto.protection.placement import Stripe, fitted_code, place_stripes
 from leto.protocol.messages import negative, parse
 
 GRAD_ROWS = 1
@@ -105,7 +105,7 @@ class Layout:
         code = fitted_code(len(self.nodes), self.ec)
         if code is None:
             return None
-        return make_code(*code), plan_stripes(len(self.nodes), *code)
+        return make_code(*code), place_stripes(len(self.nodes), *code)
 
     @cached_property
     def positions_per_node(self) -> int:

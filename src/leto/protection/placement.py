@@ -29,7 +29,7 @@ __all__ = [
     "fitted_code",
     "lost_summary",
     "padded_size",
-    "plan_stripes",
+    "place_stripes",
     "segment_bounds",
     "valid_specs",
 ]
@@ -118,7 +118,7 @@ def valid_specs(num_nodes: int, max_m: int = 3) -> list[str]:
     ]
 
 
-def plan_stripes(num_nodes: int, k: int, m: int) -> list[Stripe]:
+def place_stripes(num_nodes: int, k: int, m: int) -> list[Stripe]:
     """Rotated stripes over groups of k + m consecutive nodes (see module doc)."""
     if k < 1 or m < 1:
         raise ValueError(f"tier-2 code needs k >= 1 and m >= 1, got k={k}, m={m}")

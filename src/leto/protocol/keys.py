@@ -1,4 +1,4 @@
-"""Every store key of the job, in one place. Control keys are written by the coordinator (plans,
+"""Every store key of the job, in one place. Control keys are written by the coordinator (memberships,
 commands), a supervisor (reports, fork requests) or the job's processes (heartbeats, progress,
 results); protection keys carry their generation."""
 
@@ -10,8 +10,8 @@ ZYGOTES_OFF = "control/zygotes-off"    # why this job cannot use zygotes (set by
 PERSIST_EVERY = "persist/every"        # {"every": K, "first": step} once rank 0 has chosen K
 
 
-def plan(gen: int) -> str:
-    """The `messages.Plan` of generation `gen`."""
+def membership(gen: int) -> str:
+    """The `messages.Membership` of generation `gen`."""
     return f"control/gen/{gen}"
 
 

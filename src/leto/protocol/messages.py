@@ -210,7 +210,7 @@ def node_of_rank(rank: int, workers: int, nodes: int) -> int:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Membership:
     """Who is rank what in one generation (written by the coordinator)."""
 
     generation: int
@@ -226,8 +226,8 @@ class Plan:
                            "failed_nodes": list(self.failed_nodes), "cause": self.cause})
 
     @staticmethod
-    def from_json(text: str | bytes, key: str = "") -> Plan:
-        return parse(Plan, text, key)
+    def from_json(text: str | bytes, key: str = "") -> Membership:
+        return parse(Membership, text, key)
 
     def problem(self) -> str | None:
         if len(self.node_of_rank) != len(self.proc_of_rank) or not self.proc_of_rank:
@@ -256,8 +256,8 @@ class RecoveryRecord:
     world_size: int
     restore_s: float               # decode (or rebuild) and install
     protect_s: float               # re-protecting the new generation (overlaps the next step)
-    join_s: float                  # the whole join, from the plan to the first step
-    decode_start_s: float          # from the plan until the decode began
+    join_s: float                  # the whole join, from the membership to the first step
+    decode_start_s: float          # from the membership until the decode began
     resharded: bool = False
     repaired: tuple[str, ...] = ()  # redundancy that failed its checks and what rebuilt it
     rebuilt_from: str = ""
@@ -365,7 +365,7 @@ class Command(_Flat):
 @dataclass(frozen=True)
 class JobState(_Flat):
     """The coordinator's view the supervisor needs for its hang checks (keys.JOB_STATE): the
-    current generation (its plan names the members) and whether a recovery or resize runs."""
+    current generation (its membership names the members) and whether a recovery or resize runs."""
 
     generation: int
     recovering: bool
@@ -433,7 +433,7 @@ class JobResult(_Flat):
 
 
 @dataclass(frozen=True)
-class PersistPlan(_Flat):
+class PersistSchedule(_Flat):
     """Rank 0's checkpoint schedule (keys.PERSIST_EVERY): every `every` steps from step `first`."""
 
     every: int

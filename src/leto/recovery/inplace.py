@@ -19,21 +19,21 @@ from leto.errors import BadValue
 from leto.protection.layout import Layout
 from leto.protocol import keys
 from leto.protocol.protection import Drain, KeeperReport
-from leto.protocol.messages import Plan, RecoveryRecord, Refusals
+from leto.protocol.messages import Membership, RecoveryRecord, Refusals
 from leto.recovery.member import Member
 from leto.recovery.rebuild import (
     Rebuilder,
-    RebuildPlan,
+    RebuildRecipe,
     RecoveryError,
     Roles,
     assign_roles,
-    make_plan,
+    make_recipe,
     recovery_step,
 )
 from leto.runtime.comm import Comm, PeerFailure
 from leto.runtime.env import await_keys
 from leto.runtime import trace
-from leto.runtime.membership import read_plan
+from leto.runtime.membership import read_membership
 
 GradOf = Callable[[int, int], torch.Tensor]  # (lost old rank, chunk) -> its gradient chunk of the recovery step
 T = TypeVar("T")
@@ -54,19 +54,19 @@ class Source:
 class Point:
     """The recovery step and what rebuilds the state at it."""
 
-    plan: RebuildPlan
+    membership: RebuildRecipe
     held: int                  # the latest step whose whole reduced gradient a member holds (-1: none)
     grad_of: GradOf | None     # lost ranks' gradients of the step, where replicated (not protected)
 
     @property
     def step(self) -> int:
-        return self.plan.step
+        return self.membership.step
 
 
 def latest_generation(store, start: int) -> int:
     """The newest generation announced from `start` on."""
     g = start
-    while store.check([keys.plan(g + 1)]):
+    while store.check([keys.membership(g + 1)]):
         g += 1
     return g
 
@@ -76,22 +76,22 @@ def join(m: Member, gen: int) -> RecoveryRecord:
     t0 = time.time()
     trace.mark("join", generation=gen)
     phases = _Phases()
-    plan = enter(m, gen)
-    phases.done("enter")  # the plan, and the new process group's rendezvous
+    membership = enter(m, gen)
+    phases.done("enter")  # the membership, and the new process group's rendezvous
     reports = read_reports(m, gen)
     phases.done("keeper_reports")
     if not reports:  # every keeper is gone or new: go on if no rank's state was lost
-        return _rejoin_intact(m, gen, plan, t0)
-    src = protection_source(m, plan, reports)
+        return _rejoin_intact(m, gen, membership, t0)
+    src = protection_source(m, membership, reports)
     m.fault("recovery", m.sharded.step + 1)
-    rplan, held, holder = agree_on_step(m, plan, src)
+    recipe, held, holder = agree_on_step(m, membership, src)
     if m.job.config.protection.enabled and not src.roles.reshard:  # the keepers set up while the state is decoded
-        m.publish_layout(gen, rplan.step, src.layout.geometry.n_chunks)
+        m.publish_layout(gen, recipe.step, src.layout.geometry.n_chunks)
     phases.done("agree_on_step")
     t_decode = time.time()
-    point = bring_to_step(m, gen, src, rplan, held, holder)
+    point = bring_to_step(m, gen, src, recipe, held, holder)
     phases.done("bring_to_step")
-    rb, point, repaired = decode(m, gen, plan, src, point)
+    rb, point, repaired = decode(m, gen, membership, src, point)
     phases.done("decode")
     shard = install(m, gen, src, rb, point)
     phases.done("install")
@@ -100,8 +100,8 @@ def join(m: Member, gen: int) -> RecoveryRecord:
     reprotect(m, gen, point.step, shard)
     phases.done("reprotect")
     return record(m, RecoveryRecord(
-        generation=gen, failed_ranks=src.roles.lost, failed_nodes=plan.failed_nodes, cause=plan.cause,
-        tier=point.plan.tier, step=point.step, world_size=m.world_size, restore_s=round(restore_s, 4),
+        generation=gen, failed_ranks=src.roles.lost, failed_nodes=membership.failed_nodes, cause=membership.cause,
+        tier=point.membership.tier, step=point.step, world_size=m.world_size, restore_s=round(restore_s, 4),
         protect_s=round(time.time() - t_protect, 4), join_s=round(time.time() - t0, 4),
         decode_start_s=round(t_decode - t0, 4), resharded=src.roles.reshard, repaired=tuple(repaired),
         phases_s=phases.spent))
@@ -121,11 +121,11 @@ class _Phases:
         self._last = now
 
 
-def enter(m: Member, gen: int) -> Plan:
-    """Become a member of generation `gen` (its plan must name this process)."""
-    plan = read_plan(m.job.store, gen)
-    m.enter(gen, plan)
-    return plan
+def enter(m: Member, gen: int) -> Membership:
+    """Become a member of generation `gen` (its membership must name this process)."""
+    membership = read_membership(m.job.store, gen)
+    m.enter(gen, membership)
+    return membership
 
 
 def read_reports(m: Member, gen: int) -> dict[int, KeeperReport]:
@@ -156,7 +156,7 @@ def read_message(store: torch.distributed.Store, parse: Callable[[bytes, str], T
         raise RecoveryError(f"malformed value of {e}") from None
 
 
-def protection_source(m: Member, plan: Plan, reports: dict[int, KeeperReport]) -> Source:
+def protection_source(m: Member, membership: Membership, reports: dict[int, KeeperReport]) -> Source:
     """The generation whose protection the keepers hold, its layout and who wrote what; the
     state is laid out to match it (a staged reshard settles, a shadow built for another world
     size reallocates)."""
@@ -167,7 +167,7 @@ def protection_source(m: Member, plan: Plan, reports: dict[int, KeeperReport]) -
     used_gen = used.pop()
     m.sharded.settle_reshard(used_gen)
     layout = read_message(store, Layout.from_json, keys.layout(used_gen))
-    roles = assign_roles(read_plan(store, used_gen), plan)  # the writers of the protection data
+    roles = assign_roles(read_membership(store, used_gen), membership)  # the writers of the protection data
     me = roles.old_rank_of.get(m.rank)
     if me is None and not roles.reshard and m.sharded.geometry != layout.geometry:
         m.sharded.allocate(layout.world_size)  # a shadow built for another world size adopts a rank
@@ -177,19 +177,19 @@ def protection_source(m: Member, plan: Plan, reports: dict[int, KeeperReport]) -
     return Source(layout, reports, roles, me)
 
 
-def agree_on_step(m: Member, plan: Plan, src: Source) -> tuple[RebuildPlan, int, int]:
+def agree_on_step(m: Member, membership: Membership, src: Source) -> tuple[RebuildRecipe, int, int]:
     """The recovery step every member is rebuilt at (docs/protection.md, "Recovery point") and
-    who rebuilds what. Returns the plan, the latest step whose whole reduced gradient a member
+    who rebuilds what. Returns the recipe, the latest step whose whole reduced gradient a member
     holds (-1: none) and the lowest member holding it."""
     held, holder = _held_gradients(m, src.layout)
-    return make_plan(src.layout, plan, src.reports, src.roles, held=held), held, holder
+    return make_recipe(src.layout, membership, src.reports, src.roles, held=held), held, holder
 
 
-def bring_to_step(m: Member, gen: int, src: Source, rplan: RebuildPlan, held: int, holder: int) -> Point:
+def bring_to_step(m: Member, gen: int, src: Source, recipe: RebuildRecipe, held: int, holder: int) -> Point:
     """Everything but the lost shards at the recovery step: the replicated gradients of it
     shared from `holder`, module buffers and registered state restored, a survivor's own shard
     finished."""
-    T, g = rplan.step, src.layout.geometry
+    T, g = recipe.step, src.layout.geometry
     grads = m.sharded.receive_grads(m.comm, g, src.layout.world_size, T, holder) if T == held >= 0 else None
     if grads is None:  # what the gradient buffer holds is no step the new generation starts from
         m.sharded.grad_step = None
@@ -201,28 +201,28 @@ def bring_to_step(m: Member, gen: int, src: Source, rplan: RebuildPlan, held: in
 
     if src.me is not None:
         m.sharded.bring_to(T)
-    return Point(rplan, held, lost_grad if grads is not None else None)
+    return Point(recipe, held, lost_grad if grads is not None else None)
 
 
-def decode(m: Member, gen: int, plan: Plan, src: Source, point: Point) -> tuple[Rebuilder, Point, list[str]]:
+def decode(m: Member, gen: int, membership: Membership, src: Source, point: Point) -> tuple[Rebuilder, Point, list[str]]:
     """Rebuild the lost ranks' chunks at the recovery step; tier-1 data that fails its checks
-    is rebuilt again from tier 2. Returns the rebuilder holding them, the plan that succeeded
+    is rebuilt again from tier 2. Returns the rebuilder holding them, the recipe that succeeded
     and what was repaired; raises when no redundancy is left for corrupt data."""
-    layout, rplan, repaired = src.layout, point.plan, []
+    layout, recipe, repaired = src.layout, point.membership, []
     while True:
-        rb = Rebuilder(layout, rplan, src.reports, m.rank, m.job.job_id, m.sharded.chunk_at, m.sharded.grad_at,
+        rb = Rebuilder(layout, recipe, src.reports, m.rank, m.job.job_id, m.sharded.chunk_at, m.sharded.grad_at,
                        m.comm, lambda name, members: _subgroup(m, gen, name, members))
         rb.run()
         bad = _agree_on_corruption(m, layout, rb.corrupt)
         if not bad["tier1"] and not bad["tier2"]:
-            return rb, replace(point, plan=rplan), repaired + rb.notes
-        if bad["tier2"] or set(bad["tier1"]) <= set(rplan.force_tier2) or layout.tier2 is None:
+            return rb, replace(point, membership=recipe), repaired + rb.notes
+        if bad["tier2"] or set(bad["tier1"]) <= set(recipe.force_tier2) or layout.tier2 is None:
             what = ", ".join([f"tier-1 data of node {n}" for n in bad["tier1"]] +
                              [f"tier-2 stripe {s}" for s in bad["tier2"]])
             raise RecoveryError(f"decoded state failed its checksums or version checks ({what}) and no other redundancy "
                                 f"is left: stopping rather than continue on corrupt state")
         repaired += [f"tier-1 data of node {n} failed its checksums; rebuilt from tier 2" for n in bad["tier1"]]
-        rplan = make_plan(layout, plan, src.reports, src.roles, frozenset(bad["tier1"]) | rplan.force_tier2,
+        recipe = make_recipe(layout, membership, src.reports, src.roles, frozenset(bad["tier1"]) | recipe.force_tier2,
                           point.held)
 
 
@@ -277,7 +277,7 @@ def _lineage(store, gen: int, rank: int, proc_id: str, roles: Roles) -> list[str
         return [proc_id]
     procs = [proc_id]
     for g in range(gen - 1, -1, -1):
-        p = read_plan(store, g).proc_of_rank
+        p = read_membership(store, g).proc_of_rank
         if rank < len(p) and p[rank] not in procs:
             procs.append(p[rank])
     return procs
@@ -287,16 +287,16 @@ def _settled_generation(m: Member) -> int:
     """The last generation this process completed joining (0: an original worker; -1: none)."""
     if m.recoveries:
         return m.recoveries[-1].generation
-    return 0 if read_plan(m.job.store, 0).rank_of(m.job.proc_id) is not None else -1
+    return 0 if read_membership(m.job.store, 0).rank_of(m.job.proc_id) is not None else -1
 
 
-def _rejoin_intact(m: Member, gen: int, plan: Plan, t0: float) -> RecoveryRecord:
+def _rejoin_intact(m: Member, gen: int, membership: Membership, t0: float) -> RecoveryRecord:
     """Join generation `gen` with no keeper data at all (every keeper died or is new: a one-node
     job, or the last node's keeper): possible only when every member holds its own state, i.e.
     all settled in one generation with the same processes in the same ranks, nothing resharding.
     The members agree on a step each can reach from what it holds, finish it, and protect the new
     generation from their own shards (a new base, like the initial protection)."""
-    T = _agree_on_own_step(m, plan)
+    T = _agree_on_own_step(m, membership)
     m.restore_rank_state(T, [m.job.proc_id])  # same processes in the same ranks
     t_restore = time.time()
     m.sharded.bring_to(T)
@@ -306,13 +306,13 @@ def _rejoin_intact(m: Member, gen: int, plan: Plan, t0: float) -> RecoveryRecord
     t_protect = time.time()
     m.protect(gen, T, wait=False)
     return record(m, RecoveryRecord(
-        generation=gen, failed_ranks=(), failed_nodes=plan.failed_nodes, cause=plan.cause, tier="none", step=T,
+        generation=gen, failed_ranks=(), failed_nodes=membership.failed_nodes, cause=membership.cause, tier="none", step=T,
         world_size=m.world_size, restore_s=round(restore_s, 4), protect_s=round(time.time() - t_protect, 4),
         join_s=round(time.time() - t0, 4), decode_start_s=round(t_restore - t0, 4),
         rebuilt_from="the workers' own state (no keeper data)"))
 
 
-def _agree_on_own_step(m: Member, plan: Plan) -> int:
+def _agree_on_own_step(m: Member, membership: Membership) -> int:
     """With no keeper data: check that every member holds its own state in one generation and
     agree on a step all can reach (sharing the replicated gradients of it where needed)."""
     s = m.sharded
@@ -320,7 +320,7 @@ def _agree_on_own_step(m: Member, plan: Plan) -> int:
     layout = read_message(m.job.store, Layout.from_json, keys.layout(settled)) if settled >= 0 else None
     reach = set() if s.inplace else s.reachable_steps()
     fits = (layout is not None and not s.resharding and s.geometry == layout.geometry
-            and read_plan(m.job.store, settled).proc_of_rank == plan.proc_of_rank and (s.inplace or bool(reach)))
+            and read_membership(m.job.store, settled).proc_of_rank == membership.proc_of_rank and (s.inplace or bool(reach)))
     low = -1 if not fits else min(s.chunk_step) if s.inplace else min(reach)
     agree = torch.tensor([settled, -settled, 1 if fits else 0, low], dtype=torch.int64)
     m.comm.all_reduce(agree, torch.distributed.ReduceOp.MIN)

@@ -10,7 +10,7 @@ from typing import Protocol
 import torch
 
 from leto.protection.layout import Geometry
-from leto.protocol.messages import Plan, RecoveryRecord
+from leto.protocol.messages import Membership, RecoveryRecord
 from leto.runtime.comm import Comm
 from leto.runtime.env import Job
 from leto.runtime.membership import GenerationWatch
@@ -63,9 +63,9 @@ class Member(Protocol):
     @property
     def world_size(self) -> int: ...
 
-    def enter(self, generation: int, plan: Plan) -> None:
-        """Become `plan`'s member: its rank and world size, a new process group (the old one
-        parked); the process stops if the plan does not name it (it was declared lost)."""
+    def enter(self, generation: int, membership: Membership) -> None:
+        """Become `membership`'s member: its rank and world size, a new process group (the old one
+        parked); the process stops if the membership does not name it (it was declared lost)."""
     def fault(self, phase: str, step: int) -> None:
         """A fault injection point (tests)."""
     def restore_rank_state(self, step: int, lineage: list[str]) -> None:

@@ -1,6 +1,6 @@
 """Rebuild lost ranks' state from the protection tiers, inside the running processes.
 
-Every member of the new generation computes the same plan from the same inputs (the old
+Every member of the new generation computes the same recipe from the same inputs (the old
 layout, the keepers' drained reports, the new membership) and joins the same sequence of BXOR
 all-reduces: each contributes the blocks it holds, scaled by its decode coefficient, and the
 adopter of a lost rank keeps the result. See docs/protection.md ("Recovery point").
@@ -20,7 +20,7 @@ from leto.protection.layout import Layout
 from leto.protection.placement import Stripe, lost_summary
 from leto.protection.shm import Region
 from leto.protection.staging import as_bytes
-from leto.protocol.messages import Plan
+from leto.protocol.messages import Membership
 from leto.protocol.protection import KeeperReport, StripeReport
 from leto.runtime.comm import Comm
 
@@ -74,7 +74,7 @@ class Roles:
     reshard: bool                 # the new generation shards the state differently
 
 
-def assign_roles(writers: Plan, new: Plan) -> Roles:
+def assign_roles(writers: Membership, new: Membership) -> Roles:
     """Survivors keep their own shard; a newcomer at a lost rank's number adopts it (same world
     size: no resharding). Otherwise (shrink, grow) the lost shards are decoded by survivors (one
     on the same node preferred: node-local tier-1 traffic) and the whole state is resharded."""
@@ -115,7 +115,7 @@ class Tier2Job:
 
 
 @dataclass
-class RebuildPlan:
+class RebuildRecipe:
     step: int
     roles: Roles
     tier1: list[Tier1Job]
@@ -131,8 +131,8 @@ class RebuildPlan:
         return "tier2" if self.tier2 else ("tier1" if self.tier1 else "none")
 
 
-def make_plan(layout: Layout, new: Plan, reports: dict[int, KeeperReport], roles: Roles,
-              force_tier2: frozenset[int] = frozenset(), held: int = -1) -> RebuildPlan:
+def make_recipe(layout: Layout, new: Membership, reports: dict[int, KeeperReport], roles: Roles,
+              force_tier2: frozenset[int] = frozenset(), held: int = -1) -> RebuildRecipe:
     """Which tier rebuilds which lost rank, and who contributes. Nodes in `force_tier2` are
     rebuilt from tier 2 (their tier-1 data failed its checksums); `held` as in `recovery_step`."""
     step = recovery_step(reports, layout, held)
@@ -149,10 +149,10 @@ def make_plan(layout: Layout, new: Plan, reports: dict[int, KeeperReport], roles
         else:
             t2_nodes.add(n)
     tier2 = _tier2_jobs(layout, new, reports, t2_nodes, lost) if t2_nodes else []
-    return RebuildPlan(step, roles, tier1, tier2, force_tier2)
+    return RebuildRecipe(step, roles, tier1, tier2, force_tier2)
 
 
-def _tier2_jobs(layout: Layout, new: Plan, reports: dict[int, KeeperReport], lost_nodes: set[int],
+def _tier2_jobs(layout: Layout, new: Membership, reports: dict[int, KeeperReport], lost_nodes: set[int],
                 lost: tuple[int, ...]) -> list[Tier2Job]:
     if layout.tier2 is None:
         names = ", ".join(f"node {n}" for n in sorted(lost_nodes))
@@ -207,16 +207,16 @@ def torn_offsets(layout: Layout, s: Stripe, reports: dict[int, StripeReport]) ->
 
 
 class Rebuilder:
-    """Runs a `RebuildPlan` in one process of the new generation."""
+    """Runs a `RebuildRecipe` in one process of the new generation."""
 
-    def __init__(self, layout: Layout, plan: RebuildPlan, reports: dict[int, KeeperReport], rank: int, job_id: str,
+    def __init__(self, layout: Layout, recipe: RebuildRecipe, reports: dict[int, KeeperReport], rank: int, job_id: str,
                  chunk: Callable[[int, int], torch.Tensor], grad: Callable[[int, int], torch.Tensor],
                  comm: Comm, subgroup: Callable[[str, tuple[int, ...]], Comm]) -> None:
-        self.layout, self.plan, self.reports, self.rank, self.job_id = layout, plan, reports, rank, job_id
+        self.layout, self.recipe, self.reports, self.rank, self.job_id = layout, recipe, reports, rank, job_id
         self.chunk, self.grad = chunk, grad   # (version step, chunk index) -> this rank's own data
         self.comm, self.subgroup = comm, subgroup
         self.regions: dict[int, Region] = {}
-        self.me = plan.roles.old_rank_of.get(rank)   # the old rank this process wrote, if any
+        self.me = recipe.roles.old_rank_of.get(rank)   # the old rank this process wrote, if any
         g = layout.geometry
         # (old rank, chunk) -> decoded bytes, kept by the holder of that lost rank
         self.result_state: dict[tuple[int, int], np.ndarray] = {}
@@ -227,7 +227,7 @@ class Rebuilder:
         self.interval = layout.protect_every > 1  # state only, all at the recovery step; no replay
         # gradients of the recovery step are decoded only to replay chunks one step behind; at a
         # generation's base (a failure right after a recovery) no gradients of it were staged
-        self.grads = layout.protects_grads and _replay_needed(reports, plan.step)
+        self.grads = layout.protects_grads and _replay_needed(reports, recipe.step)
         self.sb, self.gb = g.state_bytes, g.grad_bytes if self.grads else 0
 
     def _region(self, node: int) -> Region:
@@ -236,17 +236,17 @@ class Rebuilder:
         return self.regions[node]
 
     def run(self) -> None:
-        for job in self.plan.tier1:
+        for job in self.recipe.tier1:
             if self.rank in job.members:
                 self._tier1(job)
-        for job in self.plan.tier2:
+        for job in self.recipe.tier2:
             self._tier2(job)
         for r in self.regions.values():
             r.close()
 
     # ----- tier 1: P1 XOR the node's survivors, node-local group
     def _tier1(self, job: Tier1Job) -> None:
-        lay, T = self.layout, self.plan.step
+        lay, T = self.layout, self.recipe.step
         n = lay.geometry.n_chunks
         rep = self.reports[job.node]
         w_lost = lay.local_index(job.lost_rank)
@@ -287,7 +287,7 @@ class Rebuilder:
 
     # ----- tier 2: Reed-Solomon stripe decode over the whole new group
     def _tier2(self, job: Tier2Job) -> None:
-        lay, T = self.layout, self.plan.step
+        lay, T = self.layout, self.recipe.step
         L, k = lay.segment_len, lay.tier2[0].k
         s, b = job.stripe, T % 2
         reps = {k + j: self.reports[lay.nodes[pn]].stripes[s.index]
@@ -339,7 +339,7 @@ class Rebuilder:
             seg = s.segment_of(s.data_nodes[e])
             for i in range(L):
                 src = lay.source_of(node, seg * L + i)
-                if src is None or src[0] not in self.plan.lost or self.plan.roles.holder[src[0]] != self.rank:
+                if src is None or src[0] not in self.recipe.lost or self.recipe.roles.holder[src[0]] != self.rank:
                     continue
                 if i in torn and not lay.tier2_preimages:
                     self.corrupt.add(("tier2", s.index))
@@ -358,7 +358,7 @@ class Rebuilder:
         """Whether a parity row's state at `step` (default: the recovery step) is its pre-image
         (some source has already folded in a later step) rather than the row itself (every
         source at `step`)."""
-        T = self.plan.step if step is None else step
+        T = self.recipe.step if step is None else step
         if all(v == T for v in versions):
             return False
         if pre_step == T and min(versions) >= T:
@@ -383,7 +383,7 @@ class Rebuilder:
     def _keep(self, r: int, c: int, state: np.ndarray, version: int, crc: int, grad: np.ndarray, gcrc: int) -> bool:
         """Keep decoded chunk `c` of lost rank `r` if its version and checksums are right;
         False if it is corrupt."""
-        T = self.plan.step
+        T = self.recipe.step
         if version not in (T - 1, T) or checksum(state) != crc:
             return False
         if version == T - 1 and self.grads and checksum(grad) != gcrc:
@@ -398,7 +398,7 @@ class Rebuilder:
         """Lost rank `r`'s decoded shard at the recovery step ([n_chunks, 3, chunk_elems]),
         replaying the interrupted update of chunks still one step behind (with the decoded
         gradient chunk, or `grad_of(r, c)` where gradients are replicated, not protected)."""
-        T = self.plan.step
+        T = self.recipe.step
         missing = [c for c in range(n_chunks) if (r, c) not in self.result_state]
         if missing:
             raise RecoveryError(f"rank {r}: chunks {missing} were not rebuilt")

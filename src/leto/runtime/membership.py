@@ -1,4 +1,4 @@
-"""The worker's side of membership: heartbeats, reading a generation's plan, and the watch
+"""The worker's side of membership: heartbeats, reading a generation's membership, and the watch
 that notices the next generation."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from leto.protocol import keys
-from leto.protocol.messages import DONE, Plan, format_beat
+from leto.protocol.messages import DONE, Membership, format_beat
 from leto.runtime import threads
 from leto.runtime.env import ENV_HOST_STORE, connect
 
@@ -74,9 +74,9 @@ class Heartbeat:
                 pass
 
 
-def read_plan(store: dist.Store, gen: int) -> Plan:
-    key = keys.plan(gen)
-    return Plan.from_json(store.get(key), key)
+def read_membership(store: dist.Store, gen: int) -> Membership:
+    key = keys.membership(gen)
+    return Membership.from_json(store.get(key), key)
 
 
 class GenerationWatch:
@@ -117,7 +117,7 @@ class GenerationWatch:
                 self._stop.wait(CHECK_EVERY_S)
                 continue
             try:  # returns as soon as the next generation is announced
-                self._store.wait([keys.plan(want)], timedelta(seconds=self._wait_s))
+                self._store.wait([keys.membership(want)], timedelta(seconds=self._wait_s))
             except dist.DistNetworkError as e:
                 if self._stop.is_set():
                     return

@@ -73,21 +73,21 @@ def _planned_failure(thread: threading.Thread) -> None:
     if not spec:
         return
     from leto.runtime import env
-    plan = json.loads(spec)
-    if not thread.name.startswith(plan["thread"]):
+    failure = json.loads(spec)
+    if not thread.name.startswith(failure["thread"]):
         return
     for field, var in (("role", env.ENV_ROLE), ("node", env.ENV_NODE), ("rank", env.ENV_RANK)):
-        if field in plan and os.environ.get(var) != str(plan[field]):
+        if field in failure and os.environ.get(var) != str(failure[field]):
             return
 
     def fire() -> None:
         deadline = time.monotonic() + FAIL_WATCH_S
-        while not os.path.exists(plan["when"]):
+        while not os.path.exists(failure["when"]):
             if time.monotonic() > deadline or not thread.is_alive():
                 return
             time.sleep(0.05)
         try:
-            os.close(os.open(plan["when"] + ".fired", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+            os.close(os.open(failure["when"] + ".fired", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
         except FileExistsError:
             return
         if thread.ident is not None and thread.is_alive():

@@ -16,7 +16,7 @@ from leto.persistence.writer import persister_for
 from leto.protection.client import Protector
 from leto.protection.layout import Geometry, Layout
 from leto.protocol import keys
-from leto.protocol.messages import Plan, RecoveryRecord
+from leto.protocol.messages import Membership, RecoveryRecord
 from leto.recovery.inject import InProcessInjector
 from leto.recovery.inplace import join, latest_generation, read_message
 from leto.recovery.rebuild import RecoveryError
@@ -24,7 +24,7 @@ from leto.runtime import env as rt
 from leto.runtime import trace
 from leto.runtime.comm import Comm, PeerFailure
 from leto.runtime.env import Job
-from leto.runtime.membership import GenerationWatch, read_plan
+from leto.runtime.membership import GenerationWatch, read_membership
 from leto.training.protection_modes import Unprotected, mode_for
 from leto.training.rank_state import RankState
 from leto.training.shard import ShardedState
@@ -38,7 +38,7 @@ def _of_sharded(name: str, doc: str) -> property:
 class RankMember:
     """A worker (or a shadow until it adopts a rank): its ZeRO-1 state (`sharded`), module
     buffers and registered state (`rank_state`), process group (`comm`), generation watch and
-    plan, the protection mode of its generation (`mode`) and its persistent checkpoints."""
+    membership, the protection mode of its generation (`mode`) and its persistent checkpoints."""
 
     def __init__(self, job: Job, sharded: ShardedState, rank_state: RankState, backend: str) -> None:
         self.job, self.sharded, self.rank_state, self.backend = job, sharded, rank_state, backend
@@ -50,7 +50,7 @@ class RankMember:
         self.injector = InProcessInjector(job.store, specs, job.run_dir, job.proc_id) if specs else None
         self.comm: Comm | None = None
         self.watch: GenerationWatch | None = None
-        self.plan: Plan | None = None
+        self.membership: Membership | None = None
         self.mode: Unprotected = Unprotected(sharded)
         self.persister = persister_for(job)
 
@@ -106,11 +106,11 @@ class RankMember:
         return True
 
     def connect(self) -> None:
-        """Join generation 0: its plan, the generation watch, the process group, rank 0's
+        """Join generation 0: its membership, the generation watch, the process group, rank 0's
         initial parameters (a collective; `Trainer.steps()` does it, a harness may do it earlier)."""
         job = self.job
         if job.proc_id != "solo":
-            self.plan = read_plan(job.store, 0)
+            self.membership = read_membership(job.store, 0)
             self.watch = GenerationWatch(os.environ[rt.ENV_STORE], job.proc_id, 0, job.timeout_s)
         abort = self.watch.reason if self.watch else (lambda: None)
         self.comm = Comm(job.store, 0, self.rank, self.world_size, job.timeout_s, abort, job.device,
@@ -119,19 +119,19 @@ class RankMember:
         self.sharded.take_master(self.rank)
         self._resume()  # --resume: start from a persistent checkpoint
         self.gather_rank_state(self.step_count)  # rank 0's buffers (resumed ones too) are everyone's
-        if job.config.protection.enabled and self.plan is not None:
+        if job.config.protection.enabled and self.membership is not None:
             self.protect(0, self.step_count)
 
-    def enter(self, generation: int, plan: Plan) -> None:
-        """Become `plan`'s member (a recovery or resize): its rank and world size, and a new
+    def enter(self, generation: int, membership: Membership) -> None:
+        """Become `membership`'s member (a recovery or resize): its rank and world size, and a new
         process group; the old one is parked."""
-        rank = plan.rank_of(self.job.proc_id)
+        rank = membership.rank_of(self.job.proc_id)
         if rank is None:  # declared lost (e.g. its host was cut off): the others go on without it
             raise SystemExit(f"leto: process {self.job.proc_id} is not part of generation {generation} (it was "
                              f"declared lost): it stops")
         self.watch.advance(generation)
-        self.generation, self.plan = generation, plan
-        self.job.rank, self.job.world_size = rank, len(plan.proc_of_rank)
+        self.generation, self.membership = generation, membership
+        self.job.rank, self.job.world_size = rank, len(membership.proc_of_rank)
         if self.comm is not None:
             self.comm.close(abandon=True)
             if self.sharded.grad_step is None:  # its reduction of the step in flight may still be running
@@ -168,7 +168,7 @@ class RankMember:
         if self.rank != 0 or self._layout_published == generation:
             return
         geometry = Geometry(state_chunks, self.sharded.chunk_elems)
-        layout = Layout(generation, base_step, geometry, self.plan.node_of_rank, self.job.config.protection.ec,
+        layout = Layout(generation, base_step, geometry, self.membership.node_of_rank, self.job.config.protection.ec,
                         protect_every=self.job.config.protection.every, replicated_grads=self.replicated_grads)
         self.job.store.set(keys.layout(generation), layout.to_json())
         self._layout_published = generation
@@ -178,8 +178,8 @@ class RankMember:
         after each further failure during the recovery."""
         while True:
             gen = latest_generation(self.job.store, self.generation)
-            if gen == self.generation:  # the failure was seen here first: wait for the controller's plan
-                if rt.await_keys(self.job.store, [keys.plan(gen + 1)], self.job.timeout_s) is not None:
+            if gen == self.generation:  # the failure was seen here first: wait for the controller's membership
+                if rt.await_keys(self.job.store, [keys.membership(gen + 1)], self.job.timeout_s) is not None:
                     raise PeerFailure(f"{why}; and no new generation was announced")
                 continue
             try:
@@ -197,12 +197,12 @@ class RankMember:
         self.job.store.set(keys.warm(self.job.proc_id), "1")
         while not self.job.shutdown_requested():
             try:  # returns as soon as generation `gen` is announced
-                self.job.store.wait([keys.plan(gen)], timedelta(seconds=0.5))
+                self.job.store.wait([keys.membership(gen)], timedelta(seconds=0.5))
             except RuntimeError:
                 continue
-            plan = read_plan(self.job.store, gen)
+            membership = read_membership(self.job.store, gen)
             trace.mark("shadow_plan", generation=gen)
-            if plan.rank_of(self.job.proc_id) is None:
+            if membership.rank_of(self.job.proc_id) is None:
                 gen += 1
                 continue
             self.job.role = "worker"
@@ -217,14 +217,14 @@ class RankMember:
                     raise
                 except PeerFailure:
                     gen = latest_generation(self.job.store, gen)
-                    if read_plan(self.job.store, gen).rank_of(self.job.proc_id) is None:
+                    if read_membership(self.job.store, gen).rank_of(self.job.proc_id) is None:
                         return False  # replaced again before it finished adopting
         return False
 
     def fault(self, phase: str, step: int, chunk: int | None = None) -> None:
         """A fault injection point (--inject)."""
         if self.injector is not None:
-            self.injector.at(phase, step, self.rank, self.plan.node_of_rank if self.plan else (), chunk,
+            self.injector.at(phase, step, self.rank, self.membership.node_of_rank if self.membership else (), chunk,
                              self.sharded.n_chunks)
 
     # ----- module buffers and registered state
@@ -232,7 +232,7 @@ class RankMember:
         """Rank 0's module buffers and every rank's registered state at `step`, to everyone (a
         collective; nothing when there is nothing to carry)."""
         if self.rank_state.active:
-            procs = list(self.plan.proc_of_rank) if self.plan is not None else [str(r) for r in range(self.world_size)]
+            procs = list(self.membership.proc_of_rank) if self.membership is not None else [str(r) for r in range(self.world_size)]
             self.rank_state.gather(self.comm, step, self.rank, procs)
 
     def restore_rank_state(self, step: int, lineage: list[str]) -> None:
