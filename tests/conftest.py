@@ -1,4 +1,5 @@
 """Shared test machinery: run the `leto` CLI as real processes and always clean them up."""
+
 from __future__ import annotations
 
 import json
@@ -92,8 +93,9 @@ class Launcher:
         self.started: list[tuple[subprocess.Popen, Path | None]] = []
 
     def start(self, *args: str, run_dir: Path | None = None, **kw) -> subprocess.Popen:
-        popen = subprocess.Popen(leto_cmd(*args), cwd=kw.pop("cwd", REPO), stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True, **kw)
+        popen = subprocess.Popen(
+            leto_cmd(*args), cwd=kw.pop("cwd", REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw
+        )
         self.started.append((popen, run_dir))
         return popen
 
@@ -154,7 +156,7 @@ def without_flags(args: tuple[str, ...], *names: str) -> tuple[str, ...]:
     out = list(args)
     for name in names:
         i = out.index("--" + name.replace("_", "-"))
-        del out[i:i + 2]
+        del out[i : i + 2]
     return tuple(out)
 
 
@@ -166,7 +168,9 @@ def seeded_random() -> tuple[random.Random, int]:
     return random.Random(seed), seed
 
 
-def train(launcher: Launcher, run_dir: Path, *args: str, timeout: float = 240) -> tuple[subprocess.CompletedProcess, dict | None]:
+def train(
+    launcher: Launcher, run_dir: Path, *args: str, timeout: float = 240
+) -> tuple[subprocess.CompletedProcess, dict | None]:
     """Run `leto train` to its end; returns the process result and its summary (if written)."""
     res = launcher.run("train", "--run-dir", str(run_dir), *args, run_dir=run_dir, timeout=timeout)
     path = run_dir / "summary.json"
@@ -188,16 +192,37 @@ def processes_left(run_dir: Path) -> list[int]:
     return [p["pid"] for p in read_procs(run_dir) if p["role"] != "controller" and alive(p["pid"])]
 
 
-def run_user_script(launcher: Launcher, run_dir: Path, script: str, *args: str,
-                    kill_step: int | None = None, rng: random.Random | None = None) -> tuple[str, dict]:
+def run_user_script(
+    launcher: Launcher,
+    run_dir: Path,
+    script: str,
+    *args: str,
+    kill_step: int | None = None,
+    rng: random.Random | None = None,
+) -> tuple[str, dict]:
     """`leto run` a test script (2 workers on 2 nodes, 1 shadow); with `kill_step`, SIGKILL a
     worker chosen by `rng` (a `seeded_random` one if None) by PID once that step is recorded.
     Returns stdout and the summary."""
-    popen = launcher.start("run", "--workers", "2", "--nodes", "2", "--spares", "1", "--run-dir", str(run_dir),
-                           script, *args, run_dir=run_dir)
+    popen = launcher.start(
+        "run",
+        "--workers",
+        "2",
+        "--nodes",
+        "2",
+        "--spares",
+        "1",
+        "--run-dir",
+        str(run_dir),
+        script,
+        *args,
+        run_dir=run_dir,
+    )
     if kill_step is not None:
-        wait_for(lambda: (run_dir / "metrics.jsonl").exists() and any(
-            r["step"] >= kill_step for r in step_records(run_dir)), 120, f"step {kill_step}")
+        wait_for(
+            lambda: (run_dir / "metrics.jsonl").exists() and any(r["step"] >= kill_step for r in step_records(run_dir)),
+            120,
+            f"step {kill_step}",
+        )
         rng = rng or seeded_random()[0]
         victim = rng.choice([p for p in read_procs(run_dir) if p["role"] == "worker"])
         os.kill(victim["pid"], signal.SIGKILL)

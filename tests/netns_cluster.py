@@ -12,6 +12,7 @@ on 10.77.0.(i+1):2379 (clients) / :2380 (peers).
 Pure stdlib (no pytest): benchmarks import it too. Needs root (CAP_SYS_ADMIN + CAP_NET_ADMIN),
 iproute2's `ip`, and for etcd the `etcd` and `etcdctl` binaries; `available()` says why not.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -261,28 +262,39 @@ class Cluster:
         return self.tmpdir / f"etcd-h{i}.log"
 
     # ----------------------------------------------------------------------------------- processes
-    def popen(self, i: int, argv: Sequence[str], env: dict[str, str] | None = None,
-              **kw: Any) -> subprocess.Popen:
+    def popen(self, i: int, argv: Sequence[str], env: dict[str, str] | None = None, **kw: Any) -> subprocess.Popen:
         """Start argv inside host i's namespace; `ip netns exec` execs, so the Popen's pid is argv's."""
         self._check(i)
         p = subprocess.Popen(["ip", "netns", "exec", self.ns(i), *argv], env=env, **kw)
         self._procs.append(p)
         return p
 
-    def run_in(self, i: int, argv: Sequence[str], timeout: float = 30.0, check: bool = False,
-               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    def run_in(
+        self, i: int, argv: Sequence[str], timeout: float = 30.0, check: bool = False, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess:
         """Run argv inside host i's namespace to completion; text output captured."""
         self._check(i)
-        return subprocess.run(["ip", "netns", "exec", self.ns(i), *argv], capture_output=True,
-                              text=True, timeout=timeout, check=check, env=env)
+        return subprocess.run(
+            ["ip", "netns", "exec", self.ns(i), *argv],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=check,
+            env=env,
+        )
 
-    def etcdctl(self, i: int, *args: str, endpoints: Sequence[str] | None = None,
-                timeout: float = 10.0) -> subprocess.CompletedProcess:
+    def etcdctl(
+        self, i: int, *args: str, endpoints: Sequence[str] | None = None, timeout: float = 10.0
+    ) -> subprocess.CompletedProcess:
         """`etcdctl` (v3 API) run inside host i, against `endpoints` (default: all members)."""
         env = {**os.environ, "ETCDCTL_API": "3"}
         eps = ",".join(endpoints or self.etcd_endpoints)
-        return self.run_in(i, ["etcdctl", f"--endpoints={eps}", "--dial-timeout=2s",
-                               "--command-timeout=5s", *args], timeout=timeout, env=env)
+        return self.run_in(
+            i,
+            ["etcdctl", f"--endpoints={eps}", "--dial-timeout=2s", "--command-timeout=5s", *args],
+            timeout=timeout,
+            env=env,
+        )
 
     def pids(self, i: int) -> list[int]:
         """PIDs of every live process in host i's namespace."""
@@ -352,8 +364,9 @@ class Cluster:
         # refuse to start because a flag is set twice); the member gets a clean set.
         env = {k: v for k, v in os.environ.items() if not k.startswith("ETCD")}
         with open(self.etcd_log(i), "ab") as log:  # the child keeps its own copy of the fd
-            p = self.popen(i, argv, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                           stderr=subprocess.STDOUT, start_new_session=True)
+            p = self.popen(
+                i, argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         self._etcd_procs[i] = p
         return p
 
@@ -371,7 +384,7 @@ class Cluster:
             try:
                 p.wait(timeout)
             except subprocess.TimeoutExpired:
-                raise TimeoutError(f"etcd member h{i} (pid {p.pid}) survived {sig!r} for {timeout}s")
+                raise TimeoutError(f"etcd member h{i} (pid {p.pid}) survived {sig!r} for {timeout}s") from None
 
     def etcd_healthy(self, i: int) -> bool:
         """Whether host i's member answers GET /health with health true (asked from inside host i)."""
@@ -379,9 +392,14 @@ class Cluster:
         if shutil.which("curl"):
             argv = ["curl", "-s", "-m", "1", url]
         else:
-            argv = [sys.executable, "-c",
-                    ("import sys,urllib.request;"
-                     f"sys.stdout.write(urllib.request.urlopen({url!r},timeout=1).read().decode())")]
+            argv = [
+                sys.executable,
+                "-c",
+                (
+                    "import sys,urllib.request;"
+                    f"sys.stdout.write(urllib.request.urlopen({url!r},timeout=1).read().decode())"
+                ),
+            ]
         try:
             cp = self.run_in(i, argv, timeout=5)
         except subprocess.TimeoutExpired:
@@ -404,8 +422,7 @@ class Cluster:
         endpoint = by_id.get(leaders.pop())
         return None if endpoint is None else self.etcd_endpoints.index(endpoint)
 
-    def wait_healthy(self, members: Sequence[int] | None = None,
-                     timeout: float = ETCD_HEALTH_TIMEOUT) -> None:
+    def wait_healthy(self, members: Sequence[int] | None = None, timeout: float = ETCD_HEALTH_TIMEOUT) -> None:
         """Wait until every member in `members` (default: all running ones) reports healthy."""
         if members is None:
             members = [i for i, p in self._etcd_procs.items() if p.poll() is None]
@@ -416,13 +433,13 @@ class Cluster:
                 p = self._etcd_procs.get(i)
                 if p is None or p.poll() is not None:
                     rc = None if p is None else p.returncode
-                    raise RuntimeError(f"etcd member h{i} is not running (exit status {rc})\n"
-                                       + self._log_tails([i]))
+                    raise RuntimeError(f"etcd member h{i} is not running (exit status {rc})\n" + self._log_tails([i]))
                 if self.etcd_healthy(i):
                     pending.discard(i)
             if pending and time.monotonic() >= deadline:
-                raise RuntimeError(f"etcd members {sorted(pending)} not healthy after {timeout}s\n"
-                                   + self._log_tails(members))
+                raise RuntimeError(
+                    f"etcd members {sorted(pending)} not healthy after {timeout}s\n" + self._log_tails(members)
+                )
             if pending:
                 time.sleep(0.1)
 
@@ -494,8 +511,7 @@ class Cluster:
         if self.etcd and shutil.which("etcd") is None:
             raise RuntimeError("`etcd` not found on PATH (Debian: apt-get install etcd-server)")
         remove_stale()
-        self.tmpdir = Path(tempfile.mkdtemp(prefix=f"leto-netns-{os.getpid()}-{self._n}-",
-                                            dir=_scratch_root()))
+        self.tmpdir = Path(tempfile.mkdtemp(prefix=f"leto-netns-{os.getpid()}-{self._n}-", dir=_scratch_root()))
         self._add_ns(self.switch)
         sw = self.switch
         # STP off and no forward delay: a port forwards as soon as it has carrier (also after
@@ -506,8 +522,7 @@ class Cluster:
             self._add_ns(ns)
             veth = self._veth[i]
             # One end stays in the switch; the peer is created directly inside the host as eth0.
-            _ip("-n", sw, "link", "add", veth, "type", "veth", "peer", "name", self.iface,
-                "netns", ns)
+            _ip("-n", sw, "link", "add", veth, "type", "veth", "peer", "name", self.iface, "netns", ns)
             _ip("-n", sw, "link", "set", veth, "master", "br0")
             _ip("-n", sw, "link", "set", veth, "up")
             _ip("-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", self.iface)

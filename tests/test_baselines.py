@@ -3,6 +3,7 @@
 Real processes throughout: the restart supervisor (`python -m leto.baselines.restart`) runs as a
 subprocess, and the test kills a worker from outside, by PID, with `leto.baselines.faults`.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,8 @@ import pytest
 
 from conftest import REPO, Launcher, alive, read_procs, summary, wait_for
 from leto.baselines.ckpt_job import MemoryCheckpointer, steps_between
-from leto.runtime.runlog import write_procs
 from leto.baselines.faults import ExternalInjector, kill_at_step, poisson_schedule
+from leto.runtime.runlog import write_procs
 
 STEPS = 12
 CONFIG = ("--workers", "2", "--nodes", "1", "--steps", str(STEPS), "--seed", "5")
@@ -32,9 +33,12 @@ def start_baseline(lx: Launcher, run_dir: Path, *args: str) -> subprocess.Popen:
     """Start the restart supervisor; output goes to a file (a full pipe would block it)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     with open(run_dir.parent / f"{run_dir.name}.log", "w") as log:
-        popen = subprocess.Popen([sys.executable, "-m", "leto.baselines.restart", *CONFIG, "--quiet",
-                                  "--run-dir", str(run_dir), *args],
-                                 cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "leto.baselines.restart", *CONFIG, "--quiet", "--run-dir", str(run_dir), *args],
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     lx.started.append((popen, run_dir))
     return popen
 
@@ -83,14 +87,16 @@ def test_failure_free_baseline_is_the_built_in_job(reference: dict, launcher: La
     assert reference["steps"] == STEPS and reference["restarts"] == 0 and reference["recoveries"] == []
     assert reference["ckpt"]["saves"] == 2  # steps 4 and 8; none at the last step
     run_dir = tmp_path / "train"
-    res = launcher.run("train", *CONFIG, "--spares", "0", "--protection", "off", "--run-dir", str(run_dir),
-                       run_dir=run_dir)
+    res = launcher.run(
+        "train", *CONFIG, "--spares", "0", "--protection", "off", "--run-dir", str(run_dir), run_dir=run_dir
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert summary(run_dir)["digest"] == reference["digest"]
 
 
 def test_checkpoint_restart_after_sigkill_ends_with_the_failure_free_digest(
-        reference: dict, launcher: Launcher, tmp_path: Path) -> None:
+    reference: dict, launcher: Launcher, tmp_path: Path
+) -> None:
     run_dir = tmp_path / "run"
     popen = start_baseline(launcher, run_dir, "--system", "checkpoint-restart", "--ckpt-every", "4")
     killed_at = kill_at_step(run_dir, rank=1, step=6, timeout_s=60)
@@ -113,7 +119,8 @@ def test_checkpoint_restart_after_sigkill_ends_with_the_failure_free_digest(
 
 
 def test_memory_restart_after_sigkill_ends_with_the_failure_free_digest(
-        reference: dict, launcher: Launcher, tmp_path: Path, shm_dir: Path) -> None:
+    reference: dict, launcher: Launcher, tmp_path: Path, shm_dir: Path
+) -> None:
     run_dir = tmp_path / "run"
     popen = start_baseline(launcher, run_dir, "--system", "memory-restart", "--ckpt-dir", str(shm_dir))
     kill_at_step(run_dir, rank=0, step=6, timeout_s=60)
@@ -127,8 +134,9 @@ def test_memory_restart_after_sigkill_ends_with_the_failure_free_digest(
     assert no_job_process_alive(run_dir, attempt_records(run_dir))
 
 
-def test_a_torn_memory_checkpoint_is_not_loaded(reference: dict, launcher: Launcher, tmp_path: Path,
-                                                shm_dir: Path) -> None:
+def test_a_torn_memory_checkpoint_is_not_loaded(
+    reference: dict, launcher: Launcher, tmp_path: Path, shm_dir: Path
+) -> None:
     first = tmp_path / "first"
     finish(start_baseline(launcher, first, "--system", "memory-restart", "--ckpt-dir", str(shm_dir)), first)
     # rank 1's copy of the last step was "torn": its bytes are garbage and its commit marker is missing
@@ -146,7 +154,7 @@ def test_a_torn_memory_checkpoint_is_not_loaded(reference: dict, launcher: Launc
 
 
 def test_torchft_survivors_go_on_after_a_sigkill(launcher: Launcher, tmp_path: Path) -> None:
-    run_dir, steps = tmp_path / "run", 40   # long enough for the replacement to start and heal
+    run_dir, steps = tmp_path / "run", 40  # long enough for the replacement to start and heal
     popen = start_baseline(launcher, run_dir, "--system", "torchft", "--steps", str(steps))
     kill_at_step(run_dir, rank=1, step=5, timeout_s=60)
     s = finish(popen, run_dir)
@@ -164,12 +172,13 @@ def test_memory_commit_markers_guard_every_slot(tmp_path: Path) -> None:
         path = MemoryCheckpointer.slot_path(tmp_path, 3, slot)
         path.write_bytes(bytes(nbytes))
         path.with_name(path.name + ".commit").write_text(
-            json.dumps({"step": step, "slot": slot, "nbytes": nbytes, "fingerprint": fp}))
+            json.dumps({"step": step, "slot": slot, "nbytes": nbytes, "fingerprint": fp})
+        )
     assert MemoryCheckpointer.committed(tmp_path, 3, fp, nbytes) == {8: 0, 9: 1}
     assert MemoryCheckpointer.committed(tmp_path, 3, "another job", nbytes) == {}
     MemoryCheckpointer.slot_path(tmp_path, 3, 1).write_bytes(bytes(nbytes // 2))  # short data
     assert MemoryCheckpointer.committed(tmp_path, 3, fp, nbytes) == {8: 0}
-    (tmp_path / "rank3.slot0.commit").write_text('{"step": 8, "slot"')          # torn marker
+    (tmp_path / "rank3.slot0.commit").write_text('{"step": 8, "slot"')  # torn marker
     assert MemoryCheckpointer.committed(tmp_path, 3, fp, nbytes) == {}
 
 
@@ -200,8 +209,9 @@ def test_kill_at_step_signals_only_its_target_by_pid(tmp_path: Path) -> None:
     run_dir, procs = _fake_job(tmp_path)
     try:
         metrics = run_dir / "metrics.jsonl"
-        with ExternalInjector(run_dir, [{"kind": "kill", "rank": 1, "step": 3},
-                                {"kind": "node-kill", "node": 1, "step": 5}]) as inj:
+        with ExternalInjector(
+            run_dir, [{"kind": "kill", "rank": 1, "step": 3}, {"kind": "node-kill", "node": 1, "step": 5}]
+        ) as inj:
             for step in range(1, 7):
                 with open(metrics, "a") as f:
                     f.write(json.dumps({"step": step, "time": time.time()}) + "\n")

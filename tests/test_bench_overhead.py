@@ -2,6 +2,7 @@
 
 All on synthetic inputs or small layouts computed by hand; no timed run and no wall-clock value.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -13,12 +14,23 @@ import pytest
 from leto import cli
 from leto.bench import overhead
 from leto.bench.cpu import CpuSampler, memory_bytes
-from leto.bench.overhead import (PARTS, Point, check_tokens, curve_entry, memory_parts,
-                                 memory_summary, parse_curve, protected_bytes, rss_summary, targets, verdict,
-                                 worker_copy_bytes)
-from leto.protection.transport import HDR, SEND_BUFFERS, batch_buffer_bytes
+from leto.bench.overhead import (
+    PARTS,
+    Point,
+    check_tokens,
+    curve_entry,
+    memory_parts,
+    memory_summary,
+    parse_curve,
+    protected_bytes,
+    rss_summary,
+    targets,
+    verdict,
+    worker_copy_bytes,
+)
 from leto.protection.layout import Geometry, Layout
 from leto.protection.shm import Region
+from leto.protection.transport import HDR, SEND_BUFFERS, batch_buffer_bytes
 
 # 4 ranks on 2 nodes, 3 chunks of 1000 elements each, --ec 1+1: state chunk 12,000 B, gradient chunk 4,000 B
 GEOM = Geometry(3, 1000)
@@ -38,8 +50,8 @@ def test_memory_parts_of_the_nccl_path_by_hand() -> None:
     per_node = {
         "tier1_parity": 3 * 12000,
         "tier2_parity": 6 * 12000,
-        "gradient_parity": 2 * 3 * 4000 + 2 * 6 * 4000,     # two steps, tier 1 and tier 2
-        "staging_slots": 2 * 8 * 8 * 8 + 2 * 8 * 12000,     # slot headers and data: 8 slots per worker
+        "gradient_parity": 2 * 3 * 4000 + 2 * 6 * 4000,  # two steps, tier 1 and tier 2
+        "staging_slots": 2 * 8 * 8 * 8 + 2 * 8 * 12000,  # slot headers and data: 8 slots per worker
         # header; v1, crc1, g1_step, g1_count, gcrc1; v2, crc2, g2_step, g2_count, gcrc2 (int64)
         "tables": 128 + 8 * (6 + 6 + 6 + 6 + 12) + 8 * (6 + 6 + 12 + 12 + 12),
         # one link each way; per kind SEND_BUFFERS to send and one to receive, each of 8 + 6 records
@@ -49,14 +61,15 @@ def test_memory_parts_of_the_nccl_path_by_hand() -> None:
     for part, b in per_node.items():
         assert parts[part] == 2 * b, part
     assert parts["parity_preimages"] == 0 and parts["worker_snapshot"] == 0 and parts["worker_chunk_scratch"] == 0
-    assert parts["worker_second_state"] == 4 * 3 * 12000     # the second version of every shard
-    assert parts["worker_second_grads"] == 4 * 3 * 4000      # and of every gradient shard
+    assert parts["worker_second_state"] == 4 * 3 * 12000  # the second version of every shard
+    assert parts["worker_second_grads"] == 4 * 3 * 4000  # and of every gradient shard
     assert protected_bytes(lay) == 4 * 3 * 12000
     s = memory_summary(lay)
     assert s["memory_overhead"] == pytest.approx(sum(parts.values()) / 144000, abs=1e-4)
     assert sum(p["bytes"] for p in s["memory_parts"].values()) == sum(parts.values())
-    assert sum(p["per_protected_byte"] for p in s["memory_parts"].values()) == pytest.approx(s["memory_overhead"],
-                                                                                           abs=1e-3)
+    assert sum(p["per_protected_byte"] for p in s["memory_parts"].values()) == pytest.approx(
+        s["memory_overhead"], abs=1e-3
+    )
 
 
 def test_memory_parts_of_the_gloo_path_leave_out_gradients() -> None:
@@ -86,8 +99,12 @@ def test_batches_are_capped_by_the_largest_message() -> None:
     lay = Layout(0, 0, Geometry(5, 1 << 20), NODES, (1, 1), replicated_grads=True)
     record = HDR * 8 + 12 * (1 << 20)
     assert batch_buffer_bytes(lay, 0) == (SEND_BUFFERS + 1) * (8 + record)
-    assert worker_copy_bytes(lay) == {"worker_second_state": 0, "worker_second_grads": 0, "worker_snapshot": 0,
-                                      "worker_chunk_scratch": 12 * (1 << 20)}
+    assert worker_copy_bytes(lay) == {
+        "worker_second_state": 0,
+        "worker_second_grads": 0,
+        "worker_snapshot": 0,
+        "worker_chunk_scratch": 12 * (1 << 20),
+    }
 
 
 @pytest.mark.parametrize("replicated", [False, True])
@@ -111,16 +128,23 @@ def test_region_parts_are_the_keepers_real_region(replicated: bool) -> None:
 def test_memory_cost_keeps_the_old_figures_beside_the_headline() -> None:
     m = overhead.memory_cost("tiny", 4, 2, (1, 1))
     parts = m["memory_parts"]
-    assert m["memory_overhead"] == pytest.approx(sum(p["bytes"] for p in parts.values()) / m["protected_bytes"],
-                                                 abs=1e-4)
+    assert m["memory_overhead"] == pytest.approx(
+        sum(p["bytes"] for p in parts.values()) / m["protected_bytes"], abs=1e-4
+    )
     assert m["memory_overhead_without_batches_and_copies"] == pytest.approx(
-        m["keeper_bytes"] / m["protected_bytes"], abs=1e-4)
+        m["keeper_bytes"] / m["protected_bytes"], abs=1e-4
+    )
     assert m["keeper_bytes"] == sum(m["keeper_breakdown"].values())
     assert m["keeper_batch_buffer_bytes"] == parts["tier2_batch_buffers"]["bytes"] > 0
     assert m["worker_second_copies_bytes"] == sum(parts[p]["bytes"] for p in parts if p.startswith("worker_")) > 0
-    assert m["memory_overhead"] > m["memory_overhead_with_worker_copies"] > m["memory_overhead_without_batches_and_copies"]
+    assert (
+        m["memory_overhead"] > m["memory_overhead_with_worker_copies"] > m["memory_overhead_without_batches_and_copies"]
+    )
     assert m["memory_layout"]["replicated_grads"] and not m["memory_layout"]["protects_grads"]
-    assert m["memory_overhead_by_path"]["nccl"]["memory_overhead"] > m["memory_overhead_by_path"]["gloo"]["memory_overhead"]
+    assert (
+        m["memory_overhead_by_path"]["nccl"]["memory_overhead"]
+        > m["memory_overhead_by_path"]["gloo"]["memory_overhead"]
+    )
     assert m["protected_elements"] * 12 == m["protected_bytes"]
 
 
@@ -128,10 +152,24 @@ def test_memory_cost_keeps_the_old_figures_beside_the_headline() -> None:
 def test_rss_by_role_counts_each_process_once_without_shared_regions() -> None:
     mib = 1 << 20
     peaks = {
-        1: {"pid": 1, "role": "keeper", "node": 0, "vm_rss": 200 * mib, "rss_shmem": 10 * mib, "pss": 150 * mib,
-            "pss_shmem": 5 * mib},
-        2: {"pid": 2, "role": "keeper", "node": 1, "vm_rss": 210 * mib, "rss_shmem": 10 * mib, "pss": 160 * mib,
-            "pss_shmem": 5 * mib},
+        1: {
+            "pid": 1,
+            "role": "keeper",
+            "node": 0,
+            "vm_rss": 200 * mib,
+            "rss_shmem": 10 * mib,
+            "pss": 150 * mib,
+            "pss_shmem": 5 * mib,
+        },
+        2: {
+            "pid": 2,
+            "role": "keeper",
+            "node": 1,
+            "vm_rss": 210 * mib,
+            "rss_shmem": 10 * mib,
+            "pss": 160 * mib,
+            "pss_shmem": 5 * mib,
+        },
         3: {"pid": 3, "role": "zygote", "node": 0, "vm_rss": 100 * mib, "rss_shmem": 0},  # no smaps_rollup
         4: {"pid": 4, "role": "shadow", "node": 0, "vm_rss": 90 * mib, "pss": 60 * mib, "pss_shmem": 0},
         5: {"pid": 5, "role": "worker", "node": 0, "vm_rss": 300 * mib, "pss": 250 * mib, "pss_shmem": mib},
@@ -147,18 +185,30 @@ def test_rss_by_role_counts_each_process_once_without_shared_regions() -> None:
 def test_memory_of_a_live_process_and_the_peak_sample(tmp_path: Path) -> None:
     mine = memory_bytes(os.getpid())
     assert mine is not None and mine["vm_rss"] > 0 and mine["rss_anon"] > 0
-    assert memory_bytes(2 ** 22 + 12345) is None  # no such process
+    assert memory_bytes(2**22 + 12345) is None  # no such process
     sampler = CpuSampler(tmp_path, memory_every_s=0.0)
-    sampler.memory = [(1.0, {"pid": 7, "role": "keeper", "node": 0, "vm_rss": 5, "pss": 3}),
-                      (2.0, {"pid": 7, "role": "keeper", "node": 0, "vm_rss": 4, "pss": 4}),
-                      (3.0, {"pid": 7, "role": "keeper", "node": 0, "vm_rss": 9, "pss": 9})]
+    sampler.memory = [
+        (1.0, {"pid": 7, "role": "keeper", "node": 0, "vm_rss": 5, "pss": 3}),
+        (2.0, {"pid": 7, "role": "keeper", "node": 0, "vm_rss": 4, "pss": 4}),
+        (3.0, {"pid": 7, "role": "keeper", "node": 0, "vm_rss": 9, "pss": 9}),
+    ]
     assert sampler.peak_memory()[7]["pss"] == 9
     assert sampler.peak_memory(0.0, 2.5)[7]["pss"] == 4
 
 
 # ----- the curve
-ENTRY_KEYS = {"label", "model", "rows", "step_s_off", "step_s_on", "overhead_ratio", "cpu_s_per_step_off",
-              "cpu_s_per_step_on", "bytes_per_element_per_step", "tokens_per_param_per_step"}
+ENTRY_KEYS = {
+    "label",
+    "model",
+    "rows",
+    "step_s_off",
+    "step_s_on",
+    "overhead_ratio",
+    "cpu_s_per_step_off",
+    "cpu_s_per_step_on",
+    "bytes_per_element_per_step",
+    "tokens_per_param_per_step",
+}
 
 
 def test_a_curve_entry_has_the_documented_keys() -> None:
@@ -166,8 +216,9 @@ def test_a_curve_entry_has_the_documented_keys() -> None:
     off, on = [1.0, 1.2, 1.1], [1.05, 1.3, 1.1]
     cpu_off = [{"worker": 0.10}, {"worker": 0.12}, {"worker": 0.11}]
     cpu_on = [{"worker": 0.11, "keeper": 0.02, "keeper/main": 0.01}] * 3
-    e = curve_entry(Point("tiny", 512), 800_000, lay, off, on, cpu_off, cpu_on, steps=12,
-                    prot=[{"stage_s": 0.001, "wait_s": 0.002}])
+    e = curve_entry(
+        Point("tiny", 512), 800_000, lay, off, on, cpu_off, cpu_on, steps=12, prot=[{"stage_s": 0.001, "wait_s": 0.002}]
+    )
     assert ENTRY_KEYS <= set(e)
     assert e["label"] == "tiny x512 rows" and e["model"] == "tiny" and e["rows"] == 512
     assert e["step_s_off"] == 1.1 and e["step_s_on"] == 1.1 and e["overhead_ratio_of_medians"] == 1.0  # medians
@@ -207,9 +258,15 @@ def test_verdicts_are_measured_never_assumed() -> None:
     assert verdict(1.03, 1.03) == "PASS"
     assert verdict(1.0301, 1.03) == "MISS"
     assert verdict(None, 1.03) == "NOT MEASURED"
-    out = {"model": "tiny", "overhead_ratio": 1.02, "memory_overhead": 3.5,
-           "curve": [{"model": "tiny", "rows": 32, "overhead_ratio": 1.02},
-                     {"model": "tiny", "rows": 512, "overhead_ratio": 1.011}]}
+    out = {
+        "model": "tiny",
+        "overhead_ratio": 1.02,
+        "memory_overhead": 3.5,
+        "curve": [
+            {"model": "tiny", "rows": 32, "overhead_ratio": 1.02},
+            {"model": "tiny", "rows": 512, "overhead_ratio": 1.011},
+        ],
+    }
     t = targets(out)
     assert t["overhead_ratio_default_job"]["result"] == "PASS"
     assert t["overhead_ratio_512_rows"] == {"value": 1.011, "target": "<= 1.01", "result": "MISS"}
@@ -221,71 +278,156 @@ def test_verdicts_are_measured_never_assumed() -> None:
     assert targets(out)["overhead_ratio_default_job_with_persistence"]["result"] == "PASS"
 
 
-def test_bad_curve_flags_are_usage_errors_before_any_run(monkeypatch: pytest.MonkeyPatch,
-                                                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_curve_flags_are_usage_errors_before_any_run(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     def no_run(*a: object, **kw: object) -> dict:
         raise AssertionError("no job may run")
+
     monkeypatch.setattr(overhead, "run_job", no_run)
     assert cli.main(["bench", "overhead", "--curve", "huge"]) == 2
     assert "--curve" in capsys.readouterr().err
     assert cli.main(["bench", "overhead", "--rounds", "0"]) == 2
-    args = cli.build_parser().parse_args(["bench", "overhead", "--curve", "full", "--curve-rounds", "1",
-                                          "--curve-steps", "6", "--rss", "off", "--rounds", "5"])
+    args = cli.build_parser().parse_args(
+        [
+            "bench",
+            "overhead",
+            "--curve",
+            "full",
+            "--curve-rounds",
+            "1",
+            "--curve-steps",
+            "6",
+            "--rss",
+            "off",
+            "--rounds",
+            "5",
+        ]
+    )
     assert (args.curve, args.curve_rounds, args.curve_steps, args.rss, args.rounds) == ("full", 1, 6, "off", 5)
     assert isinstance(args, argparse.Namespace)
 
 
-def test_the_bench_interleaves_runs_and_reports_every_key(monkeypatch: pytest.MonkeyPatch,
-                                                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_bench_interleaves_runs_and_reports_every_key(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """main() on stand-in runs (no job starts): the order of runs, the JSON keys, the printout."""
     import json
+
     calls: list[tuple] = []
     persisted: list[bool] = []
 
-    def fake_run(workers: int, steps: int, model: str, run_dir: Path, extra: list[str] | None = None,
-                 spares: int = 0, nodes: int = 1, protection: bool = False, ec: object = None,
-                 module: str | None = None, memory_every_s: float | None = None, persist: bool = False) -> dict:
+    def fake_run(
+        workers: int,
+        steps: int,
+        model: str,
+        run_dir: Path,
+        extra: list[str] | None = None,
+        spares: int = 0,
+        nodes: int = 1,
+        protection: bool = False,
+        ec: object = None,
+        module: str | None = None,
+        memory_every_s: float | None = None,
+        persist: bool = False,
+    ) -> dict:
         rows = int(extra[1]) if extra else overhead.PRESETS[model].batch_size
         calls.append((model, rows, protection, spares, module))
         persisted.append(persist)
         step_s = 0.1 * rows / 32 * (1.1 if protection else 1.0)
         wall_s = step_s * (1.2 / 1.1 if persist else 1.0)  # a checkpoint's copy: not in the median step time
-        recs = [{"step": i + 1, "step_s": step_s, "tokens_per_s": rows * 64 / step_s, "stage_s": 0.001,
-                 "wait_s": 0.002, "time": 1000.0 + i * wall_s} for i in range(steps)]
-        events = [{"event": "persist_interval", "every": 3}, {"event": "persist_commit", "step": steps}] \
-            if persist else []
-        mem = {1: {"pid": 1, "role": "keeper", "node": 0, "vm_rss": 9 << 20, "pss": 8 << 20, "pss_shmem": 1 << 20},
-               2: {"pid": 2, "role": "zygote", "node": 0, "vm_rss": 7 << 20, "pss": 6 << 20, "pss_shmem": 0},
-               3: {"pid": 3, "role": "shadow", "node": 0, "vm_rss": 7 << 20, "pss": 5 << 20, "pss_shmem": 0}}
-        return {"steps": recs, "events": events, "cpu_s_per_step": {"worker": 0.1, **({"keeper": 0.02} if protection else {})},
-                "memory": mem if memory_every_s else {}}
+        recs = [
+            {
+                "step": i + 1,
+                "step_s": step_s,
+                "tokens_per_s": rows * 64 / step_s,
+                "stage_s": 0.001,
+                "wait_s": 0.002,
+                "time": 1000.0 + i * wall_s,
+            }
+            for i in range(steps)
+        ]
+        events = (
+            [{"event": "persist_interval", "every": 3}, {"event": "persist_commit", "step": steps}] if persist else []
+        )
+        mem = {
+            1: {"pid": 1, "role": "keeper", "node": 0, "vm_rss": 9 << 20, "pss": 8 << 20, "pss_shmem": 1 << 20},
+            2: {"pid": 2, "role": "zygote", "node": 0, "vm_rss": 7 << 20, "pss": 6 << 20, "pss_shmem": 0},
+            3: {"pid": 3, "role": "shadow", "node": 0, "vm_rss": 7 << 20, "pss": 5 << 20, "pss_shmem": 0},
+        }
+        return {
+            "steps": recs,
+            "events": events,
+            "cpu_s_per_step": {"worker": 0.1, **({"keeper": 0.02} if protection else {})},
+            "memory": mem if memory_every_s else {},
+        }
 
     monkeypatch.setattr(overhead, "run_job", fake_run)
-    monkeypatch.setattr("leto.bench.floor.operation_costs", lambda size=0: dict.fromkeys(
-        ("copy", "xor_two_into_slot", "checksum", "fold", "tcp_loopback"), 0.1))
-    monkeypatch.setattr(overhead, "measure_codec", lambda **kw: dict.fromkeys(
-        ("encode_gbps", "xor_gbps", "checksum_gbps", "memcpy_gbps"), 10.0))
+    monkeypatch.setattr(
+        "leto.bench.floor.operation_costs",
+        lambda size=0: dict.fromkeys(("copy", "xor_two_into_slot", "checksum", "fold", "tcp_loopback"), 0.1),
+    )
+    monkeypatch.setattr(
+        overhead,
+        "measure_codec",
+        lambda **kw: dict.fromkeys(("encode_gbps", "xor_gbps", "checksum_gbps", "memcpy_gbps"), 10.0),
+    )
     assert cli.main(["bench", "overhead", "--json", "--steps", "4", "--curve", "128", "--curve-rounds", "2"]) == 0
     out = json.loads(capsys.readouterr().out)
     default = [("tiny", 32, p, 0, None) for _ in range(overhead.ROUNDS) for p in (False, True, True)]
     curve = [("tiny", 128, p, 0, None) for _ in range(2) for p in (False, True)]
     n = len(default)
-    assert calls[:n] == default and calls[n:n + 4] == curve
+    assert calls[:n] == default and calls[n : n + 4] == curve
     assert persisted == [False, False, True] * overhead.ROUNDS + [False] * (len(calls) - n)  # the default job only
     pe = out["persistence"]
-    assert pe["overhead_ratio_with_persistence"] == pytest.approx(1.2) and pe["overhead_ratio_wall"] == pytest.approx(1.1)
+    assert pe["overhead_ratio_with_persistence"] == pytest.approx(1.2) and pe["overhead_ratio_wall"] == pytest.approx(
+        1.1
+    )
     assert pe["every"] == [3] * overhead.ROUNDS and pe["checkpoints_in_window"] == [1] * overhead.ROUNDS
     assert out["targets"]["overhead_ratio_default_job_with_persistence"]["result"] == "MISS"
     assert calls[n + 4][2:4] == (True, 1)  # the memory run: protected, with a shadow (and zygotes)
-    old_keys = {"model", "workers", "nodes", "ec", "steps_per_run", "rounds", "step_s_off", "step_s_on",
-                "overhead_ratio", "step_s_off_runs", "step_s_on_runs", "protection_stage_s_per_step",
-                "protection_wait_s_per_step", "encode_gbps", "xor_gbps", "checksum_gbps", "memcpy_gbps",
-                "cpu_s_per_step_off", "cpu_s_per_step_on", "protected_bytes", "keeper_bytes", "keeper_breakdown",
-                "worker_second_copies_bytes", "memory_overhead", "memory_overhead_with_worker_copies"}
-    new_keys = {"curve", "curve_mode", "curve_rounds", "curve_steps_per_run", "bytes_per_element_per_step",
-                "protected_elements", "memory_parts", "memory_overhead_without_batches_and_copies",
-                "memory_overhead_large_model_limit", "fixed_rss_bytes_per_node", "recovery_rss_bytes_per_node",
-                "rss_by_role", "targets"}
+    old_keys = {
+        "model",
+        "workers",
+        "nodes",
+        "ec",
+        "steps_per_run",
+        "rounds",
+        "step_s_off",
+        "step_s_on",
+        "overhead_ratio",
+        "step_s_off_runs",
+        "step_s_on_runs",
+        "protection_stage_s_per_step",
+        "protection_wait_s_per_step",
+        "encode_gbps",
+        "xor_gbps",
+        "checksum_gbps",
+        "memcpy_gbps",
+        "cpu_s_per_step_off",
+        "cpu_s_per_step_on",
+        "protected_bytes",
+        "keeper_bytes",
+        "keeper_breakdown",
+        "worker_second_copies_bytes",
+        "memory_overhead",
+        "memory_overhead_with_worker_copies",
+    }
+    new_keys = {
+        "curve",
+        "curve_mode",
+        "curve_rounds",
+        "curve_steps_per_run",
+        "bytes_per_element_per_step",
+        "protected_elements",
+        "memory_parts",
+        "memory_overhead_without_batches_and_copies",
+        "memory_overhead_large_model_limit",
+        "fixed_rss_bytes_per_node",
+        "recovery_rss_bytes_per_node",
+        "rss_by_role",
+        "targets",
+    }
     assert old_keys | new_keys <= set(out)
     assert out["overhead_ratio"] == pytest.approx(1.1) and out["rounds"] == overhead.ROUNDS and out["curve_rounds"] == 2
     assert [(e["rows"], e["rounds"]) for e in out["curve"]] == [(32, overhead.ROUNDS), (128, 2)]
@@ -303,6 +445,7 @@ def test_the_bench_interleaves_runs_and_reports_every_key(monkeypatch: pytest.Mo
 
 def test_the_physical_floor_is_bytes_times_measured_cost_per_operation() -> None:
     from leto.bench.floor import floor
+
     lay = layout(replicated_grads=True)  # 4 ranks x 3 chunks x 1000 elements, --ec 1+1
     costs = {"copy": 0.1, "xor_two_into_slot": 0.2, "checksum": 0.05, "fold": 0.1, "tcp_loopback": 0.5}
     f = floor(lay, step_s_off=0.1, cores=2, costs=costs, cold={k: 2 * v for k, v in costs.items()})
@@ -318,6 +461,7 @@ def test_the_physical_floor_is_bytes_times_measured_cost_per_operation() -> None
 
 def test_the_floor_measures_every_operation_it_uses() -> None:
     from leto.bench.floor import operation_costs
+
     costs = operation_costs()
     assert set(costs) == {"copy", "xor_two_into_slot", "checksum", "fold", "tcp_loopback"}
     assert all(v > 0 for v in costs.values())

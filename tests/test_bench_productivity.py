@@ -3,6 +3,7 @@ targets, the names of the figures - on synthetic run records - and one short rea
 
 No test checks a wall-clock value: those depend on the machine and its load.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -10,8 +11,8 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import beyond_ci
 
+from conftest import beyond_ci
 from leto.baselines.faults import Kill
 from leto.bench import productivity, runs
 from leto.bench.productivity import (
@@ -42,25 +43,35 @@ def steps_every(start_step: int, n: int, t0: float, step_s: float) -> list[dict]
     return [{"step": start_step + i, "step_s": step_s, "time": t0 + i * step_s, "loss": 3.0} for i in range(n)]
 
 
-def run(name: str, t0: float, work_s: float, *, steps: int = 100, exit_s: float | None = None, kills: int = 0,
-        ok: bool = True) -> Run:
+def run(
+    name: str,
+    t0: float,
+    work_s: float,
+    *,
+    steps: int = 100,
+    exit_s: float | None = None,
+    kills: int = 0,
+    ok: bool = True,
+) -> Run:
     """A run launched at t0 whose last step of the work (`steps`) is recorded `work_s` later and
     which returned `exit_s` after launch (default: 1 s after the work); `kills` SIGKILLs at
     t0 + 1, 2, ... s."""
     recs = [{"step": steps, "step_s": 0.1, "time": t0 + work_s}]
     ks = [Kill({"kind": "kill", "rank": 1, "step": 3}, t0 + 1.0 + i, 3) for i in range(kills)]
     end = t0 + (work_s + 1.0 if exit_s is None else exit_s)
-    return Run(name, Path(f"/nonexistent/{name}"), t0, end, 0 if ok else 1, None if ok else "exit code 1", {}, recs,
-               ks)
+    return Run(name, Path(f"/nonexistent/{name}"), t0, end, 0 if ok else 1, None if ok else "exit code 1", {}, recs, ks)
 
 
-def trial(free: dict[str, float], faulty: dict[str, float], exits: dict[str, float] | None = None,
-          kills: int = 2) -> dict[str, dict[str, Run]]:
+def trial(
+    free: dict[str, float], faulty: dict[str, float], exits: dict[str, float] | None = None, kills: int = 2
+) -> dict[str, dict[str, Run]]:
     """One trial's runs from {system: work time} of its failure-free runs and of its runs with
     failures (and optionally {system: launch -> exit} of the failure-free runs)."""
     exits = exits or {}
-    return {"failure-free": {n: run(n, 0.0, t, exit_s=exits.get(n)) for n, t in free.items()},
-            "failures": {n: run(n, 1000.0, t, kills=kills) for n, t in faulty.items()}}
+    return {
+        "failure-free": {n: run(n, 0.0, t, exit_s=exits.get(n)) for n, t in free.items()},
+        "failures": {n: run(n, 1000.0, t, kills=kills) for n, t in faulty.items()},
+    }
 
 
 # ----- the headline
@@ -68,8 +79,9 @@ def test_headline_is_the_fastest_failure_free_run_of_any_system_over_the_wall_ti
     """Leto's failure-free run took 50 s, checkpoint-restart's 40 s: the work can be done in 40 s, so
     Leto's 62.5 s with failures is 64 % productive, checkpoint-restart's 80 s 50 % - the per-step
     cost that made Leto's failure-free run slower is charged, not only its failures."""
-    t = summarize_trial(CFG, trial({"leto": 50.0, "checkpoint-restart": 40.0},
-                                   {"leto": 62.5, "checkpoint-restart": 80.0}), NAMES)
+    t = summarize_trial(
+        CFG, trial({"leto": 50.0, "checkpoint-restart": 40.0}, {"leto": 62.5, "checkpoint-restart": 80.0}), NAMES
+    )
     assert t["fastest_failure_free"] == {"system": "checkpoint-restart", "work_s": 40.0}
     leto, cr = t["systems"]["leto"], t["systems"]["checkpoint-restart"]
     assert leto[HEADLINE] == pytest.approx(40.0 / 62.5)
@@ -78,8 +90,9 @@ def test_headline_is_the_fastest_failure_free_run_of_any_system_over_the_wall_ti
 
 
 def test_the_fastest_system_is_measured_against_itself() -> None:
-    t = summarize_trial(CFG, trial({"leto": 30.0, "memory-restart": 40.0}, {"leto": 37.5, "memory-restart": 50.0}),
-                        NAMES)
+    t = summarize_trial(
+        CFG, trial({"leto": 30.0, "memory-restart": 40.0}, {"leto": 37.5, "memory-restart": 50.0}), NAMES
+    )
     assert t["fastest_failure_free"]["system"] == "leto"
     assert t["systems"]["leto"][HEADLINE] == pytest.approx(0.8)
     assert t["systems"]["memory-restart"][HEADLINE] == pytest.approx(0.6)
@@ -88,22 +101,25 @@ def test_the_fastest_system_is_measured_against_itself() -> None:
 def test_secondary_figures_are_named_for_what_they_leave_out() -> None:
     """Both secondary estimates compare a system with its own speed, so its per-step costs are
     not charged; their names say so, and the old ambiguous names are gone."""
-    s = summarize_trial(CFG, trial({"leto": 50.0, "checkpoint-restart": 40.0},
-                                   {"leto": 62.5, "checkpoint-restart": 80.0}), NAMES)["systems"]["leto"]
+    s = summarize_trial(
+        CFG, trial({"leto": 50.0, "checkpoint-restart": 40.0}, {"leto": 62.5, "checkpoint-restart": 80.0}), NAMES
+    )["systems"]["leto"]
     figures = {k for k in s if k.startswith("productivity")}
     assert figures == {HEADLINE, IN_RUN, OWN}
     assert IN_RUN.endswith("excludes_per_step_costs") and OWN.endswith("excludes_per_step_costs")
-    assert s[OWN] == pytest.approx(50.0 / 62.5)                           # its own failure-free run
+    assert s[OWN] == pytest.approx(50.0 / 62.5)  # its own failure-free run
     assert s[IN_RUN] == pytest.approx(s["in_run_failure_free_s"] / 62.5)  # its own steps in the same run
     for old in ("productivity_vs_fastest", "productivity_own"):
         assert old not in s
 
 
 def test_secondary_differences_are_reported_under_their_own_names() -> None:
-    t = summarize_trial(CFG, trial({"leto": 50.0, "checkpoint-restart": 40.0},
-                                   {"leto": 62.5, "checkpoint-restart": 80.0}), NAMES)
-    assert t["difference_pp_vs_own_failure_free_run_excludes_per_step_costs"]["checkpoint-restart"] == \
-        pytest.approx(100 * (50.0 / 62.5 - 40.0 / 80.0), abs=0.01)
+    t = summarize_trial(
+        CFG, trial({"leto": 50.0, "checkpoint-restart": 40.0}, {"leto": 62.5, "checkpoint-restart": 80.0}), NAMES
+    )
+    assert t["difference_pp_vs_own_failure_free_run_excludes_per_step_costs"]["checkpoint-restart"] == pytest.approx(
+        100 * (50.0 / 62.5 - 40.0 / 80.0), abs=0.01
+    )
     assert "difference_pp_in_run_estimate_excludes_per_step_costs" in t
     assert "difference_pp_vs_fastest" not in t and "difference_pp_own" not in t
 
@@ -112,14 +128,21 @@ def test_secondary_differences_are_reported_under_their_own_names() -> None:
 def test_failure_free_ratio_is_the_whole_run_against_the_fastest_other_system() -> None:
     """The whole run counts, launch to exit (start-up, the work, shutdown): Leto's work is done in
     30 s but it exits at 36 s; memory-restart exits at 32 s, checkpoint-restart at 40 s."""
-    t = summarize_trial(CFG, trial({"leto": 30.0, "memory-restart": 30.0, "checkpoint-restart": 35.0}, {},
-                                   exits={"leto": 36.0, "memory-restart": 32.0, "checkpoint-restart": 40.0}), NAMES)
+    t = summarize_trial(
+        CFG,
+        trial(
+            {"leto": 30.0, "memory-restart": 30.0, "checkpoint-restart": 35.0},
+            {},
+            exits={"leto": 36.0, "memory-restart": 32.0, "checkpoint-restart": 40.0},
+        ),
+        NAMES,
+    )
     s = t["systems"]
     assert s["leto"]["failure_free_run_s"] == pytest.approx(36.0)
     assert s["leto"]["failure_free_work_s"] == pytest.approx(30.0)
     assert s["leto"][RATIO] == pytest.approx(36.0 / 32.0, abs=1e-4)
     assert s["leto"][WORK_RATIO] == pytest.approx(1.0)
-    assert s["memory-restart"][RATIO] == pytest.approx(32.0 / 36.0, abs=1e-4)   # the fastest: below 1
+    assert s["memory-restart"][RATIO] == pytest.approx(32.0 / 36.0, abs=1e-4)  # the fastest: below 1
     assert s["checkpoint-restart"][RATIO] == pytest.approx(40.0 / 32.0, abs=1e-4)
 
 
@@ -128,15 +151,15 @@ def test_a_failure_free_run_that_did_not_end_cleanly_has_no_run_time() -> None:
     runs_["failure-free"]["memory-restart"] = run("memory-restart", 0.0, 25.0, exit_s=26.0, ok=False)
     s = summarize_trial(CFG, runs_, NAMES)["systems"]
     assert s["memory-restart"]["failure_free_run_s"] is None and s["memory-restart"][RATIO] is None
-    assert s["leto"][RATIO] is None                      # no peer with a clean run to compare with
-    assert s["memory-restart"]["failure_free_work_s"] == pytest.approx(25.0)   # its work still counts
+    assert s["leto"][RATIO] is None  # no peer with a clean run to compare with
+    assert s["memory-restart"]["failure_free_work_s"] == pytest.approx(25.0)  # its work still counts
 
 
 # ----- trials: medians and spread
 THREE_TRIALS = [
-    trial({"leto": 50.0, "checkpoint-restart": 40.0}, {"leto": 50.0, "checkpoint-restart": 80.0}),   # 80 %, 50 %
-    trial({"leto": 60.0, "checkpoint-restart": 30.0}, {"leto": 50.0, "checkpoint-restart": 54.5}),   # 60 %, 55 %
-    trial({"leto": 35.0, "checkpoint-restart": 63.0}, {"leto": 50.0, "checkpoint-restart": 39.0}),   # 70 %, 90 %
+    trial({"leto": 50.0, "checkpoint-restart": 40.0}, {"leto": 50.0, "checkpoint-restart": 80.0}),  # 80 %, 50 %
+    trial({"leto": 60.0, "checkpoint-restart": 30.0}, {"leto": 50.0, "checkpoint-restart": 54.5}),  # 60 %, 55 %
+    trial({"leto": 35.0, "checkpoint-restart": 63.0}, {"leto": 50.0, "checkpoint-restart": 39.0}),  # 70 %, 90 %
 ]
 
 
@@ -165,13 +188,13 @@ def test_leto_lead_is_the_median_of_the_per_trial_differences() -> None:
 
 def test_the_representative_trial_is_the_median_headline() -> None:
     rep = build_report(CFG, THREE_TRIALS, NAMES, specs=[])
-    assert rep["systems"]["leto"]["representative_trial"] == 3       # 70 % of 80, 60, 70
+    assert rep["systems"]["leto"]["representative_trial"] == 3  # 70 % of 80, 60, 70
     assert rep["systems"]["checkpoint-restart"]["representative_trial"] == 2
 
 
 def test_a_run_that_did_not_finish_has_no_productivity_and_is_left_out_of_the_median() -> None:
     trials = [trial({"leto": 50.0}, {"leto": 62.5}), trial({"leto": 50.0}, {"leto": 100.0})]
-    trials[1]["failures"]["leto"] = run("leto", 1000.0, 80.0, steps=99)      # step 100 never recorded
+    trials[1]["failures"]["leto"] = run("leto", 1000.0, 80.0, steps=99)  # step 100 never recorded
     rep = build_report(CFG, trials, NAMES, specs=[])
     leto = rep["systems"]["leto"]
     assert leto["trials"][1][HEADLINE] is None and not leto["trials"][1]["ok"]
@@ -179,47 +202,60 @@ def test_a_run_that_did_not_finish_has_no_productivity_and_is_left_out_of_the_me
 
 
 def test_failures_after_the_work_is_done_do_not_count() -> None:
-    runs_ = {"failure-free": {"leto": run("leto", 0.0, 50.0)},
-             "failures": {"leto": run("leto", 0.0, 1.5, kills=3, ok=False)}}  # kills at 1, 2, 3 s; done at 1.5 s
+    runs_ = {
+        "failure-free": {"leto": run("leto", 0.0, 50.0)},
+        "failures": {"leto": run("leto", 0.0, 1.5, kills=3, ok=False)},
+    }  # kills at 1, 2, 3 s; done at 1.5 s
     s = summarize_trial(CFG, runs_, NAMES)["systems"]["leto"]
     assert s["failures"] == 1 and s["ok"] and s["error"] == "exit code 1"
 
 
 def test_the_order_of_the_systems_rotates_from_trial_to_trial() -> None:
     systems = [System(n, n) for n in ("a", "b", "c")]
-    assert [[s.name for s in productivity.trial_order(systems, t)] for t in range(4)] == \
-        [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    assert [[s.name for s in productivity.trial_order(systems, t)] for t in range(4)] == [
+        ["a", "b", "c"],
+        ["b", "c", "a"],
+        ["c", "a", "b"],
+        ["a", "b", "c"],
+    ]
 
 
 # ----- targets: measured, never assumed
-def _report_with(ratio: float | None, leads: dict[str, float | None], trials: int = 3,
-                 missing: int = 0) -> dict:
+def _report_with(ratio: float | None, leads: dict[str, float | None], trials: int = 3, missing: int = 0) -> dict:
     """A report whose medians are `ratio` and `leads`, each measured in `trials - missing` of `trials`."""
     got = [i >= missing for i in range(trials)]
-    return {"systems": {"leto": {RATIO: ratio, "trials": [{RATIO: ratio if g else None} for g in got]}},
-            "difference_pp": leads,
-            "trials": [{"difference_pp": {n: d if g else None for n, d in leads.items()}} for g in got]}
+    return {
+        "systems": {"leto": {RATIO: ratio, "trials": [{RATIO: ratio if g else None} for g in got]}},
+        "difference_pp": leads,
+        "trials": [{"difference_pp": {n: d if g else None for n, d in leads.items()}} for g in got],
+    }
 
 
 def test_targets_pass_only_on_measured_medians() -> None:
     peers = ["checkpoint-restart", "memory-restart", "torchft"]
-    got = productivity.targets(_report_with(1.03, {"checkpoint-restart": 10.0, "memory-restart": 0.5,
-                                                   "torchft": 2.0}), peers)
+    got = productivity.targets(
+        _report_with(1.03, {"checkpoint-restart": 10.0, "memory-restart": 0.5, "torchft": 2.0}), peers
+    )
     assert [(t["name"], t["result"]) for t in got] == [
-        (RATIO, "PASS"), ("difference_pp[checkpoint-restart]", "PASS"), ("difference_pp[memory-restart]", "PASS"),
-        ("difference_pp[torchft]", "PASS")]
-    got = productivity.targets(_report_with(1.0345, {"checkpoint-restart": 9.99, "memory-restart": 0.0,
-                                                     "torchft": None}), peers)
+        (RATIO, "PASS"),
+        ("difference_pp[checkpoint-restart]", "PASS"),
+        ("difference_pp[memory-restart]", "PASS"),
+        ("difference_pp[torchft]", "PASS"),
+    ]
+    got = productivity.targets(
+        _report_with(1.0345, {"checkpoint-restart": 9.99, "memory-restart": 0.0, "torchft": None}), peers
+    )
     assert [t["result"] for t in got] == ["MISS", "MISS", "MISS", "NOT MEASURED"]
-    assert got[0]["measured"] == pytest.approx(1.0345)     # not rounded into a pass
+    assert got[0]["measured"] == pytest.approx(1.0345)  # not rounded into a pass
     assert productivity.targets(_report_with(None, {}), [])[0]["result"] == "NOT MEASURED"
 
 
 def test_a_target_missing_from_some_trials_does_not_pass() -> None:
     """A run that failed in one trial leaves its figure out of the median; the target then is not
     met on the trials that happened to work."""
-    got = productivity.targets(_report_with(1.0, {"checkpoint-restart": 30.0}, trials=3, missing=1),
-                               ["checkpoint-restart"])
+    got = productivity.targets(
+        _report_with(1.0, {"checkpoint-restart": 30.0}, trials=3, missing=1), ["checkpoint-restart"]
+    )
     assert [(t["result"], t["trials_measured"], t["trials"]) for t in got] == [("INCOMPLETE", 2, 3)] * 2
 
 
@@ -230,8 +266,8 @@ def test_a_peer_that_is_not_installed_is_reported_and_not_measured() -> None:
     assert rep["systems"]["memory-restart"]["status"] == "not run"
     results = {t["name"]: t["result"] for t in rep["targets"]}
     assert results["difference_pp[torchft]"] == "NOT MEASURED"
-    assert results["difference_pp[checkpoint-restart]"] == "MISS"    # a median lead of +4.95 pp, not 10
-    assert results[RATIO] == "MISS"                                    # median 51 s / 41 s
+    assert results["difference_pp[checkpoint-restart]"] == "MISS"  # a median lead of +4.95 pp, not 10
+    assert results[RATIO] == "MISS"  # median 51 s / 41 s
 
 
 # ----- the printed table and the plot
@@ -241,9 +277,9 @@ def test_the_table_leads_with_the_headline_and_shows_medians_with_spread(capsys:
     productivity.print_table(rep)
     out = capsys.readouterr().out
     header = next(line for line in out.splitlines() if line.strip().startswith("system"))
-    assert header.split()[1] == "productivity"                    # the first figure is the headline
+    assert header.split()[1] == "productivity"  # the first figure is the headline
     leto = next(line for line in out.splitlines() if line.startswith("  leto "))
-    assert "70.0% [60.0%..80.0%]" in leto                           # median [min..max]
+    assert "70.0% [60.0%..80.0%]" in leto  # median [min..max]
     assert "EXCLUDE per-step costs" in out
     assert "MISS" in out and "failure_free_ratio_to_fastest_peer" in out and "torchft: not installed" in out
 
@@ -261,8 +297,12 @@ def test_the_plot_shows_each_systems_median_trial(tmp_path: Path) -> None:
         kills = [Kill({"kind": "kill", "rank": 1, "step": 50}, t0 + kill_at, 50)] if kill_at else []
         return Run(name, tmp_path / name, t0, t0 + first_at + 100 * step_s + 1, 0, None, {}, recs, kills)
 
-    trials = [{"failure-free": {n: timed(n, 0.0, 3.0, 0.1) for n in ("leto", "memory-restart")},
-               "failures": {n: timed(n, 100.0, 3.0, 0.12, kill_at=8.0) for n in ("leto", "memory-restart")}}]
+    trials = [
+        {
+            "failure-free": {n: timed(n, 0.0, 3.0, 0.1) for n in ("leto", "memory-restart")},
+            "failures": {n: timed(n, 100.0, 3.0, 0.12, kill_at=8.0) for n in ("leto", "memory-restart")},
+        }
+    ]
     rep = build_report(CFG, trials, NAMES, specs=[{"kind": "kill", "rank": 1, "step": 50}])
     paths = productivity.make_plot(tmp_path, rep, trials, tokens=1024)
     assert len(paths) == 1 and Path(paths[0]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -271,7 +311,7 @@ def test_the_plot_shows_each_systems_median_trial(tmp_path: Path) -> None:
 # ----- the pieces shared with the recovery bench
 def test_work_time_and_productive_fraction() -> None:
     recs = steps_every(1, 5, 10.0, 1.0) + [{"event": "failure", "time": 15.0}] + steps_every(4, 3, 20.0, 1.0)
-    assert work_time_s(recs, 8.0, steps=6) == pytest.approx(14.0)   # step 6 first recorded at 22
+    assert work_time_s(recs, 8.0, steps=6) == pytest.approx(14.0)  # step 6 first recorded at 22
     assert work_time_s(recs, 8.0, steps=9) is None
     assert productive_fraction(40.0, 50.0) == pytest.approx(0.8)
     assert productive_fraction(None, 50.0) is None and productive_fraction(40.0, None) is None
@@ -280,14 +320,14 @@ def test_work_time_and_productive_fraction() -> None:
 def test_in_run_failure_free_time_takes_out_what_failures_cost() -> None:
     """Steps 1-20 at 0.1 s (step 1 done 2 s after the start); killed after step 20, resumed from
     step 16 after a 5 s restart: steps 17-20 redone, 21.. at full speed again."""
-    recs = steps_every(1, 20, 2.0, 0.1)                                   # step 20 at 3.9 s
+    recs = steps_every(1, 20, 2.0, 0.1)  # step 20 at 3.9 s
     recs += [{"event": "failure", "time": 4.0}, {"step": 17, "step_s": 5.0, "time": 9.0}]
-    recs += steps_every(18, 13, 9.1, 0.1)                                 # 18..30, step 30 at 10.3 s
+    recs += steps_every(18, 13, 9.1, 0.1)  # 18..30, step 30 at 10.3 s
     kill = 3.95
     # back at speed at the end of step 21 (9.4 s): in [3.95, 9.4] only step 21 is new work
     assert runs.in_run_failure_free_s(recs, 0.0, 30, [kill]) == pytest.approx(10.3 - (9.4 - kill - 0.1))
-    assert runs.in_run_failure_free_s(recs, 0.0, 30, []) == pytest.approx(10.3)   # no failure: its wall time
-    assert runs.in_run_failure_free_s(recs, 0.0, 31, [kill]) is None                # the work was not finished
+    assert runs.in_run_failure_free_s(recs, 0.0, 30, []) == pytest.approx(10.3)  # no failure: its wall time
+    assert runs.in_run_failure_free_s(recs, 0.0, 31, [kill]) is None  # the work was not finished
     # the failure-free equivalent: start-up 1.9 s + 30 steps of 0.1 s (up to rounding of the recovery point)
     assert runs.in_run_failure_free_s(recs, 0.0, 30, [kill]) == pytest.approx(1.9 + 30 * 0.1, abs=0.06)
 
@@ -301,7 +341,7 @@ def test_failure_schedule_is_the_same_for_every_system() -> None:
 
 def test_kill_steps_follow_the_reference_runs_progress() -> None:
     """Failure times map to the step the failure-free reference run had completed by then."""
-    ref = [{"event": "job_up", "time": 101.0}] + steps_every(1, 50, 105.0, 0.5)   # started at 100, step 1 at 105
+    ref = [{"event": "job_up", "time": 101.0}] + steps_every(1, 50, 105.0, 0.5)  # started at 100, step 1 at 105
     sched = [ScheduledKill(2.0, 1), ScheduledKill(10.0, 3), ScheduledKill(10.1, 0), ScheduledKill(40.0, 2)]
     specs = kill_steps(sched, ref, t_start=100.0, steps=20)
     assert [(s["step"], s["rank"]) for s in specs] == [(1, 1), (11, 3), (12, 0)]  # 40 s is past step 20
@@ -311,28 +351,40 @@ def test_kill_steps_follow_the_reference_runs_progress() -> None:
 
 # ----- the trials, run with a stand-in for the systems
 def test_every_trial_runs_every_system_failure_free_then_with_the_same_kills(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Kill steps come from trial 1's first failure-free run (Leto's) and are reused, unchanged, by
     every system in every trial; the order rotates; every run has its own folder."""
     calls: list[tuple[str, str, list[dict]]] = []
 
-    def fake_run_system(system: System, cfg: runs.JobConfig, run_dir: Path, injector: object,
-                        limit_s: float) -> Run:
+    def fake_run_system(system: System, cfg: runs.JobConfig, run_dir: Path, injector: object, limit_s: float) -> Run:
         specs = list(getattr(injector, "specs", []))
         calls.append((system.name, run_dir.name, specs))
         t0 = 1000.0 * len(calls)
         kills = [Kill(spec, t0 + 2.0 + 0.1 * spec["step"], spec["step"]) for spec in specs]
-        return Run(system.name, run_dir, t0, t0 + 2.0 + 0.1 * cfg.steps + 1.0, 0, None, {},
-                   steps_every(1, cfg.steps, t0 + 2.0, 0.1), kills)
+        return Run(
+            system.name,
+            run_dir,
+            t0,
+            t0 + 2.0 + 0.1 * cfg.steps + 1.0,
+            0,
+            None,
+            {},
+            steps_every(1, cfg.steps, t0 + 2.0, 0.1),
+            kills,
+        )
 
     monkeypatch.setattr(productivity, "run_system", fake_run_system)
     systems = [System("leto", "leto"), System("memory-restart", "memory-restart"), System("torchft", "torchft")]
-    sched = [ScheduledKill(2.45, 1), ScheduledKill(3.05, 2)]        # steps 5 and 11 of the reference run
+    sched = [ScheduledKill(2.45, 1), ScheduledKill(3.05, 2)]  # steps 5 and 11 of the reference run
     all_runs, specs, orders, reference = productivity.run_all(runs.JobConfig(steps=20), tmp_path, systems, sched, 3)
     assert [(s["step"], s["rank"]) for s in specs] == [(5, 1), (11, 2)]
     assert reference == {"trial": 1, "system": "leto", "work_s": pytest.approx(3.9)}
-    assert orders == [["leto", "memory-restart", "torchft"], ["memory-restart", "torchft", "leto"],
-                      ["torchft", "leto", "memory-restart"]]
+    assert orders == [
+        ["leto", "memory-restart", "torchft"],
+        ["memory-restart", "torchft", "leto"],
+        ["torchft", "leto", "memory-restart"],
+    ]
     assert len(calls) == 3 * 3 * 2 and len({c[1] for c in calls}) == len(calls)
     assert [c[1] for c in calls[:2]] == ["trial1-failure-free-leto", "trial1-failures-leto"]
     assert all(c[2] == [] for c in calls if "failure-free" in c[1])
@@ -341,16 +393,17 @@ def test_every_trial_runs_every_system_failure_free_then_with_the_same_kills(
 
 
 def test_a_reference_run_that_did_not_finish_hands_the_kill_steps_to_the_next(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def fake_run_system(system: System, cfg: runs.JobConfig, run_dir: Path, injector: object,
-                        limit_s: float) -> Run:
-        last = cfg.steps - 1 if run_dir.name == "trial1-failure-free-leto" else cfg.steps   # Leto's falls short
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def fake_run_system(system: System, cfg: runs.JobConfig, run_dir: Path, injector: object, limit_s: float) -> Run:
+        last = cfg.steps - 1 if run_dir.name == "trial1-failure-free-leto" else cfg.steps  # Leto's falls short
         return Run(system.name, run_dir, 0.0, 10.0, 0, None, {}, steps_every(1, last, 2.0, 0.1), [])
 
     monkeypatch.setattr(productivity, "run_system", fake_run_system)
     systems = [System("leto", "leto"), System("memory-restart", "memory-restart")]
-    all_runs, specs, _, reference = productivity.run_all(runs.JobConfig(steps=20), tmp_path, systems,
-                                                         [ScheduledKill(2.45, 1)], 2)
+    all_runs, specs, _, reference = productivity.run_all(
+        runs.JobConfig(steps=20), tmp_path, systems, [ScheduledKill(2.45, 1)], 2
+    )
     assert reference is not None and reference["system"] == "memory-restart" and specs[0]["step"] == 5
     assert "leto" not in all_runs[0]["failures"] and "leto" in all_runs[1]["failures"]
     rep = build_report(runs.JobConfig(steps=20), all_runs, ["leto", "memory-restart"], specs=specs)
@@ -360,18 +413,22 @@ def test_a_reference_run_that_did_not_finish_hands_the_kill_steps_to_the_next(
 # ----- one short real run: Leto and memory-restart, two failures (~90 s: beyond CI's budget; the
 # arithmetic above is specified on records, and `leto bench recovery`'s end-to-end test runs in CI)
 @beyond_ci
-def test_productivity_bench_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                       capsys: pytest.CaptureFixture[str]) -> None:
+def test_productivity_bench_end_to_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Real processes, one trial (the trials' orchestration is specified above): the same kills at
     the same steps for both systems; every figure is the arithmetic of the runs' own records."""
-    monkeypatch.setattr(productivity, "SYSTEMS", (System("leto", "leto", 1), System("memory-restart", "memory-restart"),
-                                                  System("torchft", "torchft")))
+    monkeypatch.setattr(
+        productivity,
+        "SYSTEMS",
+        (System("leto", "leto", 1), System("memory-restart", "memory-restart"), System("torchft", "torchft")),
+    )
     # two failures, after steps 1 and 2 of the reference run whatever its speed: a short, bounded test
     monkeypatch.setattr(productivity, "failure_schedule", lambda *a: [ScheduledKill(0.0, 1), ScheduledKill(0.0, 2)])
     monkeypatch.setattr(productivity, "torchft_status", lambda: "not installed")
     args = argparse.Namespace(json=True, steps=8, trials=1, out=tmp_path / "out", workers=4, model="tiny")
     code = productivity.main(args)
-    doc = json.loads(capsys.readouterr().out)                # stdout is the JSON document and nothing else
+    doc = json.loads(capsys.readouterr().out)  # stdout is the JSON document and nothing else
     assert code == 0
     kills = doc["config"]["kills"]
     assert doc["config"]["trials"] == 1 and doc["config"]["kill_steps_from"]["system"] == "leto"
@@ -386,7 +443,7 @@ def test_productivity_bench_end_to_end(tmp_path: Path, monkeypatch: pytest.Monke
         assert t[HEADLINE] == pytest.approx(tr["fastest_failure_free"]["work_s"] / t["wall_s"], abs=1e-3)
         assert t[OWN] == pytest.approx(t["failure_free_work_s"] / t["wall_s"], abs=1e-3)
         assert t[IN_RUN] == pytest.approx(t["in_run_failure_free_s"] / t["wall_s"], abs=1e-3)
-        assert t["failure_free_run_s"] >= t["failure_free_work_s"]       # launch -> exit holds the work
+        assert t["failure_free_run_s"] >= t["failure_free_work_s"]  # launch -> exit holds the work
         assert s[HEADLINE] == t[HEADLINE] and s["spread"][HEADLINE] == [t[HEADLINE], t[HEADLINE]]
     leto, mr = doc["systems"]["leto"]["trials"][0], doc["systems"]["memory-restart"]["trials"][0]
     assert doc["difference_pp"]["memory-restart"] == pytest.approx(100 * (leto[HEADLINE] - mr[HEADLINE]), abs=0.02)

@@ -4,6 +4,7 @@ never a traceback, and nothing is started, read or deleted because of it.
 The commands run in a network namespace of their own where the kernel allows it, so a host name
 that does not resolve is looked up without a packet leaving the machine.
 """
+
 from __future__ import annotations
 
 import json
@@ -76,8 +77,11 @@ def test_bad_input_is_one_line_naming_it_and_exit_2(tmp_path: Path, args: list[s
     (tmp_path / "file").write_text("a plain file\n")
     _resume_dir(tmp_path, "{not json", "corrupt")
     (_resume_dir(tmp_path, None, "unreadable") / "persist.json").mkdir()
-    _resume_dir(tmp_path, json.dumps({"dir": "checkpoints", "command": [], "flags": {"cmd": "train",
-                                                                                     "workers": "many"}}), "bad-flag")
+    _resume_dir(
+        tmp_path,
+        json.dumps({"dir": "checkpoints", "command": [], "flags": {"cmd": "train", "workers": "many"}}),
+        "bad-flag",
+    )
     _resume_dir(tmp_path, json.dumps({"dir": "checkpoints", "command": [], "flags": {"cmd": "train"}}), "trained")
     fill = {"{tmp}": str(tmp_path), "{file}": str(tmp_path / "file")}
 
@@ -95,8 +99,9 @@ def test_bad_input_is_one_line_naming_it_and_exit_2(tmp_path: Path, args: list[s
 
 
 @pytest.mark.parametrize("escape", ["dot-dot", "absolute", "symlink"])
-def test_a_persist_json_pointing_outside_the_run_is_refused_and_nothing_there_deleted(tmp_path: Path,
-                                                                                       escape: str) -> None:
+def test_a_persist_json_pointing_outside_the_run_is_refused_and_nothing_there_deleted(
+    tmp_path: Path, escape: str
+) -> None:
     """A record that leads out of the run folder (`..`, an absolute path, a symbolic link) is
     refused; the folder it names, with a step folder `--resume` would otherwise delete as torn,
     is untouched. Given on the command line (--persist-dir), the same folder is read."""

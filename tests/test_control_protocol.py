@@ -1,5 +1,6 @@
 """The supervisor-coordinator protocol and the job configuration, without processes: the
 coordinator is driven through a store alone (a HashStore), as a supervisor elsewhere would."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,10 +34,13 @@ from leto.protocol.protection import Drain
 
 
 def _config(run_dir: Path) -> JobConfig:
-    return JobConfig(training=TrainingConfig(command=("-m", "x"), workers=4, nodes=2, steps=10),
-                     protection=ProtectionConfig(enabled=True, ec=(1, 1)),
-                     recovery=RecoveryConfig(spares=1, zygotes=False, inject=("kill:rank=1:step=3",)),
-                     run_dir=str(run_dir), quiet=True)
+    return JobConfig(
+        training=TrainingConfig(command=("-m", "x"), workers=4, nodes=2, steps=10),
+        protection=ProtectionConfig(enabled=True, ec=(1, 1)),
+        recovery=RecoveryConfig(spares=1, zygotes=False, inject=("kill:rank=1:step=3",)),
+        run_dir=str(run_dir),
+        quiet=True,
+    )
 
 
 def test_the_job_config_round_trips_and_names_every_timeout_with_its_unit(tmp_path: Path) -> None:
@@ -48,8 +52,11 @@ def test_the_job_config_round_trips_and_names_every_timeout_with_its_unit(tmp_pa
 
 
 def test_messages_round_trip_and_tolerate_fields_they_do_not_know() -> None:
-    report = SupervisorReport((ProcEvent("exited", "worker1-2", "worker", 1, 0, 42, -9, "was killed by SIGKILL"),),
-                              None, ("/dev/shm/leto-1-2-owner",))
+    report = SupervisorReport(
+        (ProcEvent("exited", "worker1-2", "worker", 1, 0, 42, -9, "was killed by SIGKILL"),),
+        None,
+        ("/dev/shm/leto-1-2-owner",),
+    )
     assert SupervisorReport.from_json(report.to_json()) == report
     cmd = Command("spawn", "keeper-9", "keeper", None, 1, boost=True)
     assert Command.from_json(cmd.to_json()) == cmd
@@ -84,7 +91,8 @@ def test_the_coordinator_acts_only_through_the_store(tmp_path: Path) -> None:
     started = _commands(store)
     assert [(c.kind, c.role, c.rank, c.node) for c in started] == (
         [("spawn", "worker", r, n) for r, n in enumerate((0, 0, 1, 1))]
-        + [("spawn", "shadow", None, 0), ("spawn", "keeper", None, 0), ("spawn", "keeper", None, 1)])
+        + [("spawn", "shadow", None, 0), ("spawn", "keeper", None, 0), ("spawn", "keeper", None, 1)]
+    )
     assert [c.proc_id for c in started[:5]] == ["worker0-1", "worker1-2", "worker2-3", "worker3-4", "shadow-5"]
     assert Membership.from_json(store.get(keys.membership(0))).proc_of_rank == tuple(c.proc_id for c in started[:4])
     assert JobState.from_json(store.get(keys.JOB_STATE)) == JobState(0, False)
@@ -97,13 +105,15 @@ def test_the_coordinator_acts_only_through_the_store(tmp_path: Path) -> None:
     assert coord.tick() is None
     membership = Membership.from_json(store.get(keys.membership(1)))
     assert membership.proc_of_rank == ("worker0-1", "shadow-5", "worker2-3", "worker3-4")
-    assert [(c.kind, c.proc_id) for c in _commands(store)[len(started):]] == [("wake_keepers", ""), ("boost", "shadow-5")]
+    assert [(c.kind, c.proc_id) for c in _commands(store)[len(started) :]] == [
+        ("wake_keepers", ""),
+        ("boost", "shadow-5"),
+    ]
     assert Drain.from_json(store.get(keys.drain(0))) == Drain((0, 1), 1)
     assert JobState.from_json(store.get(keys.JOB_STATE)) == JobState(1, True)
     failure = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(e["event"], e["rank"], e["cause"]) for e in failure] == [("failure", 1, "was killed by SIGKILL")]
     coord._exit.close()
-
 
 
 def test_a_recovery_forks_a_shadow_at_normal_priority_and_names_it_once_forked(tmp_path: Path) -> None:
@@ -129,7 +139,7 @@ def test_a_recovery_forks_a_shadow_at_normal_priority_and_names_it_once_forked(t
     def supervisor() -> None:  # answers the first fork command it finds
         deadline = time.monotonic() + 10
         while not forks and time.monotonic() < deadline:
-            forks.extend(c for c in _commands(store)[len(started):] if c.kind == "fork")
+            forks.extend(c for c in _commands(store)[len(started) :] if c.kind == "fork")
             time.sleep(0.01)
         if forks:
             announced_before.append(store.check([keys.membership(1)]))
@@ -137,8 +147,11 @@ def test_a_recovery_forks_a_shadow_at_normal_priority_and_names_it_once_forked(t
 
     answering = threading.Thread(target=supervisor, daemon=True)
     answering.start()
-    _report(store, ProcEvent("exited", "worker2-3", "worker", 2, 1, 102, -9, "was killed by SIGKILL"),
-            ProcEvent("exited", shadow.proc_id, "shadow", None, shadow.node, 104, -9, "was killed by SIGKILL"))
+    _report(
+        store,
+        ProcEvent("exited", "worker2-3", "worker", 2, 1, 102, -9, "was killed by SIGKILL"),
+        ProcEvent("exited", shadow.proc_id, "shadow", None, shadow.node, 104, -9, "was killed by SIGKILL"),
+    )
     assert coord.tick() is None
     answering.join(10)
     assert [(c.node, c.boost) for c in forks] == [(1, True)] and announced_before == [False]

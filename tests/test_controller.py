@@ -1,4 +1,5 @@
 """`leto run`: supervision, procs.json, signals, crashes; never a process left behind."""
+
 from __future__ import annotations
 
 import re
@@ -11,8 +12,20 @@ from conftest import REPO, alive, read_procs, summary, wait_for
 
 def test_procs_json_lists_every_process_by_role(launcher, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    ctl = launcher.start("train", "--workers", "4", "--spares", "2", "--nodes", "2", "--steps", "100000",
-                         "--run-dir", str(run_dir), run_dir=run_dir)
+    ctl = launcher.start(
+        "train",
+        "--workers",
+        "4",
+        "--spares",
+        "2",
+        "--nodes",
+        "2",
+        "--steps",
+        "100000",
+        "--run-dir",
+        str(run_dir),
+        run_dir=run_dir,
+    )
     procs = wait_for(lambda: len(read_procs(run_dir)) == 12 and read_procs(run_dir), 30, "12 processes")
     roles = sorted(p["role"] for p in procs)
     assert roles == ["controller", "fork-server"] + ["keeper"] * 2 + ["shadow"] * 2 + ["worker"] * 4 + ["zygote"] * 2
@@ -28,8 +41,20 @@ def test_procs_json_lists_every_process_by_role(launcher, tmp_path: Path) -> Non
 
 def test_sigint_mid_run_stops_everything(launcher, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    ctl = launcher.start("train", "--workers", "4", "--spares", "1", "--nodes", "2", "--steps", "100000",
-                         "--run-dir", str(run_dir), run_dir=run_dir)
+    ctl = launcher.start(
+        "train",
+        "--workers",
+        "4",
+        "--spares",
+        "1",
+        "--nodes",
+        "2",
+        "--steps",
+        "100000",
+        "--run-dir",
+        str(run_dir),
+        run_dir=run_dir,
+    )
     wait_for(lambda: (run_dir / "metrics.jsonl").exists(), 60, "training to start")
     pids = [p["pid"] for p in read_procs(run_dir)]
     assert len(pids) == 11  # controller, fork server, 4 workers, 1 shadow, 2 zygotes, 2 keepers
@@ -41,16 +66,19 @@ def test_sigint_mid_run_stops_everything(launcher, tmp_path: Path) -> None:
 
 def test_a_crashing_worker_ends_the_job_with_a_clear_message(launcher, tmp_path: Path) -> None:
     script = tmp_path / "crash.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import sys, time, leto
         job = leto.init()
         if job.rank == 1:
             sys.exit(3)
         time.sleep(60)
-    """))
+    """)
+    )
     run_dir = tmp_path / "run"
-    res = launcher.run("run", "--workers", "3", "--spares", "1", "--run-dir", str(run_dir), str(script),
-                       run_dir=run_dir, timeout=60)
+    res = launcher.run(
+        "run", "--workers", "3", "--spares", "1", "--run-dir", str(run_dir), str(script), run_dir=run_dir, timeout=60
+    )
     assert res.returncode == 1
     assert "worker rank 1" in res.stdout and "exited with code 3" in res.stdout
     assert "before any state was protected" in res.stdout
@@ -59,11 +87,23 @@ def test_a_crashing_worker_ends_the_job_with_a_clear_message(launcher, tmp_path:
 
 def test_the_job_exit_code_is_zero_when_all_workers_finish(launcher, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    res = launcher.run("run", "--workers", "2", "--spares", "1", "--run-dir", str(run_dir),
-                       str(REPO / "examples" / "minimal.py"), "--steps", "30", run_dir=run_dir)
+    res = launcher.run(
+        "run",
+        "--workers",
+        "2",
+        "--spares",
+        "1",
+        "--run-dir",
+        str(run_dir),
+        str(REPO / "examples" / "minimal.py"),
+        "--steps",
+        "30",
+        run_dir=run_dir,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     # the example's own lines ("step 10 loss 5.6479"), not the console's ("step 1  loss ...  recoveries 0")
-    losses = [float(m.group(1)) for line in res.stdout.splitlines()
-              if (m := re.fullmatch(r"step \d+ loss ([0-9.]+)", line))]
+    losses = [
+        float(m.group(1)) for line in res.stdout.splitlines() if (m := re.fullmatch(r"step \d+ loss ([0-9.]+)", line))
+    ]
     assert losses[0] > 5 * losses[-1]  # the example's regression loss falls
     assert len(summary(run_dir)["digest"]) == 64

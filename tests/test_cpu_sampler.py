@@ -1,4 +1,5 @@
 """The CPU sampler attributes a keeper's CPU to its threads by their OS names."""
+
 from __future__ import annotations
 
 import json
@@ -43,10 +44,10 @@ def test_a_keepers_cpu_is_split_by_thread_and_adds_up(tmp_path: Path) -> None:
             time.sleep(0.1)  # one more sample after the work
             used = sampler.between(t0 - 1.0, time.time())
         assert used["keeper"] > 0.5
-        assert used["keeper/tier2-threads"] > 0.3     # the thread named keeper-send
+        assert used["keeper/tier2-threads"] > 0.3  # the thread named keeper-send
         assert used["keeper/main"] > 0.1
         parts = sum(v for k, v in used.items() if k.startswith("keeper/"))
-        assert abs(parts - used["keeper"]) < 0.05     # the groups account for the process's CPU
+        assert abs(parts - used["keeper"]) < 0.05  # the groups account for the process's CPU
     finally:
         p.kill()
         p.wait()

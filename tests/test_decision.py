@@ -1,5 +1,6 @@
 """The coordinator's decisions (`control/decision.py`): who adopts a lost rank, when the job
 shrinks, and how it grows back. Pure functions: no processes, no store."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,7 +21,9 @@ def test_a_lost_rank_is_adopted_by_a_shadow_on_its_own_node() -> None:
 def test_without_a_shadow_on_its_node_the_least_loaded_node_adopts() -> None:
     """A lost node's shadows are not preferred for its ranks; ties go to the lower node."""
     membership = Membership(0, (0, 0, 0, 1), ("w0", "w1", "w2", "w3"))
-    new, adopted = next_membership(membership, {0, 1}, {0}, [Spare("s0", 0), Spare("s2", 2), Spare("s1", 1)], "node 0 lost")
+    new, adopted = next_membership(
+        membership, {0, 1}, {0}, [Spare("s0", 0), Spare("s2", 2), Spare("s1", 1)], "node 0 lost"
+    )
     assert adopted == {0: Spare("s2", 2), 1: Spare("s1", 1)}
     assert new.node_of_rank == (2, 1, 0, 1) and new.proc_of_rank == ("s2", "s1", "w2", "w3")
     assert new.failed_ranks == (0, 1) and new.failed_nodes == (0,)

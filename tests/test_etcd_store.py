@@ -1,5 +1,6 @@
 """The job's store on etcd: a torch.distributed Store that gloo rendezvous through, whose writes a
 lost host can no longer make, and whose failures name the problem (one etcd member on 127.0.0.1)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -16,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from conftest import leto_cmd, wait_for
 
+from conftest import leto_cmd, wait_for
 from leto.cli import main
 from leto.runtime.etcd_mirror import FOLLOW_S, FRESH_S
 from leto.runtime.etcd_store import EtcdStore, Fenced, StoreUnavailable, parse_endpoints
@@ -36,13 +37,27 @@ def _member(data: Path) -> Iterator[tuple[tuple[str, int], subprocess.Popen]]:
     """One etcd member on 127.0.0.1, up and answering: its endpoint and process."""
     client, peer = _free_port(), _free_port()
     log = open(data / "log", "w")  # noqa: SIM115 (closed with the member, below)
-    proc = subprocess.Popen(["etcd", "--name", "t", "--data-dir", str(data / "d"),
-                             "--listen-client-urls", f"http://127.0.0.1:{client}",
-                             "--advertise-client-urls", f"http://127.0.0.1:{client}",
-                             "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-                             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-                             "--initial-cluster", f"t=http://127.0.0.1:{peer}"],
-                            stdout=subprocess.DEVNULL, stderr=log)
+    proc = subprocess.Popen(
+        [
+            "etcd",
+            "--name",
+            "t",
+            "--data-dir",
+            str(data / "d"),
+            "--listen-client-urls",
+            f"http://127.0.0.1:{client}",
+            "--advertise-client-urls",
+            f"http://127.0.0.1:{client}",
+            "--listen-peer-urls",
+            f"http://127.0.0.1:{peer}",
+            "--initial-advertise-peer-urls",
+            f"http://127.0.0.1:{peer}",
+            "--initial-cluster",
+            f"t=http://127.0.0.1:{peer}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=log,
+    )
     try:
         store = EtcdStore([("127.0.0.1", client)], "probe", 10.0)
         deadline = time.monotonic() + 20
@@ -154,6 +169,7 @@ def test_concurrent_adds_lose_no_increment(etcd: tuple[str, int]) -> None:
         s = EtcdStore([etcd], "adds", 10.0)
         for _ in range(20):
             s.add("n", 1)
+
     threads = [threading.Thread(target=bump) for _ in range(4)]
     [t.start() for t in threads]
     [t.join(timeout=60) for t in threads]
@@ -174,8 +190,15 @@ print(x.tolist())
 
 
 def test_gloo_rendezvous_through_it(etcd: tuple[str, int]) -> None:
-    ranks = [subprocess.Popen([sys.executable, "-c", _RANK, str(r), str(etcd[1])], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RANK, str(r), str(etcd[1])],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
     results = [p.communicate(timeout=90) for p in ranks]
     assert [out.strip() for out, _ in results] == ["[3.0, 3.0, 3.0]"] * 2, [err[-2000:] for _, err in results]
 
@@ -232,20 +255,30 @@ def test_an_unreachable_etcd_is_a_clear_error_within_the_timeout() -> None:
     assert time.monotonic() - t0 < 5
 
 
-@pytest.mark.parametrize("url, why", [("http://h:2379", "starts with etcd://"), ("etcd://h", "not HOST:PORT"),
-                                      ("etcd://h:99999", "not HOST:PORT"), ("etcd://h:1,:2", "not HOST:PORT")])
+@pytest.mark.parametrize(
+    "url, why",
+    [
+        ("http://h:2379", "starts with etcd://"),
+        ("etcd://h", "not HOST:PORT"),
+        ("etcd://h:99999", "not HOST:PORT"),
+        ("etcd://h:1,:2", "not HOST:PORT"),
+    ],
+)
 def test_bad_endpoint_lists_are_refused_with_the_reason(url: str, why: str) -> None:
     with pytest.raises(ValueError, match=why):
         parse_endpoints(url)
 
 
-@pytest.mark.parametrize("args, why", [
-    (["--rdzv", "etcd://127.0.0.1"], "--rdzv: "),
-    (["--rdzv", "etcd://127.0.0.1:2379"], "needs --job-id"),
-    (["--rdzv", "etcd://127.0.0.1:2379", "--job-id", "a b"], "needs --job-id"),
-    (["--rdzv", "etcd://127.0.0.1:2379", "--job-id", "j", "--lease", "0"], "--lease must be at least 1"),
-    (["--job-id", "j"], "it needs --rdzv"),
-])
+@pytest.mark.parametrize(
+    "args, why",
+    [
+        (["--rdzv", "etcd://127.0.0.1"], "--rdzv: "),
+        (["--rdzv", "etcd://127.0.0.1:2379"], "needs --job-id"),
+        (["--rdzv", "etcd://127.0.0.1:2379", "--job-id", "a b"], "needs --job-id"),
+        (["--rdzv", "etcd://127.0.0.1:2379", "--job-id", "j", "--lease", "0"], "--lease must be at least 1"),
+        (["--job-id", "j"], "it needs --rdzv"),
+    ],
+)
 def test_bad_rendezvous_flags_are_refused(args: list[str], why: str, tmp_path: Path, capsys) -> None:
     assert main(["train", "--run-dir", str(tmp_path), *args]) == 2
     assert why in capsys.readouterr().err
@@ -254,8 +287,21 @@ def test_bad_rendezvous_flags_are_refused(args: list[str], why: str, tmp_path: P
 def test_a_host_that_cannot_reach_etcd_says_so_and_exits(tmp_path: Path) -> None:
     script = tmp_path / "s.py"
     script.write_text("print('never runs')\n")
-    res = subprocess.run(leto_cmd("run", "--rdzv", f"etcd://127.0.0.1:{_free_port()}", "--job-id", "j",
-                                  "--run-dir", str(tmp_path / "run"), str(script)),
-                         capture_output=True, text=True, timeout=60, check=False)
+    res = subprocess.run(
+        leto_cmd(
+            "run",
+            "--rdzv",
+            f"etcd://127.0.0.1:{_free_port()}",
+            "--job-id",
+            "j",
+            "--run-dir",
+            str(tmp_path / "run"),
+            str(script),
+        ),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert res.returncode == 1 and "cannot join job 'j'" in res.stderr and "etcd unreachable" in res.stderr
     assert "never runs" not in res.stdout

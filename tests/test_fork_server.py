@@ -1,5 +1,6 @@
 """The host's fork server: every process of a job is forked from one interpreter that imported
 torch once, and a forked process cannot tell it from a new interpreter of its own."""
+
 from __future__ import annotations
 
 import json
@@ -7,7 +8,6 @@ import os
 from pathlib import Path
 
 from conftest import REPO, alive, read_procs, wait_for
-
 from leto.control.prefork import forkable
 
 PROBE = REPO / "tests" / "scripts" / "interpreter_probe.py"
@@ -16,9 +16,24 @@ PROBE = REPO / "tests" / "scripts" / "interpreter_probe.py"
 def _probe(launcher, tmp_path: Path, fork_server: str) -> tuple[dict[int, dict], list[dict]]:
     out, run_dir = tmp_path / fork_server, tmp_path / f"run-{fork_server}"
     out.mkdir()
-    popen = launcher.start("run", "--workers", "2", "--nodes", "2", "--fork-server", fork_server, "--protection", "off",
-                           "--run-dir", str(run_dir), str(PROBE), "--flag", "x", run_dir=run_dir,
-                           env=dict(os.environ, PROBE_DIR=str(out)))
+    popen = launcher.start(
+        "run",
+        "--workers",
+        "2",
+        "--nodes",
+        "2",
+        "--fork-server",
+        fork_server,
+        "--protection",
+        "off",
+        "--run-dir",
+        str(run_dir),
+        str(PROBE),
+        "--flag",
+        "x",
+        run_dir=run_dir,
+        env=dict(os.environ, PROBE_DIR=str(out)),
+    )
     procs = wait_for(lambda: len(read_procs(run_dir)) >= 3 and read_procs(run_dir), 120, "the job's processes")
     _, err = popen.communicate(timeout=240)
     assert popen.returncode == 0, err[-3000:]

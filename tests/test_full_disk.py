@@ -4,6 +4,7 @@ end with the failure-free digest, each process that cannot write says so once, t
 could not append reach metrics.jsonl once space returns (after a `log_gap` event), and
 summary.json is written. Also with a recovery while the disk is full: rank 0 is SIGKILLed, and
 the coordinator's events and the replacement rank 0's records wait for space the same way."""
+
 from __future__ import annotations
 
 import os
@@ -14,8 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REPO, Launcher, leto_cmd, read_procs, reference_digest, summary, tmpfs, wait_for, without_flags
 
+from conftest import REPO, Launcher, leto_cmd, read_procs, reference_digest, summary, tmpfs, wait_for, without_flags
 from leto.console import read_jsonl
 
 STEPS = 16
@@ -86,8 +87,9 @@ def reference(launcher: Launcher, tmp_path_factory) -> str:
 
 
 @pytest.mark.parametrize("recovery", [False, True], ids=["steps", "rank0_killed"])
-def test_training_goes_on_through_a_full_disk(launcher: Launcher, run_dir: Path, tmp_path: Path, reference: str,
-                                              recovery: bool) -> None:
+def test_training_goes_on_through_a_full_disk(
+    launcher: Launcher, run_dir: Path, tmp_path: Path, reference: str, recovery: bool
+) -> None:
     out = tmp_path / "job"
     popen = start(launcher, run_dir, out)
     wait_for(lambda: any(s >= 2 for s in steps(run_dir)), 180, "step 2")
@@ -126,8 +128,7 @@ def test_training_goes_on_through_a_full_disk(launcher: Launcher, run_dir: Path,
     assert said(out, "is written again:") == len(writers), err[-3000:]
 
 
-def test_a_disk_full_to_the_end_costs_the_files_not_the_job(launcher: Launcher, run_dir: Path,
-                                                           tmp_path: Path) -> None:
+def test_a_disk_full_to_the_end_costs_the_files_not_the_job(launcher: Launcher, run_dir: Path, tmp_path: Path) -> None:
     """The disk is never freed: the job still ends with exit code 0; rank 0 says how many records
     it could not write and that model.pt was not written, and the controller says once that
     summary.json could not be written."""
@@ -140,10 +141,17 @@ def test_a_disk_full_to_the_end_costs_the_files_not_the_job(launcher: Launcher, 
     assert popen.wait(timeout=240) == 0, out.with_suffix(".err").read_text()[-3000:]
     err = out.with_suffix(".err").read_text()
     assert said(out, f"{FULL} {run_dir / 'metrics.jsonl'}") == 1, err[-3000:]
-    assert re.search(r"leto: \d+ records for \S+metrics.jsonl could not be written \(No space left on device\) "
-                     r"and are lost", err), err[-3000:]
-    assert said(out, f"could not write {run_dir / 'summary.json'} (No space left on device); the job ended with "
-                     f"exit code 0") == 1, err[-3000:]
+    assert re.search(
+        r"leto: \d+ records for \S+metrics.jsonl could not be written \(No space left on device\) "
+        r"and are lost",
+        err,
+    ), err[-3000:]
+    assert (
+        said(
+            out, f"could not write {run_dir / 'summary.json'} (No space left on device); the job ended with exit code 0"
+        )
+        == 1
+    ), err[-3000:]
     assert not (run_dir / "summary.json").exists()
     assert f"leto: {run_dir / 'model.pt'} not written: No space left on device" in err, err[-3000:]
     assert not (run_dir / "model.pt").exists()

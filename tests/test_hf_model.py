@@ -1,5 +1,6 @@
 """A model from the ecosystem: a Hugging Face causal LM (built from a config, no download) under
 `leto run`, a worker SIGKILLed from outside at a random step, the failure-free digest."""
+
 from __future__ import annotations
 
 from conftest import REPO, processes_left, run_user_script, seeded_random

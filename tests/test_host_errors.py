@@ -6,6 +6,7 @@ with the job-wide shutdown key; another host takes over as coordinator, reading 
 that ends in a torn line (an appender that died mid-write), and the job ends on the other two
 hosts with the failure-free digest. A one-host job stops on such an error with one line, its
 processes stopped, its summary written."""
+
 from __future__ import annotations
 
 import json
@@ -14,19 +15,22 @@ import signal
 from pathlib import Path
 
 import pytest
+
 import test_multihost as mh
 from conftest import JOB, Launcher, alive, read_procs, summary, wait_for
+from leto.console import read_jsonl
 from netns_cluster import Cluster, available
 from test_multihost import cluster, coordinator, failed, finish, host_of, reference, start  # noqa: F401 (fixtures)
-
-from leto.console import read_jsonl
 
 TORN = b'{"event": "failure", "role": "wor\xe2\x82\n'  # cut inside a field and inside a UTF-8 character
 
 
 def at_step(run_dir: Path, step: int, timeout: float = 180) -> None:
-    wait_for(lambda: any(r.get("step", -1) >= step for r in read_jsonl(run_dir / "metrics.jsonl") if "event" not in r),
-             timeout, f"step {step}")
+    wait_for(
+        lambda: any(r.get("step", -1) >= step for r in read_jsonl(run_dir / "metrics.jsonl") if "event" not in r),
+        timeout,
+        f"step {step}",
+    )
 
 
 def shutdown_set(cluster: Cluster, survivor: int) -> bool:
@@ -36,7 +40,8 @@ def shutdown_set(cluster: Cluster, survivor: int) -> bool:
 
 @pytest.mark.skipif(available() is not None, reason=f"no namespace cluster here: {available()}")
 def test_an_unexpected_error_of_the_coordinators_host_takes_out_that_host_alone(
-        cluster: Cluster, tmp_path: Path, reference: str) -> None:
+    cluster: Cluster, tmp_path: Path, reference: str
+) -> None:
     run_dir = tmp_path / "run"
     hosts = start(cluster, run_dir)
     at_step(run_dir, 3)

@@ -6,6 +6,7 @@ of the report, so nothing may change it from then on (`Keeper.reported`). Two ke
 threads of this process over their real gloo group; node B's worker stages deltas as a worker
 does (`Protector`), B's keeper ships them, and node A keeps the tier-2 parity of B's data.
 """
+
 from __future__ import annotations
 
 import threading
@@ -20,19 +21,19 @@ import torch
 import torch.distributed as dist
 
 from leto.protection.client import Protector
-from leto.protection.integrity import checksum
 from leto.protection.drain import drain
+from leto.protection.integrity import checksum
 from leto.protection.keeper import Keeper
-from leto.protection.transport import TAG
 from leto.protection.layout import Geometry, Layout
 from leto.protection.shm import EMPTY, KIND_DELTA, SHM_DIR, region_name
+from leto.protection.transport import TAG
 
 A, B = 0, 1
 TIMEOUT_S = 10.0
 # ec 1+1 over two nodes: each node keeps the parity of the other's data. Replicated gradients:
 # deltas only, so one kind of batch
 LAYOUT = Layout(0, 0, Geometry(n_chunks=2, chunk_elems=16), (A, B), (1, 1), replicated_grads=True)
-(STRIPE, _), = LAYOUT.parity_stripes(A)
+((STRIPE, _),) = LAYOUT.parity_stripes(A)
 TIER2 = (f"p2_{STRIPE.index}", f"v2_{STRIPE.index}", f"crc2_{STRIPE.index}")
 
 

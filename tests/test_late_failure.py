@@ -1,6 +1,7 @@
 """A failure after the last step has nothing to recover: one rank of a real job lingers after its
 training loop and is SIGKILLed once the others have exited; the job ends at once with exit code
 0, its result recorded, and no recovery is tried (it would wait for ranks that have gone)."""
+
 from __future__ import annotations
 
 import os
@@ -13,13 +14,29 @@ from conftest import REPO, Launcher, read_procs, summary, wait_for
 
 def test_a_failure_after_the_last_step_ends_the_job_without_a_recovery(launcher: Launcher, tmp_path: Path) -> None:
     run_dir, marker = tmp_path / "run", tmp_path / "done"
-    popen = launcher.start("run", "--run-dir", str(run_dir), "--workers", "2", "--nodes", "2", "--spares", "1",
-                           "--persist", "off", "--timeout", "20",
-                           str(REPO / "tests" / "scripts" / "lingering_rank.py"), "--marker", str(marker),
-                           run_dir=run_dir)
+    popen = launcher.start(
+        "run",
+        "--run-dir",
+        str(run_dir),
+        "--workers",
+        "2",
+        "--nodes",
+        "2",
+        "--spares",
+        "1",
+        "--persist",
+        "off",
+        "--timeout",
+        "20",
+        str(REPO / "tests" / "scripts" / "lingering_rank.py"),
+        "--marker",
+        str(marker),
+        run_dir=run_dir,
+    )
     wait_for(marker.exists, 180, "the last rank's end of training")
-    wait_for(lambda: not any(p["role"] == "worker" and p["rank"] == 0 for p in read_procs(run_dir)), 60,
-             "rank 0's exit")
+    wait_for(
+        lambda: not any(p["role"] == "worker" and p["rank"] == 0 for p in read_procs(run_dir)), 60, "rank 0's exit"
+    )
     lingering = next(p for p in read_procs(run_dir) if p["role"] == "worker" and p["rank"] == 1)
     os.kill(lingering["pid"], signal.SIGKILL)
     try:

@@ -2,13 +2,13 @@
 its processes), so that no one on the network can reach its store; a multi-host job's processes
 listen only on the job's network address (and loopback); a supervisor's liveness port serves the
 coordinator's watcher however many idle connections are held open to it."""
+
 from __future__ import annotations
 
 import json
 import os
 import resource
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -17,10 +17,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import JOB, REPO, leto_cmd, read_procs, reference_digest, wait_for
-from netns_cluster import Cluster, available, netns_pids
 
+from conftest import JOB, REPO, leto_cmd, read_procs, reference_digest, wait_for
 from leto.control.lease import BEAT_S, HELLO_TIMEOUT_S, MAX_PENDING, LivenessWatch
+from netns_cluster import Cluster, available, netns_pids
 
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 needs_netns = pytest.mark.skipif(available() is not None, reason=f"no namespace cluster here: {available()}")
@@ -31,7 +31,7 @@ def _address(field: str) -> tuple[str, int]:
     """An address of /proc/net/tcp{,6} ("0100007F:1F90"): host-order 32-bit words in hex."""
     hexip, hexport = field.split(":")
     raw = bytes.fromhex(hexip)
-    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
     family = socket.AF_INET if len(raw) == 4 else socket.AF_INET6
     return socket.inet_ntop(family, words), int(hexport, 16)
 
@@ -105,17 +105,18 @@ except Exception as e:
 
 
 @needs_netns
-def test_a_one_host_job_listens_on_loopback_only_and_a_stranger_cannot_stop_it(host, launcher,
-                                                                               tmp_path: Path) -> None:
+def test_a_one_host_job_listens_on_loopback_only_and_a_stranger_cannot_stop_it(host, launcher, tmp_path: Path) -> None:
     cluster, me = host
     digest = reference_digest(launcher, tmp_path, *JOB)
     run_dir = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
-    stranger = cluster.popen(1, [sys.executable, "-c", STRANGER], env=env, stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
+    stranger = cluster.popen(
+        1, [sys.executable, "-c", STRANGER], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     with open(tmp_path / "job.out", "w") as out, open(tmp_path / "job.err", "w") as err:
-        job = cluster.popen(me, leto_cmd("train", "--run-dir", str(run_dir), *JOB), env=env, cwd=REPO,
-                            stdout=out, stderr=err)
+        job = cluster.popen(
+            me, leto_cmd("train", "--run-dir", str(run_dir), *JOB), env=env, cwd=REPO, stdout=out, stderr=err
+        )
     try:
         assert stranger.stdout.readline().strip() == "ready"
         procs = wait_for(lambda: read_procs(run_dir), 120, "procs.json")
@@ -181,6 +182,7 @@ def test_a_hosts_listeners_are_on_the_jobs_network_address_or_loopback() -> None
         def reach(port: int) -> bool:
             probe = "import socket,sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=2).close()"
             return c.run_in(1, [sys.executable, "-c", probe, c.addr(0), str(port)], timeout=20).returncode == 0
+
         assert reach(live_port) and not reach(store_port)
 
 
@@ -191,8 +193,25 @@ def test_a_multi_host_jobs_processes_listen_on_the_jobs_network_address_or_loopb
     to its host's address on the job's network or to 127.0.0.1; nothing to every interface."""
     with Cluster(hosts=2) as c:
         run_dir = tmp_path / "run"
-        argv = leto_cmd("train", "--rdzv", c.rdzv, "--job-id", f"listen{os.getpid()}", "--run-dir", str(run_dir),
-                        "--workers", "2", "--nodes", "2", "--spares", "0", "--steps", "10", "--seed", "0")
+        argv = leto_cmd(
+            "train",
+            "--rdzv",
+            c.rdzv,
+            "--job-id",
+            f"listen{os.getpid()}",
+            "--run-dir",
+            str(run_dir),
+            "--workers",
+            "2",
+            "--nodes",
+            "2",
+            "--spares",
+            "0",
+            "--steps",
+            "10",
+            "--seed",
+            "0",
+        )
         env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
         hosts = []
         for i in range(2):
@@ -235,7 +254,9 @@ def liveness_port() -> Iterator[int]:
             proc.kill()  # (and the with waits for it)
 
 
-def test_a_liveness_port_flooded_with_idle_connections_still_serves_the_coordinators_watcher(liveness_port: int) -> None:
+def test_a_liveness_port_flooded_with_idle_connections_still_serves_the_coordinators_watcher(
+    liveness_port: int,
+) -> None:
     """More idle connections than the supervisor has descriptors: those that never say they are a
     watcher are dropped (the oldest at once beyond MAX_PENDING, the rest after HELLO_TIMEOUT_S),
     and a real watcher that connects in the middle of the flood gets its beats."""

@@ -1,6 +1,7 @@
 """A host's liveness connection (control/lease.py): a killed supervisor is known at once from its
 closed connection; a silent one (frozen, cut off) once it has reported no lease refresh for one
 lease time plus one beat - and only by a watcher whose own lease is fresh."""
+
 from __future__ import annotations
 
 import contextlib
@@ -13,8 +14,8 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from conftest import wait_for
 
+from conftest import wait_for
 from leto.control.lease import _BEAT, BEAT_S, LivenessWatch, reaches_any
 
 TTL_S = 1.0  # short, to keep the tests short; long enough that a loaded machine does not starve a beat that long
@@ -81,8 +82,9 @@ def test_a_frozen_host_is_judged_silent_after_one_lease_time_plus_a_beat(supervi
 
 
 @pytest.mark.parametrize("reaches", [None, lambda: False], ids=["unknown", "reaches_no_one"])
-def test_a_watcher_whose_own_lease_is_stale_judges_no_one_and_counts_silence_from_its_recovery(supervisor,
-                                                                                                reaches) -> None:
+def test_a_watcher_whose_own_lease_is_stale_judges_no_one_and_counts_silence_from_its_recovery(
+    supervisor, reaches
+) -> None:
     """A watcher that cannot refresh and reaches no other host is the one cut off: what it did
     not hear meanwhile is no evidence (beats queued in a cut link arrive late)."""
     proc, port = supervisor

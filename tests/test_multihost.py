@@ -2,6 +2,7 @@
 etcd member and one `leto train --rdzv` each, 2 workers per host, tier 2 across hosts. Every
 fault is real (SIGKILL of a host's processes, a cut link, SIGSTOP of a whole host, etcd members
 killed) and every job that goes on ends with the failure-free digest."""
+
 from __future__ import annotations
 
 import itertools
@@ -12,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from conftest import REPO, beyond_ci, leto_cmd, reference_digest, summary, wait_for, without_flags
 from netns_cluster import Cluster, available
 
@@ -47,8 +49,9 @@ def cluster() -> Iterator[Cluster]:
 
 def start(cluster: Cluster, run_dir: Path, *extra: str, job_id: str = "") -> list[subprocess.Popen]:
     """The same `leto train --rdzv ...` on every host; host i's output goes to RUN_DIR.host{i}.*"""
-    argv = leto_cmd("train", "--rdzv", cluster.rdzv, "--job-id", job_id or JOB_ID, "--run-dir", str(run_dir), *JOB,
-                    *extra)
+    argv = leto_cmd(
+        "train", "--rdzv", cluster.rdzv, "--job-id", job_id or JOB_ID, "--run-dir", str(run_dir), *JOB, *extra
+    )
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
     hosts = []
     for i in range(3):
@@ -65,15 +68,16 @@ def finish(hosts: list[subprocess.Popen], run_dir: Path, timeout: float = 240) -
 
 def failed(results: list[tuple[int, str]], victim: int | None = None) -> str:
     """The surviving hosts that did not exit 0: index, exit code and the end of their stderr."""
-    return "\n".join(f"host {i} exited {code}:\n{err[-3000:]}" for i, (code, err) in enumerate(results)
-                     if code != 0 and i != victim)
+    return "\n".join(
+        f"host {i} exited {code}:\n{err[-3000:]}" for i, (code, err) in enumerate(results) if code != 0 and i != victim
+    )
 
 
 def at_step(run_dir: Path, step: int, timeout: float = 180) -> None:
     def reached() -> bool:
         path = run_dir / "metrics.jsonl"
-        return path.exists() and any(json.loads(line).get("step", -1) >= step
-                                     for line in path.read_text().splitlines())
+        return path.exists() and any(json.loads(line).get("step", -1) >= step for line in path.read_text().splitlines())
+
     wait_for(reached, timeout, f"step {step}")
 
 
@@ -103,15 +107,19 @@ def _recovered(cluster: Cluster, run_dir: Path, node: int, reference: str) -> di
     rec = s["recoveries"][0]
     assert rec["failed_nodes"] == [node] and rec["world_size"] == 6 and rec["tier"] == "tier2", rec
     survivor = next(i for i in range(3) if cluster.etcd_healthy(i))
-    forked = [p for p in rec["adopted_by"].values() if cluster.etcdctl(
-        survivor, "get", f"/leto/{JOB_ID}/control/forked/{p}", "--print-value-only").stdout.strip()]
+    forked = [
+        p
+        for p in rec["adopted_by"].values()
+        if cluster.etcdctl(survivor, "get", f"/leto/{JOB_ID}/control/forked/{p}", "--print-value-only").stdout.strip()
+    ]
     assert forked, rec["adopted_by"]
     return rec
 
 
 @beyond_ci
-def test_three_hosts_train_to_the_single_host_digest_and_leave_nothing_behind(cluster: Cluster, tmp_path: Path,
-                                                                              reference: str) -> None:
+def test_three_hosts_train_to_the_single_host_digest_and_leave_nothing_behind(
+    cluster: Cluster, tmp_path: Path, reference: str
+) -> None:
     results = finish(start(cluster, tmp_path / "run"), tmp_path / "run")
     assert [code for code, _ in results] == [0, 0, 0], failed(results)
     s = summary(tmp_path / "run")
@@ -121,8 +129,9 @@ def test_three_hosts_train_to_the_single_host_digest_and_leave_nothing_behind(cl
 
 
 @pytest.mark.parametrize("which", ["worker_host", "coordinator_host"])
-def test_sigkill_of_every_process_of_a_host_and_its_etcd_member(cluster: Cluster, tmp_path: Path, reference: str,
-                                                                which: str) -> None:
+def test_sigkill_of_every_process_of_a_host_and_its_etcd_member(
+    cluster: Cluster, tmp_path: Path, reference: str, which: str
+) -> None:
     run_dir = tmp_path / "run"
     hosts = start(cluster, run_dir)
     at_step(run_dir, 4)
@@ -142,8 +151,9 @@ def test_sigkill_of_every_process_of_a_host_and_its_etcd_member(cluster: Cluster
 
 
 @pytest.mark.parametrize("fault", ["cut_link", "freeze"])
-def test_a_host_cut_off_or_frozen_is_fenced_and_never_comes_back(cluster: Cluster, tmp_path: Path, reference: str,
-                                                                 fault: str) -> None:
+def test_a_host_cut_off_or_frozen_is_fenced_and_never_comes_back(
+    cluster: Cluster, tmp_path: Path, reference: str, fault: str
+) -> None:
     """The host's lease expires: the others go on without it; when it comes back, its supervisor
     finds its lease gone and stops its processes (whose writes etcd refuses by then)."""
     run_dir = tmp_path / "run"
@@ -168,7 +178,8 @@ def test_a_host_cut_off_or_frozen_is_fenced_and_never_comes_back(cluster: Cluste
 
 
 def test_a_cut_off_coordinator_is_replaced_and_takes_no_host_out_when_its_link_returns(
-        cluster: Cluster, tmp_path: Path, reference: str) -> None:
+    cluster: Cluster, tmp_path: Path, reference: str
+) -> None:
     """The coordinator's host (which holds etcd's leader too) is cut off: the others hear no lease
     refresh from it, fence it out, elect a new coordinator and recover its ranks. Cut off, it hears
     from no one, and judges no one: when the link returns, it leaves, and the others finish."""
@@ -191,7 +202,8 @@ def test_a_cut_off_coordinator_is_replaced_and_takes_no_host_out_when_its_link_r
 
 
 def test_etcd_below_quorum_stops_the_job_and_its_checkpoints_resume_it_on_the_same_hosts(
-        cluster: Cluster, tmp_path: Path, reference: str) -> None:
+    cluster: Cluster, tmp_path: Path, reference: str
+) -> None:
     run_dir = tmp_path / "run"
     hosts = start(cluster, run_dir, "--persist", "on", "--persist-every", "4")
     at_step(run_dir, 9)
@@ -203,8 +215,20 @@ def test_etcd_below_quorum_stops_the_job_and_its_checkpoints_resume_it_on_the_sa
     cluster.start_etcd(1)
     cluster.start_etcd(2)
     cluster.wait_healthy()
-    results = finish(start(cluster, run_dir, "--resume", str(run_dir), "--persist", "on", "--persist-every", "4",
-                           job_id=f"{JOB_ID}-resumed"), run_dir)
+    results = finish(
+        start(
+            cluster,
+            run_dir,
+            "--resume",
+            str(run_dir),
+            "--persist",
+            "on",
+            "--persist-every",
+            "4",
+            job_id=f"{JOB_ID}-resumed",
+        ),
+        run_dir,
+    )
     assert [code for code, _ in results] == [0, 0, 0], failed(results)
     s = summary(run_dir)
     assert s["digest"] == reference and s["resumed_from_step"] >= 8

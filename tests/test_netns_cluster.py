@@ -1,4 +1,5 @@
 """Specification of tests/netns_cluster.py: hosts as network namespaces, one etcd member per host."""
+
 from __future__ import annotations
 
 import subprocess
@@ -7,13 +8,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from conftest import wait_for
 from netns_cluster import Cluster, available, list_netns
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
 
-TCP_CONNECT = ("import socket,sys; "
-               "socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=0.5).close()")
+TCP_CONNECT = "import socket,sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=0.5).close()"
 
 
 def can_connect(c: Cluster, src: int, dst: int, port: int = 2379) -> bool:
@@ -37,8 +38,7 @@ def test_hosts_reach_each_other_and_nothing_touches_the_root_namespace(cluster: 
     assert "default" not in cluster.run_in(0, ["ip", "route"], check=True).stdout
 
     root = subprocess.run(["ip", "-4", "addr"], capture_output=True, text=True, check=True).stdout
-    root += subprocess.run(["ip", "route", "show", "table", "all"], capture_output=True, text=True,
-                           check=True).stdout
+    root += subprocess.run(["ip", "route", "show", "table", "all"], capture_output=True, text=True, check=True).stdout
     assert "10.77." not in root
     # (A TCP connect from the root namespace proves nothing: a sandbox's egress proxy may accept
     # connections to any address.) From inside a host, everything off the subnet is unreachable:
@@ -48,9 +48,11 @@ def test_hosts_reach_each_other_and_nothing_touches_the_root_namespace(cluster: 
 
 def test_etcd_leadership_moves_to_the_member_asked_for(cluster: Cluster) -> None:
     """EtcdStore.lead_from: the coordinator's host keeps etcd's leader (control/hosts.py)."""
-    move = ("import sys; from leto.runtime.etcd_store import EtcdStore, parse_endpoints; "
-            "s = EtcdStore(parse_endpoints(sys.argv[1]), 't', 5.0); "
-            "print(s.lead_from(parse_endpoints(sys.argv[1])[int(sys.argv[2])]))")
+    move = (
+        "import sys; from leto.runtime.etcd_store import EtcdStore, parse_endpoints; "
+        "s = EtcdStore(parse_endpoints(sys.argv[1]), 't', 5.0); "
+        "print(s.lead_from(parse_endpoints(sys.argv[1])[int(sys.argv[2])]))"
+    )
     for target in ((cluster.etcd_leader() + 1) % 3, (cluster.etcd_leader() + 2) % 3):
         out = cluster.run_in(target, [sys.executable, "-c", move, cluster.rdzv, str(target)], timeout=20)
         assert out.stdout.strip() == "True", out.stderr[-2000:]

@@ -5,6 +5,7 @@ Real processes: `run_baseline` starts the harness's ranks; the fault injector (`
 kills a worker by the PID procs.json names. Skipped where nvidia-resiliency-ext 0.7.0 is not
 installed (docs/baselines.md says how it is installed).
 """
+
 from __future__ import annotations
 
 import json
@@ -58,8 +59,19 @@ def nvrx_runs() -> Iterator[list[Path]]:
 
 
 def run(system: str, run_dir: Path, inject: list[dict] | None = None, **options: object) -> dict:
-    return run_baseline(system, workers=2, nodes=1, steps=STEPS, seed=5, model="tiny", run_dir=run_dir,
-                        inject=inject, ckpt_every=None, mtbf_s=None, **options)
+    return run_baseline(
+        system,
+        workers=2,
+        nodes=1,
+        steps=STEPS,
+        seed=5,
+        model="tiny",
+        run_dir=run_dir,
+        inject=inject,
+        ckpt_every=None,
+        mtbf_s=None,
+        **options,
+    )
 
 
 @needs_nvrx
@@ -128,8 +140,9 @@ def test_checkpoint_reshards_to_fewer_ranks(tmp_path: Path) -> None:
     full[:, :numel] = torch.randn(3, numel)
     old = [_Trainer(numel, ce, 4, r) for r in range(4)]
     for t in old:  # 4 ranks save step 7, then rank 2 dies before its step-8 copy is committed
-        t.state.copy_(full[:, t.rank * t.shard_elems:(t.rank + 1) * t.shard_elems].view(3, t.n_chunks, ce)
-                      .transpose(0, 1))
+        t.state.copy_(
+            full[:, t.rank * t.shard_elems : (t.rank + 1) * t.shard_elems].view(3, t.n_chunks, ce).transpose(0, 1)
+        )
         writer = ShardCheckpoint(tmp_path, "fp")
         for step in (7, 8):
             t.step_count = step

@@ -1,5 +1,6 @@
 """Leto's optimizers give the same bits as torch.optim's single-tensor implementations on the
 same gradients, step after step, whether they update a chunk in place or into another buffer."""
+
 from __future__ import annotations
 
 import pytest
@@ -31,20 +32,31 @@ def run_leto(opt, grads: list[torch.Tensor], w0: torch.Tensor, in_place: bool) -
 
 
 CASES = {
-    "adamw": (AdamW(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1),
-              lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                                           foreach=False, fused=False)),
-    "adamw-no-decay": (AdamW(lr=3e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.0),
-                       lambda ps: torch.optim.AdamW(ps, lr=3e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.0,
-                                                    foreach=False, fused=False)),
-    "adam-l2": (Adam(lr=1e-2, weight_decay=0.01),
-                lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.01, foreach=False, fused=False)),
+    "adamw": (
+        AdamW(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1),
+        lambda ps: torch.optim.AdamW(
+            ps, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False, fused=False
+        ),
+    ),
+    "adamw-no-decay": (
+        AdamW(lr=3e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.0),
+        lambda ps: torch.optim.AdamW(
+            ps, lr=3e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.0, foreach=False, fused=False
+        ),
+    ),
+    "adam-l2": (
+        Adam(lr=1e-2, weight_decay=0.01),
+        lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.01, foreach=False, fused=False),
+    ),
     "sgd": (SGD(lr=0.1), lambda ps: torch.optim.SGD(ps, lr=0.1, foreach=False)),
-    "sgd-momentum": (SGD(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=1e-3),
-                     lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.1, weight_decay=1e-3,
-                                                foreach=False)),
-    "sgd-nesterov": (SGD(lr=0.05, momentum=0.9, nesterov=True),
-                     lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, foreach=False)),
+    "sgd-momentum": (
+        SGD(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=1e-3),
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.1, weight_decay=1e-3, foreach=False),
+    ),
+    "sgd-nesterov": (
+        SGD(lr=0.05, momentum=0.9, nesterov=True),
+        lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, foreach=False),
+    ),
 }
 
 
@@ -88,16 +100,27 @@ def test_a_solo_trainer_with_param_groups_equals_torch_adamw_bit_for_bit() -> No
     data = [(torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)) for _ in range(6)]
     ref = model()
     decay = [p for p in ref.parameters() if p.dim() >= 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay(ref), "weight_decay": 0.0}],
-                            lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=False, fused=False)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay(ref), "weight_decay": 0.0}],
+        lr=1e-2,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        foreach=False,
+        fused=False,
+    )
     for x, y in data:
         opt.zero_grad()
         torch.nn.functional.mse_loss(ref(x), y).backward()
         opt.step()
 
     m = model()
-    trainer = Trainer(m, leto.init("cpu"), AdamW(lr=1e-2, weight_decay=0.1), chunk_bytes=12 * 40,
-                      param_groups=[{"params": no_decay(m), "weight_decay": 0.0}])
+    trainer = Trainer(
+        m,
+        leto.init("cpu"),
+        AdamW(lr=1e-2, weight_decay=0.1),
+        chunk_bytes=12 * 40,
+        param_groups=[{"params": no_decay(m), "weight_decay": 0.0}],
+    )
     for step in trainer.steps(len(data)):
         x, y = data[step]
         trainer.step(lambda: torch.nn.functional.mse_loss(m(x), y))
@@ -107,6 +130,7 @@ def test_a_solo_trainer_with_param_groups_equals_torch_adamw_bit_for_bit() -> No
 
 def test_param_groups_name_what_is_wrong() -> None:
     from leto.training.param_groups import ParamGroups
+
     lin = torch.nn.Linear(2, 2)
     params = list(lin.parameters())
     with pytest.raises(ValueError, match="AdamW has no field momentum"):
@@ -121,6 +145,7 @@ def test_param_groups_name_what_is_wrong() -> None:
 
 def test_the_lion_example_of_the_docs_is_an_optimizer() -> None:
     from conftest import REPO
+
     text = (REPO / "docs" / "optimizers.md").read_text()
     code = text.split("## A worked example: Lion")[1].split("```python")[1].split("```")[0]
     ns: dict = {}

@@ -3,6 +3,7 @@ is a small tmpfs that the test fills up mid-run and frees again, or holds a name
 rank's checkpoint file goes, so that the write blocks in `open()` as on a hung file system. The
 job reports the failed or abandoned checkpoint (a `persist_failed` event and one console line
 per rank), writes later checkpoints as usual, and ends with the failure-free digest."""
+
 from __future__ import annotations
 
 import json
@@ -19,7 +20,9 @@ from leto.persistence import ckpt_format
 STEPS = 30
 JOB = ("--workers", "2", "--nodes", "1", "--spares", "0", "--steps", str(STEPS), "--seed", "0")
 PERSIST = ("--protection", "off", "--persist", "on", "--persist-every", "2")
-FAILED = "checkpoint of step"  # the console line of a failed checkpoint: "leto: rank R: checkpoint of step N failed (...)"
+FAILED = (
+    "checkpoint of step"  # the console line of a failed checkpoint: "leto: rank R: checkpoint of step N failed (...)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +45,12 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
 def start(launcher: Launcher, run_dir: Path, persist_dir: Path, *extra: str) -> subprocess.Popen:
     """`leto train` with its output in files beside the run directory (read while it runs)."""
     with open(run_dir.with_suffix(".out"), "w") as o, open(run_dir.with_suffix(".err"), "w") as e:
-        popen = subprocess.Popen(leto_cmd("train", "--run-dir", str(run_dir), *JOB, *PERSIST, "--persist-dir",
-                                          str(persist_dir), *extra), cwd=REPO, stdout=o, stderr=e)
+        popen = subprocess.Popen(
+            leto_cmd("train", "--run-dir", str(run_dir), *JOB, *PERSIST, "--persist-dir", str(persist_dir), *extra),
+            cwd=REPO,
+            stdout=o,
+            stderr=e,
+        )
     launcher.started.append((popen, run_dir))
     return popen
 
@@ -98,7 +105,8 @@ def said_once_per_rank(err: str, text: str) -> set[int]:
 
 
 def test_a_full_checkpoint_disk_is_reported_and_later_checkpoints_are_written(
-        launcher: Launcher, tmp_path: Path, small_fs: Path, reference: str) -> None:
+    launcher: Launcher, tmp_path: Path, small_fs: Path, reference: str
+) -> None:
     run_dir, ckpts = tmp_path / "run", small_fs / "checkpoints"
     popen = start(launcher, run_dir, ckpts)
     wait_for(lambda: events(run_dir, "persist_commit"), 180, "a first checkpoint")
@@ -115,8 +123,11 @@ def test_a_full_checkpoint_disk_is_reported_and_later_checkpoints_are_written(
     # checkpoints are written again once there is space, and pruning kept the newest two
     assert any(c["step"] > last_failed for c in events(run_dir, "persist_commit"))
     kept = ckpt_format.complete(ckpts)
-    assert len(kept) == 2 and kept[0].step > last_failed and [p for _, p in ckpt_format.steps_on_disk(ckpts)] == [
-        ck.path for ck in reversed(kept)]
+    assert (
+        len(kept) == 2
+        and kept[0].step > last_failed
+        and [p for _, p in ckpt_format.steps_on_disk(ckpts)] == [ck.path for ck in reversed(kept)]
+    )
     for ck in kept:
         ckpt_format.verify(ck)
     # one line per rank when its checkpoints start failing, and one when they are written again
@@ -125,7 +136,8 @@ def test_a_full_checkpoint_disk_is_reported_and_later_checkpoints_are_written(
 
 
 def test_a_hung_checkpoint_write_is_abandoned_and_later_checkpoints_are_written(
-        launcher: Launcher, tmp_path: Path, reference: str) -> None:
+    launcher: Launcher, tmp_path: Path, reference: str
+) -> None:
     """Rank 0's checkpoint file of step 8 is a FIFO nobody reads: DCP's `open()` blocks forever,
     as on a hung file server. After --persist-timeout it is reported and abandoned; the writes
     skipped meanwhile and the later ones go on, and the blocked thread does not hold the job at its end."""

@@ -1,6 +1,7 @@
 """Persistence, the last line of defence: real jobs write asynchronous DCP checkpoints, the
 controller is SIGKILLed by PID or a loss goes beyond the codes, and `--resume` must end with
 the digest of a failure-free run."""
+
 from __future__ import annotations
 
 import json
@@ -15,12 +16,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (JOB, Launcher, alive, processes_left, read_procs, reference_digest, step_records, train,
-                      wait_for, with_flags, without_flags)
+from conftest import (
+    JOB,
+    Launcher,
+    alive,
+    processes_left,
+    read_procs,
+    reference_digest,
+    step_records,
+    train,
+    wait_for,
+    with_flags,
+    without_flags,
+)
 from leto.persistence import ckpt_format, loader, resume
-from leto.persistence.interval import parse_duration, steps_between
+from leto.persistence.interval import daly_interval_s, parse_duration, steps_between
 from leto.runtime import plain
-from leto.persistence.interval import daly_interval_s
 
 SMALL = ("--workers", "2", "--nodes", "1", "--spares", "0", "--steps", "8", "--seed", "0", "--persist-every", "2")
 
@@ -74,7 +85,13 @@ def test_a_run_keeps_the_last_two_complete_checkpoints(small_run) -> None:
     assert committed_steps(run_dir) == commits[-2:]  # older ones pruned
     ck = ckpt_format.complete(run_dir / "checkpoints")[0]
     assert ck.world_size == 2 and sorted(p.name for p in ck.path.iterdir()) == [
-        ckpt_format.COMMIT_CLAIM, "COMMIT", "rank0", "rank0.done", "rank1", "rank1.done"]
+        ckpt_format.COMMIT_CLAIM,
+        "COMMIT",
+        "rank0",
+        "rank0.done",
+        "rank1",
+        "rank1.done",
+    ]
     ckpt_format.verify(ck)
 
 
@@ -111,8 +128,9 @@ def test_a_torn_or_corrupt_newest_checkpoint_is_passed_over(tmp_path: Path, smal
     assert any(newest.name in msg and "passed over" in msg for msg in said), said
 
 
-def test_a_resume_past_a_corrupt_newest_checkpoint_ends_with_the_failure_free_digest(launcher, tmp_path: Path,
-                                                                                   small_run) -> None:
+def test_a_resume_past_a_corrupt_newest_checkpoint_ends_with_the_failure_free_digest(
+    launcher, tmp_path: Path, small_run
+) -> None:
     run_dir = copy_run(small_run[0], tmp_path / "run")
     previous, newest = (ck.path for ck in ckpt_format.complete(run_dir / "checkpoints")[::-1])
     before = int(previous.name[5:])
@@ -133,8 +151,15 @@ def test_controller_sigkill_then_resume_ends_with_the_failure_free_digest(launch
     digest = reference_digest(launcher, tmp_path, *job)
     run_dir = tmp_path / "run"
     ctl = launcher.start("train", "--run-dir", str(run_dir), *job, "--persist-every", "3", run_dir=run_dir)
-    wait_for(lambda: (run_dir / "metrics.jsonl").exists() and any(e["step"] >= 6 for e in events(
-        run_dir, "persist_commit")) or ctl.poll() is not None, 120, "a committed checkpoint at step 6")
+    wait_for(
+        lambda: (
+            (run_dir / "metrics.jsonl").exists()
+            and any(e["step"] >= 6 for e in events(run_dir, "persist_commit"))
+            or ctl.poll() is not None
+        ),
+        120,
+        "a committed checkpoint at step 6",
+    )
     assert ctl.poll() is None, "the job ended before the controller could be killed"
     procs = read_procs(run_dir)
     controller = next(p for p in procs if p["role"] == "controller")
@@ -155,8 +180,7 @@ def test_controller_sigkill_then_resume_ends_with_the_failure_free_digest(launch
     assert not processes_left(run_dir)
 
 
-def test_a_loss_beyond_the_codes_names_the_checkpoint_and_resume_finishes(launcher, tmp_path: Path,
-                                                                          small_run) -> None:
+def test_a_loss_beyond_the_codes_names_the_checkpoint_and_resume_finishes(launcher, tmp_path: Path, small_run) -> None:
     """Protection off: a worker SIGKILL is a loss nothing in memory can repair. The job stops,
     says which checkpoint to resume from, and `--resume` ends with the failure-free digest."""
     run_dir = tmp_path / "run"
@@ -173,12 +197,19 @@ def test_persist_off_writes_nothing_and_a_start_removes_only_dead_jobs_segments(
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     shm = Path("/dev/shm")
-    gone = [shm / f"leto-{dead.pid}-1-g0-n0", shm / f"leto-{dead.pid}-1-owner",
-            shm / f"leto-{os.getpid()}-2-g3-n1",  # a live pid whose owner record names another process
-            shm / f"leto-mh{dead.pid}-h1-g0-n1", shm / f"leto-mh{dead.pid}-h1-owner"]  # a dead multi-host one
-    kept = [shm / f"leto-{os.getpid()}-3-g0-n0", shm / f"leto-{os.getpid()}-3-g1-n1",  # a live job, no owner record
-            shm / f"leto-{os.getpid()}-4-g0-n0",  # a live job whose owner record matches
-            shm / f"leto-mh{os.getpid()}-h0-g0-n0"]  # a multi-host one with no owner record: whose is unknown
+    gone = [
+        shm / f"leto-{dead.pid}-1-g0-n0",
+        shm / f"leto-{dead.pid}-1-owner",
+        shm / f"leto-{os.getpid()}-2-g3-n1",  # a live pid whose owner record names another process
+        shm / f"leto-mh{dead.pid}-h1-g0-n1",
+        shm / f"leto-mh{dead.pid}-h1-owner",
+    ]  # a dead multi-host one
+    kept = [
+        shm / f"leto-{os.getpid()}-3-g0-n0",
+        shm / f"leto-{os.getpid()}-3-g1-n1",  # a live job, no owner record
+        shm / f"leto-{os.getpid()}-4-g0-n0",  # a live job whose owner record matches
+        shm / f"leto-mh{os.getpid()}-h0-g0-n0",
+    ]  # a multi-host one with no owner record: whose is unknown
     made = gone + kept
     try:
         for p in made:
@@ -187,12 +218,14 @@ def test_persist_off_writes_nothing_and_a_start_removes_only_dead_jobs_segments(
         (shm / f"leto-{os.getpid()}-2-owner").write_text(json.dumps({"pid": os.getpid(), "start": "0"}))
         made.append(shm / f"leto-{os.getpid()}-2-owner")
         from leto.protection.shm import write_owner
+
         write_owner(f"{os.getpid()}-4", os.getpid())
         made.append(shm / f"leto-{os.getpid()}-4-owner")
         assert alive(os.getpid()) and not alive(dead.pid)
         run_dir = tmp_path / "run"
-        res, s = train(launcher, run_dir, "--workers", "1", "--nodes", "1", "--spares", "0", "--steps", "2",
-                       "--persist", "off")
+        res, s = train(
+            launcher, run_dir, "--workers", "1", "--nodes", "1", "--spares", "0", "--steps", "2", "--persist", "off"
+        )
         assert res.returncode == 0, res.stderr[-3000:]
         assert not (run_dir / "checkpoints").exists() and not (run_dir / "persist.json").exists()
         assert not events(run_dir, "persist_commit")
@@ -204,13 +237,16 @@ def test_persist_off_writes_nothing_and_a_start_removes_only_dead_jobs_segments(
             p.unlink(missing_ok=True)
 
 
-@pytest.mark.parametrize("case, problem", [
-    ("missing", "is not a folder"),
-    ("not-persisted", "has no persist.json"),
-    ("other-config", "belong to another configuration"),
-    ("all-torn", "no complete checkpoint of this job"),
-    ("with-run-dir", "drop --run-dir"),
-])
+@pytest.mark.parametrize(
+    "case, problem",
+    [
+        ("missing", "is not a folder"),
+        ("not-persisted", "has no persist.json"),
+        ("other-config", "belong to another configuration"),
+        ("all-torn", "no complete checkpoint of this job"),
+        ("with-run-dir", "drop --run-dir"),
+    ],
+)
 def test_bad_resume_input_is_one_clear_line(launcher, tmp_path: Path, small_run, case: str, problem: str) -> None:
     run_dir = tmp_path / "run"
     args = list(SMALL)
@@ -238,6 +274,7 @@ def test_a_checkpoint_loads_into_another_world_size(tmp_path: Path) -> None:
     """Written by 3 ranks, loaded by 2 (a job that had shrunk, resumed at full size): each new
     rank's shard is cut from the overlapping parts, elements in place."""
     import torch.distributed.checkpoint as dcp
+
     numel, chunk = 1000, 64
     full = torch.randn(3, numel)
     ck = ckpt_format.step_dir(tmp_path, 5)
@@ -247,14 +284,19 @@ def test_a_checkpoint_loads_into_another_world_size(tmp_path: Path) -> None:
         size = n_chunks * chunk
         padded = torch.zeros(3, world * size)
         padded[:, :numel] = full
-        return n_chunks, [padded[:, r * size:(r + 1) * size].reshape(3, n_chunks, chunk).transpose(0, 1).contiguous()
-                          for r in range(world)]
+        return n_chunks, [
+            padded[:, r * size : (r + 1) * size].reshape(3, n_chunks, chunk).transpose(0, 1).contiguous()
+            for r in range(world)
+        ]
 
     _, old = shards(3)
     committed = []
     for r, state in enumerate(old):
-        sd = {"state": state, "step": torch.tensor(5),
-              "extra": torch.frombuffer(bytearray(plain.dumps({"rank": r})), dtype=torch.uint8)}
+        sd = {
+            "state": state,
+            "step": torch.tensor(5),
+            "extra": torch.frombuffer(bytearray(plain.dumps({"rank": r})), dtype=torch.uint8),
+        }
         if r == 0:
             sd["params"] = full[0].clone()
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(ckpt_format.part_dir(ck, r))), no_dist=True)
@@ -295,12 +337,23 @@ def test_interval_helpers() -> None:
 def test_young_daly_k_is_chosen_from_measured_costs_and_shared(launcher, tmp_path: Path) -> None:
     """No --persist-every: a calibration checkpoint 5 steps in, then rank 0's K for --mtbf."""
     run_dir = tmp_path / "run"
-    res, s = train(launcher, run_dir, *without_flags(SMALL, "persist-every"), "--steps", "14", "--mtbf", "3s",
-                   "--protection", "off")
+    res, s = train(
+        launcher,
+        run_dir,
+        *without_flags(SMALL, "persist-every"),
+        "--steps",
+        "14",
+        "--mtbf",
+        "3s",
+        "--protection",
+        "off",
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     (membership,) = events(run_dir, "persist_interval")
-    k = max(steps_between(daly_interval_s(membership["write_s"], 3.0), membership["step_s"]),
-            -(-membership["write_s"] // membership["step_s"]) + 1)
+    k = max(
+        steps_between(daly_interval_s(membership["write_s"], 3.0), membership["step_s"]),
+        -(-membership["write_s"] // membership["step_s"]) + 1,
+    )
     assert abs(membership["every"] - k) <= 1 and membership["mtbf_s"] == 3.0  # the event's times are rounded
     k = membership["every"]
     commits = [e["step"] for e in events(run_dir, "persist_commit")]

@@ -69,9 +69,7 @@ def test_survives_up_to_m_losses_in_a_group(layout: tuple[int, int, int]) -> Non
 
 @FAST
 @given(layout=layouts, data=st.data())
-def test_losing_m_plus_one_of_a_stripe_is_fatal(
-    layout: tuple[int, int, int], data: st.DataObject
-) -> None:
+def test_losing_m_plus_one_of_a_stripe_is_fatal(layout: tuple[int, int, int], data: st.DataObject) -> None:
     k, m, num_nodes = layout
     stripes = place_stripes(num_nodes, k, m)
     victim = data.draw(st.sampled_from(stripes))
@@ -136,12 +134,8 @@ def test_end_to_end_recovery_of_lost_nodes() -> None:
         for s in stripes:
             if node not in s.data_nodes:
                 continue
-            available = {
-                s.nodes.index(d): seg(d, s.segment_of(d)) for d in s.data_nodes if d not in lost
-            }
-            available.update(
-                {s.nodes.index(pn): parity[s.index][j] for j, pn in enumerate(s.parity_nodes)}
-            )
+            available = {s.nodes.index(d): seg(d, s.segment_of(d)) for d in s.data_nodes if d not in lost}
+            available.update({s.nodes.index(pn): parity[s.index][j] for j, pn in enumerate(s.parity_nodes)})
             for pn in set(s.parity_nodes) & lost:
                 del available[s.nodes.index(pn)]
             block = code.decode(available)[s.data_nodes.index(node)]

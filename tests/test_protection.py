@@ -1,5 +1,6 @@
 """Chunk-level transactions: a worker SIGKILLed at every chunk boundary of one update (and of
 the gradient and parity hand-offs around it) is rebuilt byte for byte; corruption is caught."""
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,7 @@ from leto.protocol import keys
 from leto.runtime.env import connect
 
 CHUNK_BYTES = str(12 * 65536)  # 4 chunks per rank for the tiny model on 4 ranks
-SMALL = ("--workers", "4", "--nodes", "2", "--spares", "1", "--steps", "6", "--seed", "1",
-         "--chunk-bytes", CHUNK_BYTES)
+SMALL = ("--workers", "4", "--nodes", "2", "--spares", "1", "--steps", "6", "--seed", "1", "--chunk-bytes", CHUNK_BYTES)
 
 
 # gloo's default: gradients are replicated on every rank, not staged; `--protect-grads on` runs
@@ -29,16 +29,30 @@ MODES = {"replicated-grads": (), "protected-grads": ("--protect-grads", "on")}
 # every hand-off at the last of 4 chunks (which completes the step; the update's in one mode: its
 # path does not depend on where the gradient came from); the first chunk (nothing of the step
 # handed over yet) of the in-place update and of the gradient staging
-@pytest.mark.parametrize("chunk, mode, phase", [
-    (3, "replicated-grads", "update"), (3, "replicated-grads", "parity"), (3, "protected-grads", "grads"),
-    (3, "protected-grads", "parity"),
-    (0, "replicated-grads", "update"), (0, "protected-grads", "grads")])
-def test_kill_at_every_chunk_boundary_rebuilds_the_exact_state(launcher, tmp_path: Path, mode: str, phase: str,
-                                                               chunk: int) -> None:
+@pytest.mark.parametrize(
+    "chunk, mode, phase",
+    [
+        (3, "replicated-grads", "update"),
+        (3, "replicated-grads", "parity"),
+        (3, "protected-grads", "grads"),
+        (3, "protected-grads", "parity"),
+        (0, "replicated-grads", "update"),
+        (0, "protected-grads", "grads"),
+    ],
+)
+def test_kill_at_every_chunk_boundary_rebuilds_the_exact_state(
+    launcher, tmp_path: Path, mode: str, phase: str, chunk: int
+) -> None:
     digest = reference_digest(launcher, tmp_path, *SMALL)  # the same digest in both modes
     rank = 1 + chunk % 2  # vary the victim: rank 1 (node 0) or rank 2 (node 1)
-    res, s = train(launcher, tmp_path / "run", *SMALL, *MODES[mode],
-                   "--inject", f"kill:rank={rank}:step=4:phase={phase}:chunk={chunk}")
+    res, s = train(
+        launcher,
+        tmp_path / "run",
+        *SMALL,
+        *MODES[mode],
+        "--inject",
+        f"kill:rank={rank}:step=4:phase={phase}:chunk={chunk}",
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert s["digest"] == digest
     (rec,) = s["recoveries"]

@@ -1,5 +1,6 @@
 """`--protect-every N`: only every N-th step is protected; a failure rolls every rank back to the
 last protected step, loses at most N steps, and the job still ends with the failure-free digest."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,11 +22,14 @@ def check_rolled_back(res, s: dict, digest: str, run_dir: Path) -> dict:
     return rec
 
 
-@pytest.mark.parametrize("inject", [
-    "kill:rank=1:step=8:phase=update",   # deltas of step 6 committed: back to 6
-    "kill:rank=2:step=7:phase=parity",   # mid-staging of step 6's deltas: parity pre-images, back to 3
-    "kill:rank=3:step=5:phase=backward",
-])
+@pytest.mark.parametrize(
+    "inject",
+    [
+        "kill:rank=1:step=8:phase=update",  # deltas of step 6 committed: back to 6
+        "kill:rank=2:step=7:phase=parity",  # mid-staging of step 6's deltas: parity pre-images, back to 3
+        "kill:rank=3:step=5:phase=backward",
+    ],
+)
 def test_a_killed_worker_rolls_back_to_the_last_protected_step(launcher, tmp_path: Path, inject: str) -> None:
     digest = reference_digest(launcher, tmp_path, *JOB)
     res, s = train(launcher, tmp_path / "run", *JOB, *EVERY, "--inject", inject)

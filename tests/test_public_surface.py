@@ -1,5 +1,6 @@
 """The public API is deliberate: `leto`'s names and what a `leto.Trainer` shows are listed in one
 place each (`leto.__all__`, `leto.training.trainer.PUBLIC_API`); adding one means adding it there."""
+
 from __future__ import annotations
 
 import inspect

@@ -2,6 +2,7 @@
 buffers and registered user state. A user script under `leto run` is SIGKILLed from outside at a
 random step and must end with the digest (parameters, optimizer state, buffers) of a failure-free
 run, and with its loader where the failure-free run left it."""
+
 from __future__ import annotations
 
 import pytest

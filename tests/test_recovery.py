@@ -1,5 +1,6 @@
 """In-place recovery: real processes are killed or stopped, and the job must end with exactly
 the digest of a failure-free run of the same seed and config."""
+
 from __future__ import annotations
 
 import json
@@ -10,12 +11,30 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (JOB, processes_left, read_procs, reference_digest, seeded_random, step_records, train,
-                      wait_for, with_flags)
+from conftest import (
+    JOB,
+    processes_left,
+    read_procs,
+    reference_digest,
+    seeded_random,
+    step_records,
+    train,
+    wait_for,
+    with_flags,
+)
 from leto.protocol import keys
 
-RECORD_KEYS = {"generation", "failed_ranks", "failed_nodes", "cause", "tier", "detect_s", "restore_s",
-               "total_s", "lost_steps"}
+RECORD_KEYS = {
+    "generation",
+    "failed_ranks",
+    "failed_nodes",
+    "cause",
+    "tier",
+    "detect_s",
+    "restore_s",
+    "total_s",
+    "lost_steps",
+}
 
 
 def check_recovered(res, summary: dict, digest: str, run_dir: Path, recoveries: int = 1) -> list[dict]:
@@ -36,16 +55,23 @@ def check_recovered(res, summary: dict, digest: str, run_dir: Path, recoveries: 
 # the reduce-scatter's case; random kills from outside hit them too), each victim rank once; the
 # parity hand-off and the update with staged gradients are killed at every chunk boundary in
 # test_protection.py
-@pytest.mark.parametrize("rank, phase, grads", [
-    (2, "reduce-scatter", "auto"), (3, "grads", "on"),
-    (1, "update", "auto"), (0, "all-gather", "auto"),
-])
-def test_a_killed_worker_is_replaced_in_place_in_any_phase(launcher, tmp_path: Path, rank: int, phase: str,
-                                                           grads: str) -> None:
+@pytest.mark.parametrize(
+    "rank, phase, grads",
+    [
+        (2, "reduce-scatter", "auto"),
+        (3, "grads", "on"),
+        (1, "update", "auto"),
+        (0, "all-gather", "auto"),
+    ],
+)
+def test_a_killed_worker_is_replaced_in_place_in_any_phase(
+    launcher, tmp_path: Path, rank: int, phase: str, grads: str
+) -> None:
     """`--protect-grads on` stages gradients as with NCCL's reduce-scatter (gloo replicates them)."""
     digest = reference_digest(launcher, tmp_path, *JOB)
-    res, s = train(launcher, tmp_path / "run", *JOB, "--protect-grads", grads,
-                   "--inject", f"kill:rank={rank}:step=5:phase={phase}")
+    res, s = train(
+        launcher, tmp_path / "run", *JOB, "--protect-grads", grads, "--inject", f"kill:rank={rank}:step=5:phase={phase}"
+    )
     rec = check_recovered(res, s, digest, tmp_path / "run")[0]
     assert rec["failed_ranks"] == [rank] and rec["tier"] == "tier1"
     assert "SIGKILL" in rec["cause"]
@@ -54,8 +80,9 @@ def test_a_killed_worker_is_replaced_in_place_in_any_phase(launcher, tmp_path: P
 def test_two_nodes_of_a_2_plus_2_stripe_lost_at_once(launcher, tmp_path: Path) -> None:
     job = ("--workers", "4", "--nodes", "4", "--spares", "3", "--ec", "2+2", "--steps", "10", "--seed", "0")
     digest = reference_digest(launcher, tmp_path, *JOB)  # node layout does not change the math
-    res, s = train(launcher, tmp_path / "run", *job, "--inject", "node-kill:node=0:step=4",
-                   "--inject", "node-kill:node=3:step=4")
+    res, s = train(
+        launcher, tmp_path / "run", *job, "--inject", "node-kill:node=0:step=4", "--inject", "node-kill:node=3:step=4"
+    )
     rec = check_recovered(res, s, digest, tmp_path / "run")[0]
     assert rec["failed_nodes"] == [0, 3] and rec["tier"] == "tier2"
 
@@ -66,6 +93,7 @@ def test_parity_blocks_that_folded_different_versions_are_not_decoded_together()
     from leto.protection.layout import Geometry, Layout
     from leto.protocol.protection import StripeReport
     from leto.recovery.rebuild import torn_offsets
+
     layout = Layout(0, 0, Geometry(2, 4), (0, 0, 1, 1, 2, 2, 3, 3), (2, 2))
     s = layout.tier2[1][0]
     L = layout.segment_len
@@ -79,8 +107,15 @@ def test_parity_blocks_that_folded_different_versions_are_not_decoded_together()
 
 def test_a_hung_worker_is_detected_by_heartbeat_fenced_and_replaced(launcher, tmp_path: Path) -> None:
     digest = reference_digest(launcher, tmp_path, *JOB)
-    res, s = train(launcher, tmp_path / "run", *JOB, "--heartbeat-timeout", "1.5",
-                   "--inject", "stop:rank=2:step=4:phase=all-gather")
+    res, s = train(
+        launcher,
+        tmp_path / "run",
+        *JOB,
+        "--heartbeat-timeout",
+        "1.5",
+        "--inject",
+        "stop:rank=2:step=4:phase=all-gather",
+    )
     rec = check_recovered(res, s, digest, tmp_path / "run")[0]
     assert "hung" in rec["cause"] and rec["failed_ranks"] == [2]
     assert rec["detect_s"] >= 1.5 - 0.1  # its last heartbeat may follow the hang's start by one period
@@ -88,8 +123,15 @@ def test_a_hung_worker_is_detected_by_heartbeat_fenced_and_replaced(launcher, tm
 
 def test_a_second_failure_during_recovery(launcher, tmp_path: Path) -> None:
     digest = reference_digest(launcher, tmp_path, *JOB)
-    res, s = train(launcher, tmp_path / "run", *with_flags(JOB, spares=2), "--inject", "kill:rank=1:step=5",
-                   "--inject", "kill:rank=2:step=5:phase=recovery")
+    res, s = train(
+        launcher,
+        tmp_path / "run",
+        *with_flags(JOB, spares=2),
+        "--inject",
+        "kill:rank=1:step=5",
+        "--inject",
+        "kill:rank=2:step=5:phase=recovery",
+    )
     rec = check_recovered(res, s, digest, tmp_path / "run")[0]
     assert rec["failed_ranks"] == [1, 2] and rec["interrupted"]
 
@@ -98,8 +140,15 @@ def test_a_failure_before_the_new_generation_is_encoded(launcher, tmp_path: Path
     """Rank 2 dies at the start of the first step after a recovery, while the new generation's
     base encode may still be committing: the previous generation's tables rebuild it exactly."""
     digest = reference_digest(launcher, tmp_path, *JOB)
-    res, s = train(launcher, tmp_path / "run", *with_flags(JOB, spares=2),
-                   "--inject", "kill:rank=1:step=5:phase=update", "--inject", "kill:rank=2:step=6:phase=forward")
+    res, s = train(
+        launcher,
+        tmp_path / "run",
+        *with_flags(JOB, spares=2),
+        "--inject",
+        "kill:rank=1:step=5:phase=update",
+        "--inject",
+        "kill:rank=2:step=6:phase=forward",
+    )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert s["digest"] == digest
     assert sorted({r for rec in s["recoveries"] for r in rec["failed_ranks"]}) == [1, 2]
@@ -112,14 +161,25 @@ def test_random_sigkills_from_outside(launcher, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     ctl = launcher.start("train", "--run-dir", str(run_dir), *with_flags(JOB, steps=16, spares=2), run_dir=run_dir)
     for k in (3, 9):
-        wait_for(lambda: (run_dir / "metrics.jsonl").exists() and
-                 any(r["step"] >= k for r in step_records(run_dir)), 120, f"step {k}")
+        wait_for(
+            lambda: (run_dir / "metrics.jsonl").exists() and any(r["step"] >= k for r in step_records(run_dir)),
+            120,
+            f"step {k}",
+        )
         time.sleep(rng.uniform(0, 0.3))
         victim = rng.choice([p for p in read_procs(run_dir) if p["role"] == "worker"])
         os.kill(victim["pid"], signal.SIGKILL)
-        wait_for(lambda: any("event" in r and r["event"] == "recovery" for r in map(
-            json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())) or ctl.poll() is not None, 120,
-            "a recovery")
+        wait_for(
+            lambda: (
+                any(
+                    "event" in r and r["event"] == "recovery"
+                    for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+                )
+                or ctl.poll() is not None
+            ),
+            120,
+            "a recovery",
+        )
     out, err = ctl.communicate(timeout=240)
     assert ctl.returncode == 0, f"seed {seed}: " + err[-3000:]
     ref16 = reference_digest(launcher, tmp_path, *with_flags(JOB, steps=16))
@@ -135,8 +195,11 @@ def test_an_idle_shadow_or_keeper_dying_does_not_stop_training(launcher, tmp_pat
     wait_for(lambda: (run_dir / "metrics.jsonl").exists() and len(step_records(run_dir)) >= 3, 120, "step 3")
     shadow = next(p for p in read_procs(run_dir) if p["role"] == "shadow")
     os.kill(shadow["pid"], signal.SIGKILL)
-    wait_for(lambda: any(p["role"] == "shadow" and p["pid"] != shadow["pid"] for p in read_procs(run_dir)), 30,
-             "a replacement shadow")
+    wait_for(
+        lambda: any(p["role"] == "shadow" and p["pid"] != shadow["pid"] for p in read_procs(run_dir)),
+        30,
+        "a replacement shadow",
+    )
     keeper = next(p for p in read_procs(run_dir) if p["role"] == "keeper" and p["node"] == 0)
     os.kill(keeper["pid"], signal.SIGKILL)
     out, err = ctl.communicate(timeout=240)
@@ -148,8 +211,9 @@ def test_an_idle_shadow_or_keeper_dying_does_not_stop_training(launcher, tmp_pat
 
 
 def test_losing_more_than_the_codes_tolerate_stops_with_a_clear_message(launcher, tmp_path: Path) -> None:
-    res, s = train(launcher, tmp_path / "run", *JOB, "--ec", "none", "--spares", "2",
-                   "--inject", "node-kill:node=1:step=4")
+    res, s = train(
+        launcher, tmp_path / "run", *JOB, "--ec", "none", "--spares", "2", "--inject", "node-kill:node=1:step=4"
+    )
     assert res.returncode == 1
     assert "cannot recover" in res.stdout and "node 1" in res.stdout and "tier 2 is off" in res.stdout
     assert not processes_left(tmp_path / "run")
@@ -219,6 +283,7 @@ def test_after_a_shrink_the_job_grows_back_when_a_shadow_is_ready(launcher, tmp_
 
 def _store(run_dir: Path):
     from leto.runtime.env import connect
+
     return connect(next(p for p in read_procs(run_dir) if p["role"] == "controller")["store"], 10.0)
 
 
@@ -246,9 +311,12 @@ def test_replacement_shadows_are_forked_from_the_nodes_warm_zygote(launcher, tmp
         wait_for(lambda: len(_recoveries(run_dir)) == n, 60, f"recovery {n}")
         if forked is not None:  # the shadow forked after the first recovery adopted this rank
             assert _recoveries(run_dir)[-1]["adopted_by"] == {str(rank): forked["id"]}
-        forked = wait_for(lambda: next((p for p in read_procs(run_dir) if p["role"] == "shadow"
-                                        and p["pid"] not in before), None), 60, "a replacement shadow")
-        assert store.check([keys.forked(forked['id'])])  # made by a zygote, not started afresh
+        forked = wait_for(
+            lambda: next((p for p in read_procs(run_dir) if p["role"] == "shadow" and p["pid"] not in before), None),
+            60,
+            "a replacement shadow",
+        )
+        assert store.check([keys.forked(forked["id"])])  # made by a zygote, not started afresh
         with open(f"/proc/{forked['pid']}/stat") as f:
             assert int(f.read().rsplit(")", 1)[1].split()[1]) == ctl.pid  # its parent: the controller
     ctl.send_signal(signal.SIGTERM)

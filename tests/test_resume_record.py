@@ -2,6 +2,7 @@
 who has the run folder but not the command line would use it after a crash or a reboot: the
 controller is SIGKILLed by PID, `--resume RUN_DIR` with nothing else, three times in a row, and
 the run ends with the digest of the same configuration run without failures."""
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,22 @@ from leto.runtime import linux
 
 # every flag that shapes the run differs from its default, so a resume that fell back to the
 # defaults would load nothing (another configuration) or end with another digest
-FLAGS = ("--workers", "2", "--nodes", "1", "--spares", "0", "--seed", "3", "--lr", "2e-3", "--rows", "64",
-         "--steps", "60")  # steps long enough for a kill to land mid-run
+FLAGS = (
+    "--workers",
+    "2",
+    "--nodes",
+    "1",
+    "--spares",
+    "0",
+    "--seed",
+    "3",
+    "--lr",
+    "2e-3",
+    "--rows",
+    "64",
+    "--steps",
+    "60",
+)  # steps long enough for a kill to land mid-run
 
 
 @pytest.fixture(autouse=True)
@@ -37,8 +52,11 @@ def commits(run_dir: Path) -> list[int]:
 def crash(popen: subprocess.Popen, run_dir: Path, past: int) -> int:
     """Once this attempt has committed a checkpoint past step `past`, SIGKILL its controller by
     PID (its children die with it); returns the newest step it committed."""
-    wait_for(lambda: any(s > past for s in commits(run_dir)) or popen.poll() is not None, 180,
-             f"a checkpoint past step {past}")
+    wait_for(
+        lambda: any(s > past for s in commits(run_dir)) or popen.poll() is not None,
+        180,
+        f"a checkpoint past step {past}",
+    )
     assert popen.poll() is None, "the attempt ended before its controller could be killed"
     controller = next(p for p in read_procs(run_dir) if p["role"] == "controller")
     os.kill(controller["pid"], signal.SIGKILL)
@@ -67,11 +85,13 @@ def stand_in(run_dir: Path, keep_start: bool) -> subprocess.Popen:
 
 
 def test_three_crashes_each_resumed_with_only_the_run_dir_end_with_the_failure_free_digest(
-        launcher: Launcher, tmp_path: Path) -> None:
+    launcher: Launcher, tmp_path: Path
+) -> None:
     digest = reference_digest(launcher, tmp_path, *FLAGS, "--persist", "off")
     run_dir = tmp_path / "run"
-    popen = launcher.start("train", "--run-dir", str(run_dir), *FLAGS, "--protection", "off", "--persist-every", "3",
-                           run_dir=run_dir)
+    popen = launcher.start(
+        "train", "--run-dir", str(run_dir), *FLAGS, "--protection", "off", "--persist-every", "3", run_dir=run_dir
+    )
     newest = crash(popen, run_dir, 0)
     stand_ins: list[subprocess.Popen] = []
     try:
@@ -90,17 +110,24 @@ def test_three_crashes_each_resumed_with_only_the_run_dir_end_with_the_failure_f
     s = json.loads((run_dir / "summary.json").read_text())
     assert s["digest"] == digest and s["steps"] == 60
     config = json.loads((run_dir / "config.json").read_text())
-    assert (config["training"]["workers"], config["recovery"]["spares"], config["protection"]["enabled"]) == (2, 0,
-                                                                                                             False)
-    assert sorted(p.name for p in run_dir.glob("metrics.jsonl.attempt*")) == [f"metrics.jsonl.attempt{k}"
-                                                                             for k in (1, 2, 3)]
+    assert (config["training"]["workers"], config["recovery"]["spares"], config["protection"]["enabled"]) == (
+        2,
+        0,
+        False,
+    )
+    assert sorted(p.name for p in run_dir.glob("metrics.jsonl.attempt*")) == [
+        f"metrics.jsonl.attempt{k}" for k in (1, 2, 3)
+    ]
 
 
 def test_leto_run_resumes_its_script_and_arguments_from_the_record(launcher: Launcher, tmp_path: Path) -> None:
     """`leto run --resume RUN_DIR` without the script: the script and its arguments are the run's."""
     script = tmp_path / "slow.py"
-    script.write_text((Path(__file__).parent.parent / "examples" / "minimal.py").read_text().replace(
-        "    loss = trainer.step(", "    __import__('time').sleep(0.2)\n    loss = trainer.step("))
+    script.write_text(
+        (Path(__file__).parent.parent / "examples" / "minimal.py")
+        .read_text()
+        .replace("    loss = trainer.step(", "    __import__('time').sleep(0.2)\n    loss = trainer.step(")
+    )
     job = ("--workers", "2", "--persist-every", "3", str(script), "--steps", "30")
     ref = launcher.run("run", "--run-dir", str(tmp_path / "reference"), "--persist", "off", *job)
     assert ref.returncode == 0, ref.stderr[-3000:]
@@ -123,12 +150,16 @@ def _recorded_run(tmp_path: Path, procs: list[dict] | None = None) -> Path:
     return run_dir
 
 
-@pytest.mark.parametrize("flag, value, named", [
-    ("--workers", "3", "--workers 3 differs from the run's --workers 2"),
-    ("--seed", "4", "--seed 4 differs from the run's --seed 3"),
-])
-def test_a_flag_that_contradicts_the_record_is_named_and_refused(launcher: Launcher, tmp_path: Path, flag: str,
-                                                                  value: str, named: str) -> None:
+@pytest.mark.parametrize(
+    "flag, value, named",
+    [
+        ("--workers", "3", "--workers 3 differs from the run's --workers 2"),
+        ("--seed", "4", "--seed 4 differs from the run's --seed 3"),
+    ],
+)
+def test_a_flag_that_contradicts_the_record_is_named_and_refused(
+    launcher: Launcher, tmp_path: Path, flag: str, value: str, named: str
+) -> None:
     res = launcher.run("train", "--resume", str(_recorded_run(tmp_path)), flag, value, timeout=60)
     assert res.returncode == 2, res.stderr[-3000:]
     lines = res.stderr.strip().splitlines()

@@ -1,4 +1,5 @@
 """The batch of (seed, step, rank, world size) is a pure function; ranks split one global batch."""
+
 from __future__ import annotations
 
 import numpy as np

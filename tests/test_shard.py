@@ -1,4 +1,5 @@
 """The trainer's sharded state and the one flatten/digest, in one process (no job)."""
+
 from __future__ import annotations
 
 import pytest
@@ -27,7 +28,7 @@ def test_parameters_become_views_of_one_padded_buffer() -> None:
     assert s.geometry.n_chunks == 2 and s.flat_param.numel() == 4 * 2 * CHUNK  # 42 elements, 64 with padding
     with torch.no_grad():
         params[0].add_(1.0)
-    assert torch.equal(s.flat_param[:params[0].numel()], params[0].detach().reshape(-1))
+    assert torch.equal(s.flat_param[: params[0].numel()], params[0].detach().reshape(-1))
     assert params[1].grad.data_ptr() == s.flat_grad[params[0].numel()].data_ptr()
 
 
@@ -35,14 +36,14 @@ def test_cutting_the_whole_state_into_another_world_size_keeps_every_element() -
     s, _ = _state(4)
     g = s.geometry
     full = torch.randn(4, g.n_chunks, 3, g.chunk_elems)
-    rows = full.transpose(1, 2).reshape(4, 3, -1).transpose(0, 1).reshape(3, -1)[:, :s.numel]
+    rows = full.transpose(1, 2).reshape(4, 3, -1).transpose(0, 1).reshape(3, -1)[:, : s.numel]
     parts = []
     for rank in range(3):
         shard, params = s.cut(full, 3, rank)
         assert shard.shape == (s.geometry_for(3).n_chunks, 3, CHUNK)
         parts.append(shard.transpose(0, 1).reshape(3, -1))
         assert torch.equal(params, rows[0])
-    assert torch.equal(torch.cat(parts, dim=1)[:, :s.numel], rows)
+    assert torch.equal(torch.cat(parts, dim=1)[:, : s.numel], rows)
 
 
 def test_a_shard_of_the_wrong_shape_is_refused() -> None:

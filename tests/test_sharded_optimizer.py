@@ -1,4 +1,5 @@
 """ZeRO-1 over 3 ranks equals plain single-process torch.optim.AdamW on the same global batch."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -25,14 +26,25 @@ def reference() -> dict[str, torch.Tensor]:
         opt.step()
     params = list(model.parameters())
     flat = lambda ts: torch.cat([t.reshape(-1) for t in ts])  # noqa: E731
-    return {"params": flat(params), "exp_avg": flat(opt.state[p]["exp_avg"] for p in params),
-            "exp_avg_sq": flat(opt.state[p]["exp_avg_sq"] for p in params)}
+    return {
+        "params": flat(params),
+        "exp_avg": flat(opt.state[p]["exp_avg"] for p in params),
+        "exp_avg_sq": flat(opt.state[p]["exp_avg_sq"] for p in params),
+    }
 
 
 def test_sharded_adamw_matches_torch_adamw(launcher, tmp_path: Path) -> None:
     out = tmp_path / "state.pt"
-    res = launcher.run("run", "--workers", "3", "--run-dir", str(tmp_path / "run"),
-                       str(REPO / "tests" / "scripts" / "adamw_check.py"), str(out), run_dir=tmp_path / "run")
+    res = launcher.run(
+        "run",
+        "--workers",
+        "3",
+        "--run-dir",
+        str(tmp_path / "run"),
+        str(REPO / "tests" / "scripts" / "adamw_check.py"),
+        str(out),
+        run_dir=tmp_path / "run",
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     got, want = torch.load(out), reference()
     for name in ("params", "exp_avg", "exp_avg_sq"):

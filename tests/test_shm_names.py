@@ -2,6 +2,7 @@
 never removes job `exp-h0`'s (host 0: `exp-h0-h0`); a segment or owner record that exists
 already (another job of that id, or a file or link someone else made) is refused with one clear
 error, and nothing is written through a link. Real files in /dev/shm, removed afterwards."""
+
 from __future__ import annotations
 
 import os
@@ -44,12 +45,14 @@ def test_a_supervisor_removes_its_jobs_segments_not_a_job_whose_id_extends_it(ba
         shm.write_owner(job, os.getpid())
     try:
         assert [p.name for p in shm.job_files(mine)] == sorted(
-            [f"leto-{mine}-g0-n0", f"leto-{mine}-g0-n1", f"leto-{mine}-owner"])
+            [f"leto-{mine}-g0-n0", f"leto-{mine}-g0-n1", f"leto-{mine}-owner"]
+        )
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
         Supervisor(store, JobConfig(run_dir=str(tmp_path)), f"127.0.0.1:{store.port}", mine, node=0).fence()
         assert shm.job_files(mine) == []
         assert [p.name for p in shm.job_files(theirs)] == sorted(
-            [f"leto-{theirs}-g0-n0", f"leto-{theirs}-g0-n1", f"leto-{theirs}-owner"])
+            [f"leto-{theirs}-g0-n0", f"leto-{theirs}-g0-n1", f"leto-{theirs}-owner"]
+        )
         assert all(r.path.exists() for r in regions[theirs])
         # and a worker of the job left opens its keeper's region by the same name
         again = shm.Region(LAYOUT, theirs, 1, create=False)
@@ -112,7 +115,9 @@ def test_a_dead_jobs_files_go_and_only_exactly_its_own(base: str) -> None:
     assert [p.name for p in shm.job_files(alive)] == sorted([f"leto-{alive}-g3-n0", f"leto-{alive}-owner"])
 
 
-@pytest.mark.parametrize("job, ok", [("exp", True), ("a_b.c-9", True), ("", False), ("a/b", False),
-                                     ("a b", False), ("x" * 65, False), ("é", False)])
+@pytest.mark.parametrize(
+    "job, ok",
+    [("exp", True), ("a_b.c-9", True), ("", False), ("a/b", False), ("a b", False), ("x" * 65, False), ("é", False)],
+)
 def test_a_job_id_is_a_plain_name(job: str, ok: bool) -> None:
     assert (shm.check_job_id(job) is None) == ok

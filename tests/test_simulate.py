@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from leto.persistence.interval import daly_interval_s
+from leto.simulation.assumptions import Assumptions
+from leto.simulation.calibration import CalibrationError, load_calibration
 from leto.simulation.cli import main
 from leto.simulation.engine import (
     LOSS_KEYS,
@@ -18,9 +21,6 @@ from leto.simulation.engine import (
     closed_form_checkpoint_restart,
     simulate,
 )
-from leto.persistence.interval import daly_interval_s
-from leto.simulation.assumptions import Assumptions
-from leto.simulation.calibration import CalibrationError, load_calibration
 from leto.simulation.scaling import checkpoint_write_s
 
 CAL = load_calibration()
@@ -107,11 +107,13 @@ def test_zero_failures_gives_100_percent() -> None:
     assert list(res.results) == list(POLICIES)
     for r in res.results.values():
         assert {k: v for k, v in r.lost.items() if k != "protection"} == dict.fromkeys(
-            set(LOSS_KEYS) - {"protection"}, 0.0)
+            set(LOSS_KEYS) - {"protection"}, 0.0
+        )
         assert r.productivity == pytest.approx(1.0 - r.lost["protection"], abs=1e-12)
     # with nothing to protect, every policy is 100 % productive
     stateless = dataclasses.replace(
-        sc, assumptions=Assumptions(optimizer_bytes_per_param=0.0, weight_bytes_per_param=0.0))
+        sc, assumptions=Assumptions(optimizer_bytes_per_param=0.0, weight_bytes_per_param=0.0)
+    )
     results = simulate(stateless, POLICIES, CAL).results
     assert list(results) == list(POLICIES)
     for r in results.values():
@@ -191,31 +193,43 @@ def write(tmp_path: Path, name: str, doc: object) -> Path:
 def test_calibration_accepts_each_bench_output(tmp_path: Path) -> None:
     sc = Scenario(gpus=1024)
     base = build_costs("leto", sc, CAL)
-    overhead = write(tmp_path, "o.json", {"step_s_off": 1.0, "step_s_on": 1.5,
-                                           "overhead_ratio": 0.5, "encode_gbps": 3.0,
-                                           "memcpy_gbps": 10.0, "memory_overhead": 0.25,
-                                           "state_bytes_per_rank": 1e9})
+    overhead = write(
+        tmp_path,
+        "o.json",
+        {
+            "step_s_off": 1.0,
+            "step_s_on": 1.5,
+            "overhead_ratio": 0.5,
+            "encode_gbps": 3.0,
+            "memcpy_gbps": 10.0,
+            "memory_overhead": 0.25,
+            "state_bytes_per_rank": 1e9,
+        },
+    )
     cal = load_calibration(overhead)
     assert cal.protect_s_per_step == 0.5 and cal.encode_gbps == 3.0  # recorded
     # no CPU figures in that file: the shipped protection cost stays, and a note says so
     assert any("no cpu_s_per_step_on" in n for n in cal.notes)
     assert build_costs("leto", sc, cal).commit_s == pytest.approx(base.commit_s)
 
-    recovery = {"systems": {"leto": {"detect_s": 0.5, "restore_s": 0.1, "recovery_s": 1.0,
-                                     "lost_steps": 1},
-                            "checkpoint-restart": {"detect_s": 0.2, "restore_s": 2.0,
-                                                   "recovery_s": 20.0, "lost_steps": 7},
-                            "memory-restart": {"detect_s": 0.2, "restore_s": 0.2,
-                                               "recovery_s": 15.0, "lost_steps": 1}},
-                "speedup": {"checkpoint-restart": 20.0}, "state_bytes_per_rank": 1.2e9}
+    recovery = {
+        "systems": {
+            "leto": {"detect_s": 0.5, "restore_s": 0.1, "recovery_s": 1.0, "lost_steps": 1},
+            "checkpoint-restart": {"detect_s": 0.2, "restore_s": 2.0, "recovery_s": 20.0, "lost_steps": 7},
+            "memory-restart": {"detect_s": 0.2, "restore_s": 0.2, "recovery_s": 15.0, "lost_steps": 1},
+        },
+        "speedup": {"checkpoint-restart": 20.0},
+        "state_bytes_per_rank": 1.2e9,
+    }
     cal = load_calibration(write(tmp_path, "r.json", recovery))
     assert cal.leto_exit_detect_s == 0.5
     assert cal.leto_rebuild_fixed_s == pytest.approx(0.4)
     assert cal.cr_restart_fixed_s == pytest.approx(17.8)
     assert build_costs("leto", sc, cal).detect_s[0] == 0.5
 
-    throughput = write(tmp_path, "t.json", {"step_s": 0.8, "tokens_per_s": 5000.0,
-                                             "workers": 2, "state_bytes_per_rank": 1.2e9})
+    throughput = write(
+        tmp_path, "t.json", {"step_s": 0.8, "tokens_per_s": 5000.0, "workers": 2, "state_bytes_per_rank": 1.2e9}
+    )
     assert load_calibration(throughput).bench_step_s == 0.8
 
     merged = write(tmp_path, "m.json", {"throughput": {"step_s": 0.8}, "recovery": recovery})
@@ -224,14 +238,17 @@ def test_calibration_accepts_each_bench_output(tmp_path: Path) -> None:
     assert "m.json" in cal.sources["leto_exit_detect_s"]
 
 
-@pytest.mark.parametrize("content,needle", [
-    ("{not json", "not valid JSON"),
-    ("[1, 2]", "expected a JSON object"),
-    ('{"hello": 1}', "found keys: hello"),
-    ('{"systems": {"leto": {"detect_s": "fast"}}}', "systems.leto.detect_s"),
-    ('{"step_s": -1}', "step_s"),
-    ('{"measurements": {"warp_factor": {"value": 1, "source": "x"}}}', "warp_factor"),
-])
+@pytest.mark.parametrize(
+    "content,needle",
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "expected a JSON object"),
+        ('{"hello": 1}', "found keys: hello"),
+        ('{"systems": {"leto": {"detect_s": "fast"}}}', "systems.leto.detect_s"),
+        ('{"step_s": -1}', "step_s"),
+        ('{"measurements": {"warp_factor": {"value": 1, "source": "x"}}}', "warp_factor"),
+    ],
+)
 def test_bad_calibration_names_file_and_key(tmp_path: Path, content: str, needle: str) -> None:
     path = tmp_path / "bench.json"
     path.write_text(content)
@@ -243,29 +260,31 @@ def test_bad_calibration_names_file_and_key(tmp_path: Path, content: str, needle
 # ---------------------------------------------------------------- bad arguments (item 5)
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--gpus", "-8"], "--gpus"),
-    (["--gpus", "0"], "--gpus"),
-    (["--gpus", "many"], "--gpus"),
-    (["--gpus", "1028"], "--gpus-per-node"),
-    (["--gpus", "1000"], "tp*pp"),
-    (["--gpus-per-node", "3"], "--gpus-per-node"),
-    (["--days", "0"], "--days"),
-    (["--days", "1e9"], "too many"),
-    (["--mtbf-gpu-hours", "-5"], "--mtbf-gpu-hours"),
-    (["--spares", "-1"], "--spares"),
-    (["--policy", "magic"], "unknown policy 'magic'"),
-    (["--calibration", "/nonexistent/bench.json"], "/nonexistent/bench.json"),
-    (["--set", "warp=9"], "unknown assumption 'warp'"),
-    (["--set", "params=lots"], "params"),
-    (["--set", "protect_overlap=2"], "protect_overlap"),
-    (["--set", "d2h_overlap=1.5"], "d2h_overlap"),
-    (["--set", "host_cores_per_node=8"], "host_cores_per_node"),
-    (["--plot", "/nonexistent/dir/out.png"], "does not exist"),
-    (["--frobnicate"], "--frobnicate"),
-])
-def test_bad_arguments_give_one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str],
-                                           needle: str) -> None:
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--gpus", "-8"], "--gpus"),
+        (["--gpus", "0"], "--gpus"),
+        (["--gpus", "many"], "--gpus"),
+        (["--gpus", "1028"], "--gpus-per-node"),
+        (["--gpus", "1000"], "tp*pp"),
+        (["--gpus-per-node", "3"], "--gpus-per-node"),
+        (["--days", "0"], "--days"),
+        (["--days", "1e9"], "too many"),
+        (["--mtbf-gpu-hours", "-5"], "--mtbf-gpu-hours"),
+        (["--spares", "-1"], "--spares"),
+        (["--policy", "magic"], "unknown policy 'magic'"),
+        (["--calibration", "/nonexistent/bench.json"], "/nonexistent/bench.json"),
+        (["--set", "warp=9"], "unknown assumption 'warp'"),
+        (["--set", "params=lots"], "params"),
+        (["--set", "protect_overlap=2"], "protect_overlap"),
+        (["--set", "d2h_overlap=1.5"], "d2h_overlap"),
+        (["--set", "host_cores_per_node=8"], "host_cores_per_node"),
+        (["--plot", "/nonexistent/dir/out.png"], "does not exist"),
+        (["--frobnicate"], "--frobnicate"),
+    ],
+)
+def test_bad_arguments_give_one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str], needle: str) -> None:
     rc, out, err = run_cli(capsys, *argv)
     assert rc == 2
     assert out == ""
@@ -274,8 +293,7 @@ def test_bad_arguments_give_one_line_error(capsys: pytest.CaptureFixture[str], a
     assert needle in err
 
 
-def test_garbled_calibration_file_is_a_usage_error(capsys: pytest.CaptureFixture[str],
-                                                   tmp_path: Path) -> None:
+def test_garbled_calibration_file_is_a_usage_error(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     path = tmp_path / "garbled.json"
     for garbage in (b"\x00\x01 not json", b"\xff\xfe\x00binary"):
         path.write_bytes(garbage)

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from leto.simulation.cli import main
-from leto.simulation.engine import Scenario, build_costs, leto_protection, simulate
 from leto.simulation.assumptions import Assumptions
 from leto.simulation.calibration import CalibrationError, load_calibration
+from leto.simulation.cli import main
+from leto.simulation.engine import Scenario, build_costs, leto_protection, simulate
 from leto.simulation.scaling import optimizer_bytes_per_gpu, step_time_s
 from leto.simulation.units import GB
 
@@ -23,17 +23,24 @@ CAL = load_calibration()
 
 # a small synthetic `leto bench overhead --json` with every key the bench writes or will write
 SYNTH = {
-    "model": "tiny", "workers": 4, "nodes": 2, "ec": "1+1",
-    "step_s_off": 0.1, "step_s_on": 0.12, "overhead_ratio": 1.2,
+    "model": "tiny",
+    "workers": 4,
+    "nodes": 2,
+    "ec": "1+1",
+    "step_s_off": 0.1,
+    "step_s_on": 0.12,
+    "overhead_ratio": 1.2,
     "cpu_s_per_step_off": {"worker": 0.20},
     "cpu_s_per_step_on": {"worker": 0.21, "keeper": 0.03, "keeper/main": 0.02},
-    "protected_bytes": 12_000_000, "protected_elements": 1_000_000,
+    "protected_bytes": 12_000_000,
+    "protected_elements": 1_000_000,
     # the gloo path: gradients are replicated there, so not staged (protection/accounting.py)
     "bytes_per_element_per_step": {
         "master": {"staged": 4, "checksummed": 4, "tier2_sent": 4},
         "exp_avg": {"staged": 4, "checksummed": 4, "tier2_sent": 4},
         "exp_avg_sq": {"staged": 4, "checksummed": 4, "tier2_sent": 4},
-        "total": {"staged": 12, "checksummed": 12, "tier2_sent": 12}},
+        "total": {"staged": 12, "checksummed": 12, "tier2_sent": 12},
+    },
     "d2h_gbps": 25.0,
 }
 SYNTH_C = (0.03 + (0.21 - 0.20)) / (1_000_000 * 12)  # CPU s per byte moved on the bench
@@ -46,8 +53,7 @@ def write(tmp_path: Path, doc: object, name: str = "bench.json") -> Path:
     return path
 
 
-def by_hand(sc: Scenario, c: float, moved_per_elem: float, tier2_per_elem: float,
-            d2h_gbps: float) -> float:
+def by_hand(sc: Scenario, c: float, moved_per_elem: float, tier2_per_elem: float, d2h_gbps: float) -> float:
     """The documented law, written out again: per-step protection seconds of Leto.
 
     ``moved_per_elem``/``tier2_per_elem``: bytes per element a step on the cluster (staged;
@@ -55,8 +61,7 @@ def by_hand(sc: Scenario, c: float, moved_per_elem: float, tier2_per_elem: float
     a = sc.assumptions
     b = 12 * a.params / sc.gpus
     moved = moved_per_elem / 12 * b
-    host = c * sc.gpus_per_node * moved / (a.host_cores_per_node
-                                          - sc.gpus_per_node * a.train_cores_per_gpu)
+    host = c * sc.gpus_per_node * moved / (a.host_cores_per_node - sc.gpus_per_node * a.train_cores_per_gpu)
     d2h = moved / (d2h_gbps * GB)
     tier2 = tier2_per_elem / 12 * b * a.tier2_m / (a.net_gbps_per_gpu * GB)
     od = a.d2h_overlap
@@ -64,8 +69,9 @@ def by_hand(sc: Scenario, c: float, moved_per_elem: float, tier2_per_elem: float
 
 
 def failure_free(gpus: int, **assume: float) -> Scenario:
-    return Scenario(gpus=gpus, days=30, mtbf_gpu_hours=math.inf,
-                    assumptions=dataclasses.replace(Assumptions(), **assume))
+    return Scenario(
+        gpus=gpus, days=30, mtbf_gpu_hours=math.inf, assumptions=dataclasses.replace(Assumptions(), **assume)
+    )
 
 
 def protection_fraction(sc: Scenario, cal: object) -> float:
@@ -102,8 +108,7 @@ def test_host_work_is_hidden_when_it_fits_in_the_step_and_adds_beyond(tmp_path: 
     p = leto_protection(sc, cal)
     assert p["protect_host_s"] + p["protect_tier2_s"] < step
     assert build_costs("leto", sc, cal).commit_s == pytest.approx(p["protect_d2h_s"])
-    assert p["protect_d2h_s"] == pytest.approx(
-        16 / 12 * optimizer_bytes_per_gpu(a, sc.gpus) / 25e9)
+    assert p["protect_d2h_s"] == pytest.approx(16 / 12 * optimizer_bytes_per_gpu(a, sc.gpus) / 25e9)
     # 1000x the CPU per byte no longer fits: the excess over one step adds
     slow = dict(SYNTH, cpu_s_per_step_on={"worker": 0.21, "keeper": 30.0})
     cal = load_calibration(write(tmp_path, slow, "slow.json"))
@@ -112,7 +117,8 @@ def test_host_work_is_hidden_when_it_fits_in_the_step_and_adds_beyond(tmp_path: 
     assert q["protect_host_s"] > step
     assert build_costs("leto", sc, cal).commit_s == pytest.approx(by_hand(sc, c, 16, 16, 25.0))
     assert q["protect_per_step_s"] == pytest.approx(
-        q["protect_d2h_s"] + q["protect_host_s"] + q["protect_tier2_s"] - step)
+        q["protect_d2h_s"] + q["protect_host_s"] + q["protect_tier2_s"] - step
+    )
     # overlapping the copy too hides it
     sc2 = failure_free(1024, d2h_overlap=1.0)
     assert build_costs("leto", sc2, load_calibration(write(tmp_path, SYNTH))).commit_s == 0.0
@@ -122,8 +128,7 @@ def test_real_overhead_result_gives_the_shipped_figure(tmp_path: Path) -> None:
     cal = load_calibration(REAL)
     doc = json.loads(REAL.read_text())
     moved = doc["protected_bytes"] / 12 * 16  # no bytes_per_element_per_step in that file
-    cpu = (doc["cpu_s_per_step_on"]["keeper"] + doc["cpu_s_per_step_on"]["worker"]
-           - doc["cpu_s_per_step_off"]["worker"])
+    cpu = doc["cpu_s_per_step_on"]["keeper"] + doc["cpu_s_per_step_on"]["worker"] - doc["cpu_s_per_step_off"]["worker"]
     assert cal.protect_cpu_s_per_byte == pytest.approx(cpu / moved)
     assert cal.protect_cpu_s_per_byte == pytest.approx(CAL.protect_cpu_s_per_byte, rel=1e-4)
     assert cal.protect_moved_per_state_byte == pytest.approx(16 / 12)
@@ -137,8 +142,7 @@ def test_real_overhead_result_gives_the_shipped_figure(tmp_path: Path) -> None:
     step = step_time_s(sc.assumptions)
     assert protection_fraction(sc, cal) == pytest.approx(protect / (step + protect), abs=2e-5)
     # twice the keepers' CPU in the same file: more overhead, by the computed amount
-    doubled = dict(doc, cpu_s_per_step_on=dict(doc["cpu_s_per_step_on"],
-                                               keeper=2 * doc["cpu_s_per_step_on"]["keeper"]))
+    doubled = dict(doc, cpu_s_per_step_on=dict(doc["cpu_s_per_step_on"], keeper=2 * doc["cpu_s_per_step_on"]["keeper"]))
     cal2 = load_calibration(write(tmp_path, doubled))
     c2 = (cpu + doc["cpu_s_per_step_on"]["keeper"]) / moved
     protect2 = build_costs("leto", sc, cal2).commit_s
@@ -148,15 +152,32 @@ def test_real_overhead_result_gives_the_shipped_figure(tmp_path: Path) -> None:
 
 
 def test_curve_entry_moving_the_most_bytes_is_used(tmp_path: Path) -> None:
-    doc = dict(SYNTH, curve=[
-        {"label": "512 rows", "rows": 512, "model": "tiny", "step_s_off": 0.5, "step_s_on": 0.52,
-         "overhead_ratio": 1.04, "cpu_s_per_step_on": {"worker": 0.9, "keeper": 0.03}},
-        {"label": "small", "rows": 32, "model": "small", "step_s_off": 3.9, "step_s_on": 4.0,
-         "overhead_ratio": 1.03, "protected_elements": 10_000_000,
-         "cpu_s_per_step_on": {"worker": 2.0, "keeper": 0.2},
-         "bytes_per_element_per_step": {"total": {"staged": 8, "tier2_sent": 8}}},
-        {"label": "gpt2", "model": "gpt2", "cpu_s_per_step_on": {"keeper": 9.0}},
-    ])
+    doc = dict(
+        SYNTH,
+        curve=[
+            {
+                "label": "512 rows",
+                "rows": 512,
+                "model": "tiny",
+                "step_s_off": 0.5,
+                "step_s_on": 0.52,
+                "overhead_ratio": 1.04,
+                "cpu_s_per_step_on": {"worker": 0.9, "keeper": 0.03},
+            },
+            {
+                "label": "small",
+                "rows": 32,
+                "model": "small",
+                "step_s_off": 3.9,
+                "step_s_on": 4.0,
+                "overhead_ratio": 1.03,
+                "protected_elements": 10_000_000,
+                "cpu_s_per_step_on": {"worker": 2.0, "keeper": 0.2},
+                "bytes_per_element_per_step": {"total": {"staged": 8, "tier2_sent": 8}},
+            },
+            {"label": "gpt2", "model": "gpt2", "cpu_s_per_step_on": {"keeper": 9.0}},
+        ],
+    )
     cal = load_calibration(write(tmp_path, doc))
     # 'small': keepers 0.2 s + the default job's extra worker CPU per byte (no 'off' in entries)
     worker_extra_per_byte = 0.01 / 12e6
@@ -191,8 +212,12 @@ def test_missing_keys_fall_back_with_a_note(tmp_path: Path) -> None:
     assert cal.sources["protect_cpu_s_per_byte"] == CAL.sources["protect_cpu_s_per_byte"]
     assert any("cpu_s_per_step_on" in n and "shipped" in n for n in cal.notes)
     # keepers' CPU but no 'off' run and no accounting: keeper CPU over 16 B an element
-    doc = {"step_s_off": 0.1, "step_s_on": 0.11, "protected_bytes": 12e6,
-           "cpu_s_per_step_on": {"keeper": 0.02, "worker": 0.3}}
+    doc = {
+        "step_s_off": 0.1,
+        "step_s_on": 0.11,
+        "protected_bytes": 12e6,
+        "cpu_s_per_step_on": {"keeper": 0.02, "worker": 0.3},
+    }
     cal = load_calibration(write(tmp_path, doc))
     assert cal.protect_cpu_s_per_byte == pytest.approx(0.02 / (1e6 * 16))
     notes = " | ".join(cal.notes)
@@ -201,8 +226,9 @@ def test_missing_keys_fall_back_with_a_note(tmp_path: Path) -> None:
     assert "no 'ec'" in notes
     assert "no tier-2 bytes" in notes
     # no 'total' in the accounting: summed over the buffers
-    doc = dict(SYNTH, bytes_per_element_per_step={"m": {"staged": 4, "tier2_sent": 4},
-                                                  "v": {"staged": 6, "tier2_sent": 6}})
+    doc = dict(
+        SYNTH, bytes_per_element_per_step={"m": {"staged": 4, "tier2_sent": 4}, "v": {"staged": 6, "tier2_sent": 6}}
+    )
     cal = load_calibration(write(tmp_path, doc))
     assert cal.protect_moved_per_state_byte == pytest.approx((10 + 4) / 12)  # + gradient shard
     assert any("no 'total'" in n for n in cal.notes)
@@ -213,31 +239,32 @@ def test_missing_keys_fall_back_with_a_note(tmp_path: Path) -> None:
     assert any("counted as 0" in n for n in cal.notes)
 
 
-@pytest.mark.parametrize("change,needle", [
-    ({"cpu_s_per_step_on": "fast"}, "cpu_s_per_step_on"),
-    ({"cpu_s_per_step_on": {"keeper": "x"}}, "cpu_s_per_step_on.keeper"),
-    ({"cpu_s_per_step_off": [0.2]}, "cpu_s_per_step_off"),
-    ({"bytes_per_element_per_step": [1]}, "bytes_per_element_per_step"),
-    ({"bytes_per_element_per_step": {"total": {"checksummed": 4}}}, "no 'staged'"),
-    ({"bytes_per_element_per_step": {"total": {"staged": -1}}}, "total.staged"),
-    ({"bytes_per_element_per_step": {"total": {"staged": 0}}}, "no bytes moved"),
-    ({"protected_elements": 0}, "protected_elements"),
-    ({"protected_elements": None, "protected_bytes": "many"}, "protected_bytes"),
-    ({"d2h_gbps": 0}, "d2h_gbps"),
-    ({"curve": {"small": 1}}, "curve"),
-    ({"curve": [3]}, "curve[0]"),
-    ({"curve": [{"cpu_s_per_step_on": {"keeper": -2}}]}, "curve[0].cpu_s_per_step_on.keeper"),
-])
-def test_malformed_overhead_file_names_the_problem(tmp_path: Path, change: dict[str, object],
-                                                   needle: str) -> None:
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        ({"cpu_s_per_step_on": "fast"}, "cpu_s_per_step_on"),
+        ({"cpu_s_per_step_on": {"keeper": "x"}}, "cpu_s_per_step_on.keeper"),
+        ({"cpu_s_per_step_off": [0.2]}, "cpu_s_per_step_off"),
+        ({"bytes_per_element_per_step": [1]}, "bytes_per_element_per_step"),
+        ({"bytes_per_element_per_step": {"total": {"checksummed": 4}}}, "no 'staged'"),
+        ({"bytes_per_element_per_step": {"total": {"staged": -1}}}, "total.staged"),
+        ({"bytes_per_element_per_step": {"total": {"staged": 0}}}, "no bytes moved"),
+        ({"protected_elements": 0}, "protected_elements"),
+        ({"protected_elements": None, "protected_bytes": "many"}, "protected_bytes"),
+        ({"d2h_gbps": 0}, "d2h_gbps"),
+        ({"curve": {"small": 1}}, "curve"),
+        ({"curve": [3]}, "curve[0]"),
+        ({"curve": [{"cpu_s_per_step_on": {"keeper": -2}}]}, "curve[0].cpu_s_per_step_on.keeper"),
+    ],
+)
+def test_malformed_overhead_file_names_the_problem(tmp_path: Path, change: dict[str, object], needle: str) -> None:
     path = write(tmp_path, {**SYNTH, **change})
     with pytest.raises(CalibrationError, match="bench.json") as info:
         load_calibration(path)
     assert needle in str(info.value)
 
 
-def test_malformed_overhead_file_is_a_one_line_cli_error(
-        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_malformed_overhead_file_is_a_one_line_cli_error(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     path = write(tmp_path, {**SYNTH, "cpu_s_per_step_on": {"keeper": "x"}})
     rc = main(["--calibration", str(path)])
     out, err = capsys.readouterr()
@@ -246,8 +273,7 @@ def test_malformed_overhead_file_is_a_one_line_cli_error(
     assert "bench.json" in err and "cpu_s_per_step_on.keeper" in err
 
 
-def test_json_lists_every_input_as_measured_or_assumed(capsys: pytest.CaptureFixture[str],
-                                                       tmp_path: Path) -> None:
+def test_json_lists_every_input_as_measured_or_assumed(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     rc = main(["--gpus", "8192", "--days", "5", "--calibration", str(REAL), "--json"])
     doc = json.loads(capsys.readouterr().out)
     assert rc == 0
@@ -270,8 +296,7 @@ def test_json_lists_every_input_as_measured_or_assumed(capsys: pytest.CaptureFix
     costs = doc["costs_s"]["leto"]
     assert costs["protect_per_step_s"] == pytest.approx(costs["protect_d2h_s"])  # hidden host
     # a measured d2h turns that input into a measured one
-    rc = main(["--gpus", "8192", "--days", "5", "--json",
-               "--calibration", str(write(tmp_path, SYNTH))])
+    rc = main(["--gpus", "8192", "--days", "5", "--json", "--calibration", str(write(tmp_path, SYNTH))])
     doc = json.loads(capsys.readouterr().out)
     d2h = doc["inputs"]["calibration.d2h_gbps"]
     assert d2h["kind"] == "measured" and d2h["value"] == 25.0 and "bench.json" in d2h["source"]

@@ -1,5 +1,6 @@
 """Host staging: on the CPU a chunk's bytes are a view; through the staging buffers (the GPU
 path: device-to-host copies) they are the same bytes, and a delta's two chunks coexist."""
+
 from __future__ import annotations
 
 import numpy as np

@@ -4,6 +4,7 @@ process that is not the job's (a `sleep` of this test), and the heartbeat "nan" 
 The job refuses each with a line naming the key, signals and reaps nothing it did not start,
 fences the hung worker in time and ends with the failure-free digest. Processes named in
 procs.json are signalled only while their pid and start time both match."""
+
 from __future__ import annotations
 
 import json
@@ -16,14 +17,25 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
-from conftest import alive, read_procs, reference_digest, step_records, wait_for
 
+from conftest import alive, read_procs, reference_digest, step_records, wait_for
 from leto.baselines.faults import inject_at_step
 from leto.protocol import keys
 from leto.runtime import linux
 from leto.runtime.runlog import write_procs
 
-JOB = ("--workers", "4", "--nodes", "2", "--spares", "1", "--seed", "0", "--steps", "14")  # test_supervision's reference
+JOB = (
+    "--workers",
+    "4",
+    "--nodes",
+    "2",
+    "--spares",
+    "1",
+    "--seed",
+    "0",
+    "--steps",
+    "14",
+)  # test_supervision's reference
 
 
 def _events(run_dir: Path, kind: str) -> list[dict]:
@@ -33,8 +45,11 @@ def _events(run_dir: Path, kind: str) -> list[dict]:
 
 
 def _proc(run_dir: Path, role: str, rank: int) -> dict:
-    return wait_for(lambda: next((p for p in read_procs(run_dir) if p["role"] == role and p["rank"] == rank), None),
-                    30, f"{role} {rank} in procs.json")
+    return wait_for(
+        lambda: next((p for p in read_procs(run_dir) if p["role"] == role and p["rank"] == rank), None),
+        30,
+        f"{role} {rank} in procs.json",
+    )
 
 
 def _recovered(run_dir: Path, n: int, ctl: subprocess.Popen) -> None:
@@ -55,8 +70,11 @@ def test_hostile_store_values_are_refused_and_touch_nothing_outside_the_job(laun
     try:
         run_dir = tmp_path / "run"
         ctl = launcher.start("train", "--run-dir", str(run_dir), *JOB, "--heartbeat-timeout", "1.5", run_dir=run_dir)
-        wait_for(lambda: ctl.poll() is not None or ((run_dir / "metrics.jsonl").exists() and step_records(run_dir)),
-                 120, "the first step")
+        wait_for(
+            lambda: ctl.poll() is not None or ((run_dir / "metrics.jsonl").exists() and step_records(run_dir)),
+            120,
+            "the first step",
+        )
         store = _client(run_dir)
         # each recovery forks a shadow from the node's zygote, named by the next process number:
         # its pid is set to a hostile value before the zygote writes the real one
@@ -122,6 +140,7 @@ def test_the_supervisor_signals_only_the_process_it_adopted(tmp_path: Path) -> N
     """A supervisor's handle whose pid now names another process (start time changed) sends it
     nothing: not at a stop, not at a fence."""
     from leto.control.supervisor import Proc, _kill, _signal_quietly
+
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
         proc = Proc("worker", 0, 0, "worker0-1", child, start="1")  # adopted as another process

@@ -9,22 +9,23 @@ two hosts with the failure-free digest. In a one-host job, a malformed drain of 
 generation (which keepers once crashed on, one replacement after another) and a malformed
 checkpoint schedule are ignored the same way: no keeper fails, the checkpoints go on, the digest
 is the failure-free one. The store messages' own checks are specified here too."""
+
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
 import pytest
+
 import test_multihost as mh
 from conftest import JOB, Launcher, read_procs, reference_digest, summary, wait_for
+from leto.errors import BadValue
+from leto.protocol import keys
+from leto.protocol.messages import JobResult, PersistSchedule, SupervisorReport
 from netns_cluster import Cluster, available
 from test_host_errors import at_step
 from test_multihost import cluster, coordinator, failed, finish, host_of, reference, start  # noqa: F401 (fixtures)
 from test_store_values import _client
-
-from leto.errors import BadValue
-from leto.protocol import keys
-from leto.protocol.messages import JobResult, PersistSchedule, SupervisorReport
 
 HOSTILE = {
     keys.JOB_STATE: "{not json",
@@ -37,7 +38,8 @@ HOSTILE = {
 
 @pytest.mark.skipif(available() is not None, reason=f"no namespace cluster here: {available()}")
 def test_a_takeover_refuses_hostile_values_and_the_job_ends_with_the_failure_free_digest(
-        cluster: Cluster, tmp_path: Path, reference: str) -> None:
+    cluster: Cluster, tmp_path: Path, reference: str
+) -> None:
     run_dir = tmp_path / "run"
     hosts = start(cluster, run_dir)
     # written once the coordinator has started the job (its job state is out), while the workers
@@ -58,8 +60,11 @@ def test_a_takeover_refuses_hostile_values_and_the_job_ends_with_the_failure_fre
     assert [r["failed_nodes"] for r in s["recoveries"]] == [[node]], s["recoveries"]
     events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert any(e.get("event") == "takeover" for e in events)
-    new = next(i for i, (_, err) in enumerate(results) if i != victim and "took over as coordinator" in
-               Path(f"{run_dir}.host{i}.out").read_text() + err)
+    new = next(
+        i
+        for i, (_, err) in enumerate(results)
+        if i != victim and "took over as coordinator" in Path(f"{run_dir}.host{i}.out").read_text() + err
+    )
     err = results[new][1]
     for key in HOSTILE:
         assert f"ignored a malformed value of {key}:" in err, (key, err[-3000:])
@@ -81,12 +86,16 @@ def _host_of(cluster: Cluster, run_dir: Path, node: int) -> int | None:
 
 
 def test_a_malformed_drain_and_checkpoint_schedule_are_ignored_in_a_one_host_job(
-        launcher: Launcher, tmp_path: Path) -> None:
+    launcher: Launcher, tmp_path: Path
+) -> None:
     digest = reference_digest(launcher, tmp_path, *JOB)
     run_dir = tmp_path / "run"
     ctl = launcher.start("train", "--run-dir", str(run_dir), *JOB, "--persist", "on", run_dir=run_dir)
-    wait_for(lambda: ctl.poll() is not None or any(p["role"] == "controller" for p in read_procs(run_dir)),
-             60, "the job's store")
+    wait_for(
+        lambda: ctl.poll() is not None or any(p["role"] == "controller" for p in read_procs(run_dir)),
+        60,
+        "the job's store",
+    )
     store = _client(run_dir)
     hostile = {keys.drain(0): "{", keys.PERSIST_EVERY: PersistSchedule(0, 1).to_json()}
     for key, value in hostile.items():
@@ -106,11 +115,13 @@ def test_a_malformed_drain_and_checkpoint_schedule_are_ignored_in_a_one_host_job
 def test_store_messages_refuse_values_no_writer_writes() -> None:
     assert PersistSchedule.from_json(PersistSchedule(4, 10).to_json()) == PersistSchedule(4, 10)
     assert JobResult.from_json(JobResult(5, float("nan"), "ab").to_json()).steps == 5  # a diverged loss is data
-    for cls, value, why in [(PersistSchedule, '{"every": 0, "first": 3}', "not positive"),
-                            (PersistSchedule, '{"every": 2.5, "first": 3}', "not int"),
-                            (PersistSchedule, '{"every": 2, "first": -1}', "negative"),
-                            (JobResult, '{"steps": 3, "final_loss": 1.0, "digest": 7}', "not str"),
-                            (JobResult, '[1, 2]', "not an object")]:
+    for cls, value, why in [
+        (PersistSchedule, '{"every": 0, "first": 3}', "not positive"),
+        (PersistSchedule, '{"every": 2.5, "first": 3}', "not int"),
+        (PersistSchedule, '{"every": 2, "first": -1}', "negative"),
+        (JobResult, '{"steps": 3, "final_loss": 1.0, "digest": 7}', "not str"),
+        (JobResult, "[1, 2]", "not an object"),
+    ]:
         with pytest.raises(BadValue, match=why) as e:
             cls.from_json(value, keys.PERSIST_EVERY)
         assert e.value.key == keys.PERSIST_EVERY

@@ -1,6 +1,7 @@
 """Supervision: keepers are fenced and replaced like workers, losing a keeper is never fatal while
 every rank's state is intact, tier 2 is re-placed after a node loss, and a training thread that
 stops advancing is found though its process heartbeats. Real signals, sent by PID from outside."""
+
 from __future__ import annotations
 
 import json
@@ -9,6 +10,7 @@ import signal
 from pathlib import Path
 
 import pytest
+
 from conftest import (
     processes_left,
     read_procs,
@@ -24,26 +26,38 @@ JOB = ("--workers", "4", "--nodes", "2", "--spares", "1", "--seed", "0")
 def _events(run_dir: Path, kind: str) -> list[dict]:
     if not (run_dir / "metrics.jsonl").exists():
         return []
-    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-            if r.get("event") == kind]
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r.get("event") == kind]
 
 
 def _at_step(run_dir: Path, k: int, ctl) -> None:
-    wait_for(lambda: ctl.poll() is not None or ((run_dir / "metrics.jsonl").exists()
-                                                 and any(r["step"] >= k for r in step_records(run_dir))),
-             120, f"step {k}")
+    wait_for(
+        lambda: (
+            ctl.poll() is not None
+            or ((run_dir / "metrics.jsonl").exists() and any(r["step"] >= k for r in step_records(run_dir)))
+        ),
+        120,
+        f"step {k}",
+    )
     if ctl.poll() is not None:
         raise AssertionError(f"the job ended before step {k}: {ctl.communicate()[1][-3000:]}")
 
 
 def _proc(run_dir: Path, role: str, node: int | None = None, rank: int | None = None) -> dict:
-    return next(p for p in read_procs(run_dir) if p["role"] == role
-                and (node is None or p["node"] == node) and (rank is None or p["rank"] == rank))
+    return next(
+        p
+        for p in read_procs(run_dir)
+        if p["role"] == role and (node is None or p["node"] == node) and (rank is None or p["rank"] == rank)
+    )
 
 
 def _recovered(run_dir: Path, n: int, ctl) -> list[dict]:
-    return wait_for(lambda: _events(run_dir, "recovery") if len(_events(run_dir, "recovery")) >= n
-                    or ctl.poll() is not None else None, 120, f"recovery {n}")
+    return wait_for(
+        lambda: (
+            _events(run_dir, "recovery") if len(_events(run_dir, "recovery")) >= n or ctl.poll() is not None else None
+        ),
+        120,
+        f"recovery {n}",
+    )
 
 
 def _start(launcher, run_dir: Path, job: tuple[str, ...], step: int, *extra: str):
@@ -114,8 +128,11 @@ def test_a_keeper_and_a_worker_of_another_node_fail_together(launcher, tmp_path:
     os.kill(worker["pid"], signal.SIGKILL)
     out, s = _finish(ctl, run_dir, digest)
     assert sorted(r for rec in s["recoveries"] for r in rec["failed_ranks"]) == [2]
-    assert {p["pid"] for p in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-            if p.get("event") == "failure"} >= {keeper["pid"], worker["pid"]}
+    assert {
+        p["pid"]
+        for p in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+        if p.get("event") == "failure"
+    } >= {keeper["pid"], worker["pid"]}
 
 
 @pytest.mark.parametrize("mode", [(), ("--protect-every", "3")], ids=["in-place", "interval"])
@@ -149,8 +166,22 @@ def test_after_a_node_loss_the_last_nodes_keeper_may_die(launcher, tmp_path: Pat
 
 def test_two_data_nodes_of_one_2_plus_2_stripe_killed_from_outside(launcher, tmp_path: Path) -> None:
     """4 nodes, --ec 2+2: stripe 0 has data nodes 0 and 1 (placement.py); both are SIGKILLed."""
-    job = ("--workers", "4", "--nodes", "4", "--spares", "2", "--ec", "2+2", "--no-spare", "wait",
-           "--steps", "12", "--seed", "0")
+    job = (
+        "--workers",
+        "4",
+        "--nodes",
+        "4",
+        "--spares",
+        "2",
+        "--ec",
+        "2+2",
+        "--no-spare",
+        "wait",
+        "--steps",
+        "12",
+        "--seed",
+        "0",
+    )
     digest = reference_digest(launcher, tmp_path, *job)
     run_dir = tmp_path / "run"
     ctl = _start(launcher, run_dir, job, 3)
@@ -186,8 +217,9 @@ def _train_to_the_digest(launcher, tmp_path: Path, floor: str, factor: str, inje
     failure-free digest and leave no process behind."""
     job = (*JOB, "--steps", "12")
     digest = reference_digest(launcher, tmp_path, *job)
-    res, s = train(launcher, tmp_path / "run", *job, "--progress-floor", floor, "--progress-factor", factor,
-                   "--inject", inject)
+    res, s = train(
+        launcher, tmp_path / "run", *job, "--progress-floor", floor, "--progress-factor", factor, "--inject", inject
+    )
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert s["digest"] == digest
     assert not processes_left(tmp_path / "run")
@@ -207,6 +239,7 @@ def test_a_stuck_training_thread_is_found_by_progress_and_replaced(launcher, tmp
 def test_the_tier2_code_is_re_placed_over_the_nodes_left() -> None:
     from leto.protection.layout import Geometry, Layout
     from leto.protection.placement import degradation, fitted_code
+
     assert fitted_code(4, (3, 1)) == (3, 1) and fitted_code(6, (2, 1)) == (2, 1)
     assert fitted_code(3, (3, 1)) == (2, 1) and fitted_code(2, (3, 1)) == (1, 1) and fitted_code(1, (3, 1)) is None
     assert fitted_code(3, (2, 2)) == (1, 2) and fitted_code(2, (2, 2)) == (1, 1)
@@ -222,6 +255,7 @@ def test_the_tier2_code_is_re_placed_over_the_nodes_left() -> None:
 def test_progress_times_out_only_after_a_measured_step_and_a_stall() -> None:
     from leto.control.progress import ProgressCheck
     from leto.protocol.messages import DONE, parse_beat
+
     check = ProgressCheck(floor_s=2.0, factor=10.0)
     assert check.stalled_for("w", 5, 0.0) is None and check.stalled_for("w", 5, 100.0) is None  # no step yet
     for s in (0.1, 0.5, 0.3):

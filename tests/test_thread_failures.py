@@ -5,6 +5,7 @@ keeper whose peer goes silent says so within the job's timeout, not an hour late
 
 The failures are real exceptions raised inside the real threads of a real job
 (`LETO_TEST_FAIL_THREAD`, runtime/threads.py), once the test creates the file it names."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,8 @@ import signal
 from pathlib import Path
 
 import pytest
-from conftest import processes_left, read_procs, reference_digest, step_records, wait_for
 
+from conftest import processes_left, read_procs, reference_digest, step_records, wait_for
 from leto.runtime.threads import FAIL_ENV, THREAD_FAILED
 
 JOB = ("--workers", "4", "--nodes", "2", "--spares", "1", "--seed", "0", "--steps", "14")
@@ -30,9 +31,14 @@ def _start(launcher, run_dir: Path, *extra: str, fail: dict | None = None):
     """`leto train` the job; returns its process once step 4 is recorded."""
     env = dict(os.environ, **({FAIL_ENV: json.dumps(fail)} if fail else {}))
     ctl = launcher.start("train", "--run-dir", str(run_dir), *JOB, *extra, run_dir=run_dir, env=env)
-    wait_for(lambda: ctl.poll() is not None or ((run_dir / "metrics.jsonl").exists()
-                                                 and any(r["step"] >= 4 for r in step_records(run_dir))),
-             120, "step 4")
+    wait_for(
+        lambda: (
+            ctl.poll() is not None
+            or ((run_dir / "metrics.jsonl").exists() and any(r["step"] >= 4 for r in step_records(run_dir)))
+        ),
+        120,
+        "step 4",
+    )
     assert ctl.poll() is None, ctl.communicate()[1][-3000:]
     return ctl
 
@@ -53,14 +59,20 @@ def _finish(ctl, run_dir: Path, digest: str, pid: int) -> tuple[str, dict, dict]
 
 
 @pytest.mark.parametrize("thread", ["leto-heartbeat", "leto-watch"])
-def test_a_worker_thread_that_fails_ends_its_process_and_the_job_recovers(launcher, tmp_path: Path,
-                                                                          thread: str) -> None:
+def test_a_worker_thread_that_fails_ends_its_process_and_the_job_recovers(
+    launcher, tmp_path: Path, thread: str
+) -> None:
     """Rank 1's heartbeat thread (or its generation watch) raises. With a heartbeat timeout of
     10 minutes nothing but the process's own exit can bring the recovery in time."""
     digest = reference_digest(launcher, tmp_path, *JOB)
     run_dir, now = tmp_path / "run", tmp_path / "fail-now"
-    ctl = _start(launcher, run_dir, "--heartbeat-timeout", "600",
-                 fail={"thread": thread, "role": "worker", "rank": 1, "when": str(now)})
+    ctl = _start(
+        launcher,
+        run_dir,
+        "--heartbeat-timeout",
+        "600",
+        fail={"thread": thread, "role": "worker", "rank": 1, "when": str(now)},
+    )
     victim = _proc(run_dir, "worker", rank=1)
     now.touch()
     err, s, failure = _finish(ctl, run_dir, digest, victim["pid"])
@@ -82,8 +94,9 @@ def test_a_keeper_receiver_that_fails_ends_the_keeper_and_nothing_waits_for_it(l
     err, s, failure = _finish(ctl, run_dir, digest, victim["pid"])
     assert failure["cause"] == f"exited with code {THREAD_FAILED}"
     assert [(r["failed_ranks"], r["tier"]) for r in s["recoveries"]] == [([], "none")]
-    assert re.search(rf"^leto: keeper {re.escape(victim['id'])} thread keeper-recv-1-\d+ failed: InjectedFailure$",
-                     err, re.M), err[-3000:]
+    assert re.search(
+        rf"^leto: keeper {re.escape(victim['id'])} thread keeper-recv-1-\d+ failed: InjectedFailure$", err, re.M
+    ), err[-3000:]
 
 
 def test_a_silent_keeper_peer_is_reported_within_the_jobs_timeout(launcher, tmp_path: Path) -> None:
@@ -98,5 +111,6 @@ def test_a_silent_keeper_peer_is_reported_within_the_jobs_timeout(launcher, tmp_
     err, s, failure = _finish(ctl, run_dir, digest, stopped["pid"])
     assert "stopped heartbeating" in failure["cause"]
     assert [(r["failed_ranks"], r["tier"]) for r in s["recoveries"]] == [([], "none")]
-    assert re.search(r"^leto: keeper of node 0: a tier-2 wait of generation \d+ ran out its timeout of 5s ",
-                     err, re.M), err[-3000:]
+    assert re.search(
+        r"^leto: keeper of node 0: a tier-2 wait of generation \d+ ran out its timeout of 5s ", err, re.M
+    ), err[-3000:]

@@ -1,4 +1,5 @@
 """`leto train`: deterministic, sharding-independent digests; outputs; the loss falls."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,8 +7,8 @@ from pathlib import Path
 import torch
 
 from conftest import step_records, summary
-from leto.training.train_gpt import PROMPT, sample
 from leto.training.model import GPT, PRESETS
+from leto.training.train_gpt import PROMPT, sample
 
 SMALL = ("--workers", "2", "--spares", "0", "--nodes", "1")
 
@@ -51,8 +52,20 @@ def test_run_dir_has_metrics_and_summary(launcher, tmp_path: Path) -> None:
 
 
 def test_loss_falls_over_a_short_run_and_the_model_comes_out(launcher, tmp_path: Path) -> None:
-    res = launcher.run("train", "--workers", "4", "--nodes", "2", "--spares", "0", "--steps", "60",
-                       "--run-dir", str(tmp_path / "r"), run_dir=tmp_path / "r")
+    res = launcher.run(
+        "train",
+        "--workers",
+        "4",
+        "--nodes",
+        "2",
+        "--spares",
+        "0",
+        "--steps",
+        "60",
+        "--run-dir",
+        str(tmp_path / "r"),
+        run_dir=tmp_path / "r",
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     losses = [r["loss"] for r in step_records(tmp_path / "r")]
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5

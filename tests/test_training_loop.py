@@ -1,5 +1,6 @@
 """The training loops users already have: clipping, accumulation, bf16 autocast, schedules and
 parameter groups keep exact recovery, and match what plain PyTorch computes."""
+
 from __future__ import annotations
 
 import torch
@@ -27,6 +28,7 @@ def test_a_clipped_accumulated_bf16_recipe_recovers_to_the_failure_free_digest(l
 def test_clipping_and_accumulation_match_torch() -> None:
     """One process: the trainer's clipped, accumulated step against clip_grad_norm_ and
     torch.optim.AdamW (the norms are summed in another order: equal to float rounding)."""
+
     def model() -> nn.Module:
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))

@@ -2,6 +2,7 @@
 registered state and a checkpoint's files are tensors and plain data, decoded by restricted
 readers. Each hostile payload below would run `touch MARKER` if it were unpickled; the marker
 must never appear, and the error must name what was refused."""
+
 from __future__ import annotations
 
 import io
@@ -20,8 +21,24 @@ from leto.persistence import ckpt_format, safe_dcp
 from leto.runtime import plain
 from leto.training.rank_state import RankState
 
-SMALL = ("--workers", "2", "--nodes", "1", "--spares", "0", "--steps", "6", "--seed", "0", "--persist-every", "2",
-         "--protection", "off", "--persist", "on")
+SMALL = (
+    "--workers",
+    "2",
+    "--nodes",
+    "1",
+    "--spares",
+    "0",
+    "--steps",
+    "6",
+    "--seed",
+    "0",
+    "--persist-every",
+    "2",
+    "--protection",
+    "off",
+    "--persist",
+    "on",
+)
 
 
 class Evil:
@@ -64,8 +81,10 @@ class Holder:
         pass
 
 
-@pytest.mark.parametrize("value, named", [(lambda: 0, "function"), ({1, 2}, "set"), (Evil(Path("/nonexistent")), "Evil"),
-                                          (torch.Generator(), "Generator")])
+@pytest.mark.parametrize(
+    "value, named",
+    [(lambda: 0, "function"), ({1, 2}, "set"), (Evil(Path("/nonexistent")), "Evil"), (torch.Generator(), "Generator")],
+)
 def test_registering_state_that_is_not_plain_data_fails_at_registration(value: object, named: str) -> None:
     rs = RankState(nn.Linear(2, 2))
     with pytest.raises(TypeError, match=rf"state 'loader': state_dict\(\)\['extra'\] is of type \S*{named}"):
@@ -80,8 +99,21 @@ def test_a_rogue_peer_sending_code_stops_the_job_with_a_clear_error(launcher: La
     other ranks refuse it, naming the sender and the refused global, and nothing runs."""
     marker = tmp_path / "ran"
     run_dir = tmp_path / "run"
-    res = launcher.run("run", "--run-dir", str(run_dir), "--workers", "2", "--spares", "0", "--persist", "off",
-                       str(REPO / "tests" / "scripts" / "rogue_peer.py"), "--marker", str(marker), run_dir=run_dir)
+    res = launcher.run(
+        "run",
+        "--run-dir",
+        str(run_dir),
+        "--workers",
+        "2",
+        "--spares",
+        "0",
+        "--persist",
+        "off",
+        str(REPO / "tests" / "scripts" / "rogue_peer.py"),
+        "--marker",
+        str(marker),
+        run_dir=run_dir,
+    )
     assert res.returncode != 0
     assert "the state rank 1 sent at step 4 is not tensors and plain data" in res.stderr, res.stderr[-3000:]
     assert "posix.system" in res.stderr
@@ -104,7 +136,6 @@ def persisted_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 def _rewrite_parts(run_dir: Path, change) -> ckpt_format.Checkpoint:
     """Rewrite every part of the newest checkpoint with `change(part folder, state dict)` and record
     the new files' checksums (an attacker who can write the folder can write its markers too)."""
-    import torch.distributed.checkpoint as dcp
     ck = ckpt_format.complete(run_dir / "checkpoints")[0]
     for r in range(ck.world_size):
         part = ckpt_format.part_dir(ck.path, r)
@@ -118,18 +149,22 @@ def _rewrite_parts(run_dir: Path, change) -> ckpt_format.Checkpoint:
 
 @pytest.mark.filterwarnings("ignore")
 @pytest.mark.parametrize("where", ["extra", "metadata"])
-def test_a_checkpoint_that_would_run_code_is_refused_on_resume(launcher: Launcher, tmp_path: Path, persisted_run: Path,
-                                                                where: str) -> None:
+def test_a_checkpoint_that_would_run_code_is_refused_on_resume(
+    launcher: Launcher, tmp_path: Path, persisted_run: Path, where: str
+) -> None:
     """The newest checkpoint's extra state (the blob beside the tensors), or DCP's own `.metadata`
     (which DCP reads with pickle), is replaced by a pickle that runs `touch`: `--resume` stops
     with one line naming the refused global, no traceback, and nothing runs."""
     import torch.distributed.checkpoint as dcp
+
     run_dir, marker = tmp_path / "run", tmp_path / "ran"
     shutil.copytree(persisted_run, run_dir)
 
     def change(part: Path, sd: dict) -> None:
         if where == "extra":
-            sd["extra"] = torch.frombuffer(bytearray(torch_saved({"buffers": {}, "user": Evil(marker)})), dtype=torch.uint8)
+            sd["extra"] = torch.frombuffer(
+                bytearray(torch_saved({"buffers": {}, "user": Evil(marker)})), dtype=torch.uint8
+            )
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(part), overwrite=True), no_dist=True)
         if where == "metadata":
             (part / ".metadata").write_bytes(pickle.dumps(Evil(marker)))
@@ -137,8 +172,10 @@ def test_a_checkpoint_that_would_run_code_is_refused_on_resume(launcher: Launche
     ck = _rewrite_parts(run_dir, change)
     res, _ = train(launcher, run_dir, "--resume", str(run_dir), *SMALL)
     assert res.returncode != 0
-    refused = {"extra": f"the extra state in {ck.path}/rank",
-               "metadata": "its DCP .metadata names posix.system, which is not checkpoint metadata; refused"}[where]
+    refused = {
+        "extra": f"the extra state in {ck.path}/rank",
+        "metadata": "its DCP .metadata names posix.system, which is not checkpoint metadata; refused",
+    }[where]
     out = res.stdout + res.stderr
     assert refused in out and "posix.system" in out, out[-3000:]
     assert "leto: cannot recover: rank " in out and "cannot resume" in out, out[-3000:]

@@ -4,6 +4,7 @@ The public surface is small: `init()` joins the job, `Trainer` wraps a model and
 optimizer (`AdamW`, `Adam`, `SGD` or your own, docs/optimizers.md) into
 sharded data parallel, `for step in trainer.steps(n)` drives the loop.
 """
+
 from leto.runtime.env import Job, init
 from leto.training.optim import SGD, Adam, AdamW
 from leto.training.trainer import Trainer

@@ -1,4 +1,5 @@
 """The `leto` command: run, train, bench, simulate, data."""
+
 from __future__ import annotations
 
 import argparse
@@ -54,10 +55,10 @@ class _Option:
     flag: str
     field: str | None
     help: str
-    kwargs: dict                      # argparse's: type, choices, metavar, action
+    kwargs: dict  # argparse's: type, choices, metavar, action
     words: tuple[str, str] | None = None  # a bool field's (true, false) on the command line
-    default: object = _ASK_FIELD      # the command line's own default (a callable: read when the parser is built)
-    shown: str | None = None          # the default as the help names it, where not the default itself
+    default: object = _ASK_FIELD  # the command line's own default (a callable: read when the parser is built)
+    shown: str | None = None  # the default as the help names it, where not the default itself
 
     @property
     def dest(self) -> str:
@@ -76,8 +77,16 @@ class _Option:
         return tuple(value) if isinstance(value, list) else value
 
 
-def _opt(flag: str, field: str | None, help: str, *, words: tuple[str, str] | None = None,
-         default: object = _ASK_FIELD, shown: str | None = None, **kwargs: object) -> _Option:
+def _opt(
+    flag: str,
+    field: str | None,
+    help: str,
+    *,
+    words: tuple[str, str] | None = None,
+    default: object = _ASK_FIELD,
+    shown: str | None = None,
+    **kwargs: object,
+) -> _Option:
     if words is not None:
         kwargs.setdefault("choices", list(words))
     return _Option(flag, field, help, kwargs, words, default, shown)
@@ -94,59 +103,132 @@ JOB_OPTIONS = (
     _opt("--run-dir", None, "output folder", type=Path, default=None, shown="a new one under ./runs"),
     _opt("--timeout", "timeouts.collective_s", "collective and store timeout in seconds", type=_finite),
     _opt("--protection", "protection.enabled", "erasure-coded in-memory protection of every step", words=_ON_OFF),
-    _opt("--no-spare", "recovery.no_spare",
-         "ranks lost with no shadow left: survivors take over their shards (shrink; the job grows back when a "
-         "shadow is ready), or wait for a newly started shadow (wait)", choices=["shrink", "wait"]),
-    _opt("--zygotes", "recovery.zygotes",
-         "one zygote per node forks replacement shadows in milliseconds instead of starting them (CPU jobs; costs "
-         "one more warm copy of the model per node)", words=_ON_OFF),
-    _opt("--fork-server", "training.fork_server",
-         "fork each host's processes from one interpreter that imported torch once, instead of starting an "
-         "interpreter for each (seconds of CPU each)", words=_ON_OFF),
-    _opt("--ec", "protection.ec", "tier-2 code across nodes, k+m (e.g. 1+1, 3+1, 2+2) or none; auto: (nodes-1)+1",
-         default="auto"),
-    _opt("--protect-every", "protection.every",
-         "protect the state every N steps (for very large models): a recovery redoes at most N steps plus the one "
-         "in flight; costs one more shard of memory per worker", type=int, metavar="N"),
-    _opt("--protect-grads", "protection.grads",
-         "hand each step's gradient shard to the keepers: auto does so only where the reduction leaves a rank alone "
-         "with its shard (NCCL's reduce-scatter); on gloo every rank holds the whole reduced gradient and a replay "
-         "takes it from a survivor; on: always", words=("on", "auto"), choices=["auto", "on"]),
-    _opt("--rdzv", "rendezvous.url",
-         "a multi-host job: the etcd cluster where the hosts meet; run the same command on every host "
-         "(docs/deployment.md)", metavar="etcd://H1:2379,H2:2379,...", shown="one host, no etcd"),
-    _opt("--job-id", "rendezvous.job_id", "names the job in etcd, the same on every host (with --rdzv)",
-         default=None),
-    _opt("--lease", "rendezvous.lease_s",
-         "seconds a host may be silent before the others declare it lost (with --rdzv)", type=int, metavar="S"),
+    _opt(
+        "--no-spare",
+        "recovery.no_spare",
+        "ranks lost with no shadow left: survivors take over their shards (shrink; the job grows back when a "
+        "shadow is ready), or wait for a newly started shadow (wait)",
+        choices=["shrink", "wait"],
+    ),
+    _opt(
+        "--zygotes",
+        "recovery.zygotes",
+        "one zygote per node forks replacement shadows in milliseconds instead of starting them (CPU jobs; costs "
+        "one more warm copy of the model per node)",
+        words=_ON_OFF,
+    ),
+    _opt(
+        "--fork-server",
+        "training.fork_server",
+        "fork each host's processes from one interpreter that imported torch once, instead of starting an "
+        "interpreter for each (seconds of CPU each)",
+        words=_ON_OFF,
+    ),
+    _opt(
+        "--ec",
+        "protection.ec",
+        "tier-2 code across nodes, k+m (e.g. 1+1, 3+1, 2+2) or none; auto: (nodes-1)+1",
+        default="auto",
+    ),
+    _opt(
+        "--protect-every",
+        "protection.every",
+        "protect the state every N steps (for very large models): a recovery redoes at most N steps plus the one "
+        "in flight; costs one more shard of memory per worker",
+        type=int,
+        metavar="N",
+    ),
+    _opt(
+        "--protect-grads",
+        "protection.grads",
+        "hand each step's gradient shard to the keepers: auto does so only where the reduction leaves a rank alone "
+        "with its shard (NCCL's reduce-scatter); on gloo every rank holds the whole reduced gradient and a replay "
+        "takes it from a survivor; on: always",
+        words=("on", "auto"),
+        choices=["auto", "on"],
+    ),
+    _opt(
+        "--rdzv",
+        "rendezvous.url",
+        "a multi-host job: the etcd cluster where the hosts meet; run the same command on every host "
+        "(docs/deployment.md)",
+        metavar="etcd://H1:2379,H2:2379,...",
+        shown="one host, no etcd",
+    ),
+    _opt("--job-id", "rendezvous.job_id", "names the job in etcd, the same on every host (with --rdzv)", default=None),
+    _opt(
+        "--lease",
+        "rendezvous.lease_s",
+        "seconds a host may be silent before the others declare it lost (with --rdzv)",
+        type=int,
+        metavar="S",
+    ),
     # persistence, the last line of defence (docs/design.md, "Persistence")
-    _opt("--persist", None,
-         "an asynchronous DCP checkpoint of the whole state every K steps, off the critical path; the last 2 "
-         "complete ones are kept", choices=list(_ON_OFF), default=lambda: os.environ.get(ENV_PERSIST_DEFAULT, "on"),
-         shown=f"on, or ${ENV_PERSIST_DEFAULT}"),
+    _opt(
+        "--persist",
+        None,
+        "an asynchronous DCP checkpoint of the whole state every K steps, off the critical path; the last 2 "
+        "complete ones are kept",
+        choices=list(_ON_OFF),
+        default=lambda: os.environ.get(ENV_PERSIST_DEFAULT, "on"),
+        shown=f"on, or ${ENV_PERSIST_DEFAULT}",
+    ),
     _opt("--persist-dir", None, "checkpoint folder", type=Path, default=None, shown="RUN_DIR/checkpoints"),
-    _opt("--mtbf", "persistence.mtbf",
-         "expected time between failures the codes cannot absorb (e.g. 90s, 5m, 2h): K is the Young/Daly interval "
-         "for it and the measured cost of a checkpoint", metavar="DURATION"),
-    _opt("--persist-every", "persistence.every", "checkpoint every K steps instead of Young/Daly's K", type=int,
-         metavar="K"),
-    _opt("--persist-timeout", "timeouts.persist_write_s",
-         "a checkpoint write unfinished after S seconds (a hung file system) is reported and abandoned; the next "
-         "checkpoints go on", type=float, metavar="S"),
-    _opt("--resume", None,
-         "continue the run in RUN_DIR from its newest complete checkpoint, with the flags it recorded; flags given "
-         "with it must agree, except --steps, the persistence flags and those of protection, recovery and timeouts",
-         type=Path, default=None, metavar="RUN_DIR"),
+    _opt(
+        "--mtbf",
+        "persistence.mtbf",
+        "expected time between failures the codes cannot absorb (e.g. 90s, 5m, 2h): K is the Young/Daly interval "
+        "for it and the measured cost of a checkpoint",
+        metavar="DURATION",
+    ),
+    _opt(
+        "--persist-every",
+        "persistence.every",
+        "checkpoint every K steps instead of Young/Daly's K",
+        type=int,
+        metavar="K",
+    ),
+    _opt(
+        "--persist-timeout",
+        "timeouts.persist_write_s",
+        "a checkpoint write unfinished after S seconds (a hung file system) is reported and abandoned; the next "
+        "checkpoints go on",
+        type=float,
+        metavar="S",
+    ),
+    _opt(
+        "--resume",
+        None,
+        "continue the run in RUN_DIR from its newest complete checkpoint, with the flags it recorded; flags given "
+        "with it must agree, except --steps, the persistence flags and those of protection, recovery and timeouts",
+        type=Path,
+        default=None,
+        metavar="RUN_DIR",
+    ),
 )
 # `leto train`'s own (`leto run` leaves them to their defaults), after its job's arguments
 TRAIN_OPTIONS = (
-    _opt("--inject", "recovery.inject", "inject a failure (kill, stop, hang, node-kill); repeatable", action="append",
-         metavar="KIND:rank=R|node=N:step=S[:phase=P]"),
-    _opt("--heartbeat-timeout", "timeouts.heartbeat_s",
-         "seconds without a heartbeat before a worker or keeper is declared hung", type=_finite),
-    _opt("--progress-floor", "timeouts.progress_floor_s",
-         "a worker whose training thread has not advanced for max(S, F x median step time) seconds is declared "
-         "hung, though its process heartbeats", type=_finite, metavar="S"),
+    _opt(
+        "--inject",
+        "recovery.inject",
+        "inject a failure (kill, stop, hang, node-kill); repeatable",
+        action="append",
+        metavar="KIND:rank=R|node=N:step=S[:phase=P]",
+    ),
+    _opt(
+        "--heartbeat-timeout",
+        "timeouts.heartbeat_s",
+        "seconds without a heartbeat before a worker or keeper is declared hung",
+        type=_finite,
+    ),
+    _opt(
+        "--progress-floor",
+        "timeouts.progress_floor_s",
+        "a worker whose training thread has not advanced for max(S, F x median step time) seconds is declared "
+        "hung, though its process heartbeats",
+        type=_finite,
+        metavar="S",
+    ),
     _opt("--progress-factor", "recovery.progress_factor", "F of --progress-floor", type=_finite, metavar="F"),
 )
 # the built-in job's shape where it is not a job's default: 4 workers on 2 nodes, with a shadow
@@ -184,8 +266,9 @@ def build_parser() -> _Parser:
     run = sub.add_parser("run", help="run a training script under the Leto controller (like torchrun)")
     _add_options(run, JOB_OPTIONS, {})
     run.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name (python -m)")
-    run.add_argument("script", nargs="?", default=None,
-                     help="the training script (or module with -m); with --resume, the run's")
+    run.add_argument(
+        "script", nargs="?", default=None, help="the training script (or module with -m); with --resume, the run's"
+    )
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
     train = sub.add_parser("train", help="train the built-in GPT job")
@@ -194,11 +277,19 @@ def build_parser() -> _Parser:
     train.add_argument("--seed", type=int, default=0, help="seed of model init and data order [0]")
     train.add_argument("--model", default="tiny", help=f"size preset: {', '.join(PRESETS)} [tiny]")
     train.add_argument("--lr", type=_finite, default=3e-3, help="peak learning rate [3e-3]")
-    train.add_argument("--rows", type=int, default=None,
-                       help="rows (sequences) of the global batch, split over the workers [the model preset's]")
+    train.add_argument(
+        "--rows",
+        type=int,
+        default=None,
+        help="rows (sequences) of the global batch, split over the workers [the model preset's]",
+    )
     _add_options(train, TRAIN_OPTIONS, TRAIN_DEFAULTS)
-    train.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES,
-                       help=f"bytes of unique state per protected chunk, a multiple of 12 [{DEFAULT_CHUNK_BYTES}]")
+    train.add_argument(
+        "--chunk-bytes",
+        type=int,
+        default=DEFAULT_CHUNK_BYTES,
+        help=f"bytes of unique state per protected chunk, a multiple of 12 [{DEFAULT_CHUNK_BYTES}]",
+    )
 
     bench = sub.add_parser("bench", help="benchmarks that print measured ratios")
     bench.add_argument("what", choices=list(BENCHES), help="which benchmark")
@@ -207,24 +298,45 @@ def build_parser() -> _Parser:
     bench.add_argument("--trials", type=int, default=3, help="trials per system (recovery, productivity) [3]")
     bench.add_argument("--out", type=Path, default=None, help="folder for plots and raw results [a temp folder]")
     bench.add_argument("--workers", type=int, default=4)
-    bench.add_argument("--hosts", type=int, default=None,
-                       help="recovery: lose a whole host of a multi-host job on a cluster of network-namespace hosts "
-                            "(root, etcd; 2 workers per host), next to checkpoint-restart on the same hosts")
+    bench.add_argument(
+        "--hosts",
+        type=int,
+        default=None,
+        help="recovery: lose a whole host of a multi-host job on a cluster of network-namespace hosts "
+        "(root, etcd; 2 workers per host), next to checkpoint-restart on the same hosts",
+    )
     bench.add_argument("--model", default="tiny")
     # overhead only (docs/benchmarks.md, "Protection overhead")
-    bench.add_argument("--rounds", type=int, default=None,
-                       help="interleaved off/on rounds of the default job (overhead; median) [3]")
-    bench.add_argument("--curve", default=None, metavar="none|default|full|POINTS",
-                       help="overhead: points of the curve of compute per protected byte besides the default job: "
-                            "default = 512 rows, full = 128 and 512 rows and the small preset, none, or a comma "
-                            "list of row counts (of --model) and preset names [default]")
-    bench.add_argument("--curve-rounds", type=int, default=None,
-                       help="interleaved off/on rounds of every other curve point (overhead) [3]")
-    bench.add_argument("--curve-steps", type=int, default=None,
-                       help="measured steps per run of every other curve point (overhead) [12]")
-    bench.add_argument("--rss", choices=["on", "off"], default=None,
-                       help="overhead: one more protected run with a shadow and zygotes to measure the memory of "
-                            "the processes that exist for protection [on]")
+    bench.add_argument(
+        "--rounds", type=int, default=None, help="interleaved off/on rounds of the default job (overhead; median) [3]"
+    )
+    bench.add_argument(
+        "--curve",
+        default=None,
+        metavar="none|default|full|POINTS",
+        help="overhead: points of the curve of compute per protected byte besides the default job: "
+        "default = 512 rows, full = 128 and 512 rows and the small preset, none, or a comma "
+        "list of row counts (of --model) and preset names [default]",
+    )
+    bench.add_argument(
+        "--curve-rounds",
+        type=int,
+        default=None,
+        help="interleaved off/on rounds of every other curve point (overhead) [3]",
+    )
+    bench.add_argument(
+        "--curve-steps",
+        type=int,
+        default=None,
+        help="measured steps per run of every other curve point (overhead) [12]",
+    )
+    bench.add_argument(
+        "--rss",
+        choices=["on", "off"],
+        default=None,
+        help="overhead: one more protected run with a shadow and zygotes to measure the memory of "
+        "the processes that exist for protection [on]",
+    )
 
     sim = sub.add_parser("simulate", help="project productivity to large clusters", add_help=False)
     sim.add_argument("sim_args", nargs=argparse.REMAINDER)
@@ -247,8 +359,9 @@ def _check_job(args: argparse.Namespace, prog: str) -> None:
     if args.timeout <= 0:
         raise UsageError(f"{prog}: error: --timeout must be positive, got {args.timeout}")
     if not 0 < args.persist_timeout < float("inf"):
-        raise UsageError(f"{prog}: error: --persist-timeout must be a positive number of seconds, "
-                         f"got {args.persist_timeout}")
+        raise UsageError(
+            f"{prog}: error: --persist-timeout must be a positive number of seconds, got {args.persist_timeout}"
+        )
     if args.protect_every < 1:
         raise UsageError(f"{prog}: error: --protect-every must be at least 1, got {args.protect_every}")
     args.ec = _tier2_code(args.ec, args.nodes, prog)
@@ -256,6 +369,7 @@ def _check_job(args: argparse.Namespace, prog: str) -> None:
     if args.persist not in ("on", "off"):
         raise UsageError(f"{prog}: error: ${ENV_PERSIST_DEFAULT} must be 'on' or 'off', got {args.persist!r}")
     from leto.persistence.resume import check_flags
+
     try:
         check_flags(args.persist, args.mtbf, args.persist_every)
     except ValueError as e:
@@ -267,6 +381,7 @@ def _check_rdzv(args: argparse.Namespace, prog: str) -> None:
 
     from leto.protection.shm import check_job_id
     from leto.runtime.etcd_store import parse_endpoints
+
     if args.rdzv is None:
         if args.job_id is not None:
             raise UsageError(f"{prog}: error: --job-id names a multi-host job: it needs --rdzv")
@@ -275,29 +390,33 @@ def _check_rdzv(args: argparse.Namespace, prog: str) -> None:
         endpoints = parse_endpoints(args.rdzv)
     except ValueError as e:
         raise UsageError(f"{prog}: error: --rdzv: {e}") from e
-    if "/" in args.rdzv[len("etcd://"):]:
+    if "/" in args.rdzv[len("etcd://") :]:
         raise UsageError(f"{prog}: error: --rdzv lists endpoints only; the job is named by --job-id")
     for host, port in endpoints:
         try:
             socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except (socket.gaierror, UnicodeError) as e:
             why = e.strerror if isinstance(e, socket.gaierror) else "not a valid host name"
-            raise UsageError(f"{prog}: error: --rdzv: the host {host!r} of endpoint {host}:{port} does not "
-                             f"resolve ({why})") from e
+            raise UsageError(
+                f"{prog}: error: --rdzv: the host {host!r} of endpoint {host}:{port} does not resolve ({why})"
+            ) from e
     problem = check_job_id(args.job_id) if args.job_id else "it is missing"
     if problem is not None:
         raise UsageError(f"{prog}: error: --rdzv needs --job-id NAME, the same on every host: {problem}")
     if args.lease < 1:
-        raise UsageError(f"{prog}: error: --lease must be at least 1 second (etcd's leases count whole "
-                         f"seconds), got {args.lease}")
+        raise UsageError(
+            f"{prog}: error: --lease must be at least 1 second (etcd's leases count whole seconds), got {args.lease}"
+        )
 
 
 def _run_job(config: JobConfig, summary_extra: dict) -> int:
     """One host's job, or this host's part of a multi-host one."""
     if config.rendezvous.url is not None:
         from leto.control.hosts import run_host
+
         return run_host(config, summary_extra)
     from leto.control.one_host import run_job
+
     return run_job(config, summary_extra)
 
 
@@ -306,21 +425,32 @@ def _start(args: argparse.Namespace, command: list[str], prog: str, config: JobC
     flags: `command` is what identifies the trajectory (checked on --resume)."""
     from leto.persistence import resume
     from leto.persistence.ckpt_format import CheckpointError
+
     flags, persist = args.recorded, args.persist == "on"
     try:
         if args.resume is not None:
             run_dir = args.resume.resolve()
-            return run_dir, resume.resume(run_dir, command, config.persistence, persist=persist,
-                                          attempt=args.job_id if args.rdzv else None, persist_dir=args.persist_dir,
-                                          steps=getattr(args, "steps", None), flags=flags)
+            return run_dir, resume.resume(
+                run_dir,
+                command,
+                config.persistence,
+                persist=persist,
+                attempt=args.job_id if args.rdzv else None,
+                persist_dir=args.persist_dir,
+                steps=getattr(args, "steps", None),
+                flags=flags,
+            )
         run_dir = make_run_dir(args.run_dir, prog)
         earlier = resume.earlier_run(run_dir, args.job_id if args.rdzv else None)
         if earlier:
-            raise UsageError(f"{prog}: error: run dir {run_dir} holds an earlier run's {' and '.join(earlier)}, "
-                             f"which a new job would overwrite: continue that run with --resume {run_dir}, "
-                             f"or choose another --run-dir")
-        return run_dir, resume.fresh(run_dir, command, config.persistence, persist=persist,
-                                     persist_dir=args.persist_dir, flags=flags)
+            raise UsageError(
+                f"{prog}: error: run dir {run_dir} holds an earlier run's {' and '.join(earlier)}, "
+                f"which a new job would overwrite: continue that run with --resume {run_dir}, "
+                f"or choose another --run-dir"
+            )
+        return run_dir, resume.fresh(
+            run_dir, command, config.persistence, persist=persist, persist_dir=args.persist_dir, flags=flags
+        )
     except CheckpointError as e:
         flag = f"--resume {args.resume}" if args.resume is not None else "--persist-dir"
         raise UsageError(f"{prog}: error: {flag}: {e}") from e
@@ -336,8 +466,7 @@ _TRAJECTORY = ("workers", "seed", "model", "lr", "rows", "chunk_bytes", "module"
 
 def _recordable(parser: _Parser, args: argparse.Namespace) -> dict:
     """The flags of this job that a resume continues with (JSON values; the script resolved)."""
-    flags = {a.dest: getattr(args, a.dest) for a in parser.commands[args.cmd]._actions
-             if a.dest not in _ATTEMPT_ONLY}
+    flags = {a.dest: getattr(args, a.dest) for a in parser.commands[args.cmd]._actions if a.dest not in _ATTEMPT_ONLY}
     if args.cmd == "run" and not args.module and args.script is not None:
         flags["script"] = str(Path(args.script).resolve())
     return {"cmd": args.cmd, **flags}
@@ -383,8 +512,9 @@ def _with_record(parser: _Parser, argv: list[str], args: argparse.Namespace) -> 
     """`--resume RUN_DIR`: the flags not given come from the run's record; given ones that make
     up its trajectory must agree with it. A record without flags changes nothing (the command
     line must then repeat them)."""
-    from leto.persistence.resume import RECORD, read_record
     from leto.persistence.ckpt_format import CheckpointError
+    from leto.persistence.resume import RECORD, read_record
+
     where = f"leto {args.cmd}: error: --resume {args.resume}"
     if args.run_dir is not None and args.run_dir.resolve() != args.resume.resolve():
         raise UsageError(f"{where} continues that run in its own folder; drop --run-dir {args.run_dir}")
@@ -395,8 +525,9 @@ def _with_record(parser: _Parser, argv: list[str], args: argparse.Namespace) -> 
     if not flags:
         return args
     if flags.get("cmd") != args.cmd:
-        raise UsageError(f"{where}: it is a `leto {flags.get('cmd')}` run: resume it with `leto {flags.get('cmd')} "
-                         f"--resume`")
+        raise UsageError(
+            f"{where}: it is a `leto {flags.get('cmd')}` run: resume it with `leto {flags.get('cmd')} --resume`"
+        )
     actions = {a.dest: a for a in parser.commands[args.cmd]._actions if a.dest not in _ATTEMPT_ONLY}
     given, now = _given(argv, args.cmd), _recordable(parser, args)
     merged, changed = argparse.Namespace(**vars(args)), []
@@ -409,18 +540,22 @@ def _with_record(parser: _Parser, argv: list[str], args: argparse.Namespace) -> 
         if dest not in given:
             setattr(merged, dest, value)
         elif now[dest] != value and dest in _TRAJECTORY:
-            raise UsageError(f"{where}: {_shown(action, now[dest])} differs from the run's {_shown(action, value)}: "
-                             f"its checkpoints belong to another configuration (drop it to continue the run as "
-                             f"recorded)")
+            raise UsageError(
+                f"{where}: {_shown(action, now[dest])} differs from the run's {_shown(action, value)}: "
+                f"its checkpoints belong to another configuration (drop it to continue the run as "
+                f"recorded)"
+            )
         elif now[dest] != value:
             changed.append(f"{_shown(action, now[dest])} (the run had {value})")
     if changed:
         print(f"leto: resuming with {', '.join(changed)}", file=sys.stderr)
     return merged
 
+
 def _tier2_code(spec: str, nodes: int, prog: str) -> tuple[int, int] | None:
     from leto.protection.codec import parse_ec
     from leto.protection.placement import default_code, valid_specs
+
     if spec == "none":
         return None
     if spec == "auto":
@@ -430,8 +565,10 @@ def _tier2_code(spec: str, nodes: int, prog: str) -> tuple[int, int] | None:
     except ValueError as e:
         raise UsageError(f"{prog}: error: --ec: {e}") from e
     if nodes % (k + m):
-        raise UsageError(f"{prog}: error: --ec {spec} needs a multiple of {k + m} nodes, got --nodes {nodes}; "
-                         f"valid: {', '.join(valid_specs(nodes)) or 'none'}")
+        raise UsageError(
+            f"{prog}: error: --ec {spec} needs a multiple of {k + m} nodes, got --nodes {nodes}; "
+            f"valid: {', '.join(valid_specs(nodes)) or 'none'}"
+        )
     return (k, m)
 
 
@@ -462,8 +599,9 @@ def _config(args: argparse.Namespace, command: list[str], steps: int | None = No
     return JobConfig(**{name: cls(**values[name]) for name, cls in JobConfig.sections().items()})
 
 
-def _job(args: argparse.Namespace, command: list[str], ident: list[str], prog: str,
-         steps: int | None = None) -> tuple[Path, int]:
+def _job(
+    args: argparse.Namespace, command: list[str], ident: list[str], prog: str, steps: int | None = None
+) -> tuple[Path, int]:
     """Start the job (`ident`: what identifies its trajectory) and wait for it: its run folder
     and its exit code."""
     config = _config(args, command, steps)
@@ -471,6 +609,7 @@ def _job(args: argparse.Namespace, command: list[str], ident: list[str], prog: s
     code = _run_job(replace(config, run_dir=str(run_dir), persistence=start.persistence), start.summary)
     if code != 0:
         from leto.persistence.resume import after_failure
+
         after_failure(run_dir, start.persist_dir, prog)
     return run_dir, code
 
@@ -478,10 +617,13 @@ def _job(args: argparse.Namespace, command: list[str], ident: list[str], prog: s
 def _run(args: argparse.Namespace) -> int:
     _check_job(args, "leto run")
     if args.script is None:
-        raise UsageError("leto run: error: the following arguments are required: script (or --resume RUN_DIR of "
-                         "a run that recorded it)")
+        raise UsageError(
+            "leto run: error: the following arguments are required: script (or --resume RUN_DIR of "
+            "a run that recorded it)"
+        )
     if args.module:
         import importlib.util
+
         try:
             found = importlib.util.find_spec(args.script) is not None
         except (ImportError, ValueError):
@@ -499,6 +641,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from leto.training.corpus import CorpusError, load_tokens
+
     _check_job(args, "leto train")
     if args.steps < 1:
         raise UsageError(f"leto train: error: --steps must be at least 1, got {args.steps}")
@@ -508,8 +651,10 @@ def _train(args: argparse.Namespace) -> int:
     if rows < 1:
         raise UsageError(f"leto train: error: --rows must be at least 1, got {rows}")
     if args.workers > rows:
-        raise UsageError(f"leto train: error: --workers ({args.workers}) exceeds the global batch of "
-                         f"{rows} rows of model {args.model!r}")
+        raise UsageError(
+            f"leto train: error: --workers ({args.workers}) exceeds the global batch of "
+            f"{rows} rows of model {args.model!r}"
+        )
     if args.chunk_bytes < 12 or args.chunk_bytes % 12:
         raise UsageError(f"leto train: error: --chunk-bytes must be a positive multiple of 12, got {args.chunk_bytes}")
     if args.lr <= 0:
@@ -517,6 +662,7 @@ def _train(args: argparse.Namespace) -> int:
     if not 0 <= args.seed < 2**63:
         raise UsageError(f"leto train: error: --seed must be in 0..2**63-1, got {args.seed}")
     from leto.recovery.inject import parse as parse_inject
+
     for i, spec in enumerate(args.inject):
         try:
             inj = parse_inject(spec, i)
@@ -531,22 +677,37 @@ def _train(args: argparse.Namespace) -> int:
     if args.heartbeat_timeout <= 0:
         raise UsageError(f"leto train: error: --heartbeat-timeout must be positive, got {args.heartbeat_timeout}")
     if args.progress_floor <= 0 or args.progress_factor < 0:
-        raise UsageError(f"leto train: error: --progress-floor must be positive and --progress-factor not negative, "
-                         f"got {args.progress_floor} and {args.progress_factor}")
+        raise UsageError(
+            f"leto train: error: --progress-floor must be positive and --progress-factor not negative, "
+            f"got {args.progress_floor} and {args.progress_factor}"
+        )
     try:
         load_tokens()
     except CorpusError as e:
         raise UsageError(f"leto train: error: {e}") from e
     rows_flag = ["--rows", str(args.rows)] if args.rows is not None else []
-    trajectory = ["-m", "leto.training.train_gpt", "--seed", str(args.seed), "--model", args.model, "--lr", str(args.lr),
-                  "--chunk-bytes", str(args.chunk_bytes), *rows_flag]
+    trajectory = [
+        "-m",
+        "leto.training.train_gpt",
+        "--seed",
+        str(args.seed),
+        "--model",
+        args.model,
+        "--lr",
+        str(args.lr),
+        "--chunk-bytes",
+        str(args.chunk_bytes),
+        *rows_flag,
+    ]
     command = [*trajectory[:2], "--steps", str(args.steps), *trajectory[2:]]
     run_dir, code = _job(args, command, trajectory, "leto train", args.steps)  # --steps may change on resume
     path = run_dir / "summary.json"
     summary = json.loads(path.read_text()) if path.exists() else None  # another host's coordinator wrote it
     if code == 0 and summary is not None and summary.get("steps") is not None:
-        print(f"leto: trained {summary['steps']} steps in {summary['wall_s']:.1f}s, final loss "
-              f"{summary['final_loss']:.4f}, digest {str(summary['digest'])[:16]}…; summary: {run_dir / 'summary.json'}")
+        print(
+            f"leto: trained {summary['steps']} steps in {summary['wall_s']:.1f}s, final loss "
+            f"{summary['final_loss']:.4f}, digest {str(summary['digest'])[:16]}…; summary: {run_dir / 'summary.json'}"
+        )
     return code
 
 
@@ -555,6 +716,7 @@ BENCHES = ("throughput", "overhead", "recovery", "productivity")
 
 def _bench(args: argparse.Namespace) -> int:
     import importlib
+
     if args.steps is not None and args.steps < 2:
         raise UsageError(f"leto bench: error: --steps must be at least 2, got {args.steps}")
     if args.trials < 1:
@@ -562,8 +724,9 @@ def _bench(args: argparse.Namespace) -> int:
     if args.model not in PRESETS:
         raise UsageError(f"leto bench: error: unknown --model {args.model!r}; choose from {', '.join(PRESETS)}")
     if args.hosts is not None and (args.what != "recovery" or not 3 <= args.hosts <= 5):
-        raise UsageError("leto bench: error: --hosts is for `leto bench recovery`, with 3 to 5 hosts "
-                         "(one etcd member each)")
+        raise UsageError(
+            "leto bench: error: --hosts is for `leto bench recovery`, with 3 to 5 hosts (one etcd member each)"
+        )
     if not 1 <= args.workers <= PRESETS[args.model].batch_size:
         raise UsageError(f"leto bench: error: --workers must be in 1..{PRESETS[args.model].batch_size}")
     if args.out is not None:
@@ -577,6 +740,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _data(args: argparse.Namespace) -> int:
     from leto.training import corpus
+
     if args.action == "prepare":
         try:
             path = corpus.prepare()
@@ -594,6 +758,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["simulate"]:  # its own parser: argparse.REMAINDER does not pass on --flags
         from leto.simulation.cli import main as simulate
+
         return simulate(argv[1:])
     try:
         parser = build_parser()

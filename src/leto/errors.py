@@ -1,4 +1,5 @@
 """Errors shared across layers (raised low, reported by the CLI)."""
+
 from __future__ import annotations
 
 

@@ -1,5 +1,6 @@
 """A Hugging Face `transformers` causal LM under `leto run`: GPT-2 built from a config (random
 init, tied embeddings, dropout on; nothing downloaded), trained on byte tokens of the corpus."""
+
 import argparse
 import os
 
@@ -21,13 +22,19 @@ torch.manual_seed(0)
 config = GPT2Config(vocab_size=256, n_positions=32, n_embd=32, n_layer=2, n_head=2, tie_word_embeddings=True)
 model = GPT2LMHeadModel(config)
 model.train()
-trainer = leto.Trainer(model, job, leto.AdamW(lr=3e-3, weight_decay=0.1), chunk_bytes=12 * 4096, seed=7,
-                       param_groups=[{"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}],
-                       max_grad_norm=1.0)
+trainer = leto.Trainer(
+    model,
+    job,
+    leto.AdamW(lr=3e-3, weight_decay=0.1),
+    chunk_bytes=12 * 4096,
+    seed=7,
+    param_groups=[{"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}],
+    max_grad_norm=1.0,
+)
 tokens = torch.from_numpy(load_tokens()[:200_000].astype("int64"))
 for step in trainer.steps(args.steps):
     starts = torch.randint(0, len(tokens) - 33, (4,))  # torch's global RNG: reseeded every step
-    x = torch.stack([tokens[s:s + 32] for s in starts])
+    x = torch.stack([tokens[s : s + 32] for s in starts])
     trainer.step(lambda: model(input_ids=x, labels=x).loss)
 if job.rank == 0:
     sd = trainer.state_dict()

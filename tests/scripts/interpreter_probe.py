@@ -1,5 +1,6 @@
 """A user script that records what its interpreter looks like (argv, sys.path[0], __main__, working
 folder, session, environment, unseeded random draws), then trains 2 steps like any Leto worker."""
+
 import json
 import os
 import random
@@ -11,10 +12,18 @@ import torch.nn as nn
 
 import leto
 
-facts = {"argv": sys.argv, "path0": sys.path[0], "name": __name__, "file": __file__,
-         "main_file": sys.modules["__main__"].__file__, "cwd": os.getcwd(), "own_session": os.getsid(0) == os.getpid(),
-         "probe_env": os.environ.get("PROBE_DIR"), "numpy_draw": int(np.random.randint(1 << 30)),
-         "random_draw": random.random()}
+facts = {
+    "argv": sys.argv,
+    "path0": sys.path[0],
+    "name": __name__,
+    "file": __file__,
+    "main_file": sys.modules["__main__"].__file__,
+    "cwd": os.getcwd(),
+    "own_session": os.getsid(0) == os.getpid(),
+    "probe_env": os.environ.get("PROBE_DIR"),
+    "numpy_draw": int(np.random.randint(1 << 30)),
+    "random_draw": random.random(),
+}
 job = leto.init()
 trainer = leto.Trainer(nn.Linear(4, 1), job, leto.AdamW(lr=1e-2), seed=0)
 for step in trainer.steps(2):

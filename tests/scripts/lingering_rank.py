@@ -1,5 +1,6 @@
 """A user script whose last rank lingers after training (as if writing its own files): it writes
 `--marker` once its loop is done, then sleeps, so that a test can kill it after the others ended."""
+
 import argparse
 import time
 from pathlib import Path

@@ -1,6 +1,7 @@
 """A nanoGPT-style recipe under `leto run`: parameter groups (no decay on biases and norms),
 gradient clipping by global norm, gradient accumulation over micro-batches, bf16 autocast with
 fp32 master weights, warm-up + cosine schedule, dropout. Prints rank 0's last gradient norm."""
+
 import argparse
 
 import torch
@@ -20,9 +21,16 @@ job = leto.init()
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 64), nn.LayerNorm(64), nn.GELU(), nn.Dropout(0.1), nn.Linear(64, 1))
 optimizer = leto.AdamW(lr=warmup_cosine(3e-3, warmup=4, total=args.steps), weight_decay=0.1)
-trainer = leto.Trainer(model, job, optimizer, chunk_bytes=12 * 256, seed=1, max_grad_norm=args.clip,
-                       autocast=torch.bfloat16,
-                       param_groups=[{"params": [q for q in model.parameters() if q.dim() < 2], "weight_decay": 0.0}])
+trainer = leto.Trainer(
+    model,
+    job,
+    optimizer,
+    chunk_bytes=12 * 256,
+    seed=1,
+    max_grad_norm=args.clip,
+    autocast=torch.bfloat16,
+    param_groups=[{"params": [q for q in model.parameters() if q.dim() < 2], "weight_decay": 0.0}],
+)
 
 
 def micro_batch():

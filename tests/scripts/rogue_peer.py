@@ -1,5 +1,6 @@
 """A user script whose rank 1 turns rogue at step 3: it sends its peers, in place of its registered
 state, bytes that would run a shell command (`touch MARKER`) if they were unpickled."""
+
 import argparse
 import io
 import os

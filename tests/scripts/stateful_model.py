@@ -2,6 +2,7 @@
 `--model dropout` draws dropout masks and samples its batches from torch's global RNG (as
 nanoGPT's get_batch does); `--model batchnorm` updates BatchNorm buffers and reads its data from
 a stateful loader with its own generator, registered with the trainer."""
+
 import argparse
 import time
 
@@ -34,8 +35,12 @@ class Loader:
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=20)
 p.add_argument("--model", choices=["dropout", "batchnorm"], required=True)
-p.add_argument("--step-sleep", type=float, default=0.0, help="seconds of sleep per step (an outside kill must "
-               "land before the last steps: a step here takes ~10 ms)")
+p.add_argument(
+    "--step-sleep",
+    type=float,
+    default=0.0,
+    help="seconds of sleep per step (an outside kill must land before the last steps: a step here takes ~10 ms)",
+)
 args = p.parse_args()
 
 torch.set_num_threads(1)
@@ -49,7 +54,7 @@ trainer = leto.Trainer(model, job, leto.AdamW(lr=1e-2), chunk_bytes=12 * 256, se
 loader = None
 for step in trainer.steps(args.steps):
     if args.model == "dropout":
-        x = torch.randn(16, 8)          # the global RNG, reseeded by the trainer every step
+        x = torch.randn(16, 8)  # the global RNG, reseeded by the trainer every step
         y = x.sum(dim=1, keepdim=True).tanh()
     else:
         if loader is None:  # built once this process has a rank (a shadow gets one when adopted)

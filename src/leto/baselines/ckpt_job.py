@@ -14,6 +14,7 @@ Same model presets, sampler, AdamW schedule and `Trainer` as `leto.training.trai
 On start, if a checkpoint exists, every rank loads it and training resumes from its step; the
 sampler and the learning-rate schedule are pure functions of the step, so resuming is exact.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,20 +35,18 @@ import torch.distributed as dist
 import leto
 from leto.persistence.files import read_json as _read_json
 from leto.persistence.files import write_json_atomic as _write_json_atomic
-from leto.persistence.interval import steps_between
+from leto.persistence.interval import daly_interval_s, steps_between
 from leto.protocol import keys
 from leto.runtime import runlog
 from leto.runtime.env import Job
-from leto.persistence.interval import daly_interval_s
 from leto.training import train_gpt
-from leto.training.optim import MASTER
 from leto.training.member import RankMember
+from leto.training.optim import MASTER
 
-POINTER = "latest.json"          # disk: the committed checkpoint
-INTERVAL = "interval.json"       # disk: K once chosen by Young/Daly, kept across restarts
-CALIBRATE_AFTER = 3              # steps timed before the calibration checkpoint
+POINTER = "latest.json"  # disk: the committed checkpoint
+INTERVAL = "interval.json"  # disk: K once chosen by Young/Daly, kept across restarts
+CALIBRATE_AFTER = 3  # steps timed before the calibration checkpoint
 DEFAULT_SHM = Path("/dev/shm")
-
 
 
 def write_whole(fd: int, data: memoryview) -> None:
@@ -56,6 +55,7 @@ def write_whole(fd: int, data: memoryview) -> None:
     written = 0
     while written < len(data):
         written += os.pwrite(fd, data[written:], written)
+
 
 class CheckpointMismatch(RuntimeError):
     """A checkpoint exists but was written by a job with another configuration."""
@@ -108,18 +108,27 @@ class DiskCheckpointer:
     def __init__(self, root: Path, job: Job, fingerprint: str, async_save: bool, keep: int = 2) -> None:
         import torch.distributed.checkpoint as dcp
         import torch.distributed.checkpoint._fsspec_filesystem  # noqa: F401  (imported lazily by the first save otherwise)
+
         self.dcp = dcp
         self.root, self.job, self.fingerprint = root, job, fingerprint
         self.async_save, self.keep = async_save, keep
-        self.pending: tuple[int, float, Future] | None = None   # (step, t0, future) of an async save
+        self.pending: tuple[int, float, Future] | None = None  # (step, t0, future) of an async save
         root.mkdir(parents=True, exist_ok=True)
         if not dist.is_initialized():
-            dist.init_process_group("gloo", store=dist.PrefixStore(keys.CKPT_PG, job.store), rank=job.rank,
-                                    world_size=job.world_size, timeout=timedelta(seconds=job.timeout_s))
+            dist.init_process_group(
+                "gloo",
+                store=dist.PrefixStore(keys.CKPT_PG, job.store),
+                rank=job.rank,
+                world_size=job.world_size,
+                timeout=timedelta(seconds=job.timeout_s),
+            )
 
     def _state_dict(self, member: RankMember, step: int) -> dict[str, torch.Tensor]:
-        return {f"state/rank{member.rank}": member.state, "flat_param": member.flat_param,
-                "step": torch.tensor(step, dtype=torch.int64)}
+        return {
+            f"state/rank{member.rank}": member.state,
+            "flat_param": member.flat_param,
+            "step": torch.tensor(step, dtype=torch.int64),
+        }
 
     def committed(self) -> dict | None:
         ptr = _read_json(self.root / POINTER)
@@ -139,6 +148,7 @@ class DiskCheckpointer:
         member.set_step(step)  # first: `member.state` may be a buffer chosen by the step
         sd = self._state_dict(member, -1)
         from leto.persistence.safe_dcp import SafeReader, TensorsOnlyPlanner  # its files cannot run code
+
         self.dcp.load(sd, storage_reader=SafeReader(str(self.root / ptr["path"])), planner=TensorsOnlyPlanner())
         if int(sd["step"]) != step:
             raise RuntimeError(f"checkpoint {ptr['path']} holds step {int(sd['step'])}, expected {step}")
@@ -171,11 +181,12 @@ class DiskCheckpointer:
         if self.job.rank != 0:
             return
         name = f"step-{step:08d}"
-        _write_json_atomic(self.root / POINTER, {"step": step, "path": name, "fingerprint": self.fingerprint,
-                                                 "time": time.time()})
+        _write_json_atomic(
+            self.root / POINTER, {"step": step, "path": name, "fingerprint": self.fingerprint, "time": time.time()}
+        )
         emit(self.job, "ckpt_commit", step=step, total_s=round(total_s, 6))
         done = sorted(d.name for d in self.root.glob("step-*") if d.name <= name)
-        for old in done[:-self.keep]:
+        for old in done[: -self.keep]:
             shutil.rmtree(self.root / old, ignore_errors=True)
 
     def poll(self) -> None:
@@ -241,7 +252,7 @@ class MemoryCheckpointer:
         if member.comm is None:
             raise RuntimeError("not connected")
         member.comm.all_gather(everyone, local)
-        common = set.intersection(*(set(everyone[2 * r:2 * r + 2].tolist()) for r in range(member.world_size)))
+        common = set.intersection(*(set(everyone[2 * r : 2 * r + 2].tolist()) for r in range(member.world_size)))
         common.discard(-1)
         if not common:
             return None
@@ -268,8 +279,7 @@ class MemoryCheckpointer:
             fd = self._fds[slot] = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         data = memoryview(member.state.numpy()).cast("B")
         write_whole(fd, data)
-        _write_json_atomic(marker, {"step": step, "slot": slot, "nbytes": len(data),
-                                    "fingerprint": self.fingerprint})
+        _write_json_atomic(marker, {"step": step, "slot": slot, "nbytes": len(data), "fingerprint": self.fingerprint})
         return time.perf_counter() - t0
 
     def poll(self) -> None:
@@ -287,11 +297,19 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, argparse.N
     p = argparse.ArgumentParser(prog="leto.baselines.ckpt_job")
     p.add_argument("--ckpt-dir", type=Path, required=True)
     p.add_argument("--ckpt-mode", choices=["disk", "memory"], default="disk")
-    p.add_argument("--ckpt-every", type=int, default=None,
-                   help="disk: checkpoint every K steps (0: never); default: Young/Daly from --mtbf-s")
+    p.add_argument(
+        "--ckpt-every",
+        type=int,
+        default=None,
+        help="disk: checkpoint every K steps (0: never); default: Young/Daly from --mtbf-s",
+    )
     p.add_argument("--mtbf-s", type=float, default=None, help="disk: mean time between failures for Young/Daly")
-    p.add_argument("--async-save", action=argparse.BooleanOptionalAction, default=False,
-                   help="disk: dcp.async_save (staging copy, then write in a background thread)")
+    p.add_argument(
+        "--async-save",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="disk: dcp.async_save (staging copy, then write in a background thread)",
+    )
     ck, rest = p.parse_known_args(argv)
     if ck.ckpt_mode == "disk" and ck.ckpt_every is None and ck.mtbf_s is None:
         p.error("disk mode needs --ckpt-every or --mtbf-s")
@@ -302,8 +320,14 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, argparse.N
 
 def fingerprint(args: argparse.Namespace, world_size: int) -> str:
     """What a checkpoint must match to be resumed: everything that changes the trajectory."""
-    cfg = {"model": args.model, "seed": args.seed, "lr": args.lr, "steps": args.steps,
-           "chunk_bytes": args.chunk_bytes, "world_size": world_size}
+    cfg = {
+        "model": args.model,
+        "seed": args.seed,
+        "lr": args.lr,
+        "steps": args.steps,
+        "chunk_bytes": args.chunk_bytes,
+        "world_size": world_size,
+    }
     return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -342,8 +366,13 @@ class Schedule:
         cost_s, step_s = _max_over_ranks(member, save_s, statistics.median(self.step_times[1:]))
         interval_s = daly_interval_s(cost_s, self.mtbf_s)
         self.every = steps_between(interval_s, step_s)
-        rec = {"every": self.every, "ckpt_cost_s": round(cost_s, 6), "step_s": round(step_s, 6),
-               "mtbf_s": self.mtbf_s, "interval_s": round(interval_s, 3)}
+        rec = {
+            "every": self.every,
+            "ckpt_cost_s": round(cost_s, 6),
+            "step_s": round(step_s, 6),
+            "mtbf_s": self.mtbf_s,
+            "interval_s": round(interval_s, 3),
+        }
         if member.rank == 0:
             _write_json_atomic(self.file, rec)
         emit(self.job, "ckpt_interval", **rec)

@@ -5,6 +5,7 @@ completed step) and, when step n >= the target is recorded, signals processes li
 `run_dir/procs.json` - by PID and start time, never by name: a process listed there that has
 exited and whose pid was reused since is never signalled.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,8 @@ class Kill:
     """One executed injection."""
 
     spec: dict
-    time: float                  # time.time() right after the signals were sent
-    step: int                    # the step record that triggered it
+    time: float  # time.time() right after the signals were sent
+    step: int  # the step record that triggered it
     pids: list[int] = field(default_factory=list)
 
 
@@ -89,9 +90,17 @@ def _targets(run_dir: Path, rank: int | None, node: int | None) -> list[tuple[in
     return [(p["pid"], p.get("start")) for p in chosen]
 
 
-def inject_at_step(run_dir: Path, *, rank: int | None = None, node: int | None = None, step: int,
-                   sig: int = signal.SIGKILL, timeout_s: float = 600.0, since: float | None = None,
-                   cancel: threading.Event | None = None) -> Kill:
+def inject_at_step(
+    run_dir: Path,
+    *,
+    rank: int | None = None,
+    node: int | None = None,
+    step: int,
+    sig: int = signal.SIGKILL,
+    timeout_s: float = 600.0,
+    since: float | None = None,
+    cancel: threading.Event | None = None,
+) -> Kill:
     """Like `kill_at_step`, returning what was done (`Kill`)."""
     if (rank is None) == (node is None):
         raise ValueError("give exactly one of rank= or node=")
@@ -111,15 +120,27 @@ def inject_at_step(run_dir: Path, *, rank: int | None = None, node: int | None =
             sent = [pid for pid, start in _targets(Path(run_dir), rank, node) if signal_process(pid, start, sig)]
             if sent:
                 kind = FailureKind.KILL if rank is not None else FailureKind.NODE_KILL
-                spec = {"kind": kind.value, "rank": rank, "node": node,
-                        "step": step, "signal": signal.Signals(sig).name}
+                spec = {
+                    "kind": kind.value,
+                    "rank": rank,
+                    "node": node,
+                    "step": step,
+                    "signal": signal.Signals(sig).name,
+                }
                 return Kill(spec, time.time(), seen, sent)
             # procs.json does not list a live target yet (a job between restarts): keep looking
         time.sleep(POLL_S)
 
 
-def kill_at_step(run_dir: Path, *, rank: int | None = None, node: int | None = None, step: int,
-                 sig: int = signal.SIGKILL, timeout_s: float = 600.0) -> float:
+def kill_at_step(
+    run_dir: Path,
+    *,
+    rank: int | None = None,
+    node: int | None = None,
+    step: int,
+    sig: int = signal.SIGKILL,
+    timeout_s: float = 600.0,
+) -> float:
     """Wait until step >= `step` is recorded in run_dir/metrics.jsonl, then send `sig` to the worker
     with that `rank`, or to every process (worker, shadow, keeper) of `node`, by PID from
     run_dir/procs.json. Returns time.time() of the kill; TimeoutError if the step never comes."""
@@ -143,8 +164,7 @@ class ExternalInjector:
     """Runs injections `[{"kind": "kill"|"node-kill", "rank", "node", "step"}, ...]` against a
     run folder, each from its own background thread; `stop()` cancels what has not fired."""
 
-    def __init__(self, run_dir: Path, inject: list[dict], timeout_s: float = 3600.0,
-                 sig: int = signal.SIGKILL) -> None:
+    def __init__(self, run_dir: Path, inject: list[dict], timeout_s: float = 3600.0, sig: int = signal.SIGKILL) -> None:
         self.run_dir, self.timeout_s, self.sig = Path(run_dir), timeout_s, sig
         self.specs = [self._check(s) for s in inject]
         self.kills: list[Kill] = []
@@ -164,22 +184,35 @@ class ExternalInjector:
         who = "node" if kind.targets_node else "rank"
         if not isinstance(spec.get(who), int):
             raise ValueError(f"a {kind.value!r} injection needs an integer {who!r}: {spec}")
-        return {"kind": kind.value, "rank": None if kind.targets_node else spec.get("rank"),
-                "node": spec.get("node") if kind.targets_node else None, "step": spec["step"]}
+        return {
+            "kind": kind.value,
+            "rank": None if kind.targets_node else spec.get("rank"),
+            "node": spec.get("node") if kind.targets_node else None,
+            "step": spec["step"],
+        }
 
     def start(self) -> ExternalInjector:
         since = time.time()
         for spec in self.specs:
-            t = threading.Thread(target=self._run, args=(spec, since), daemon=True,
-                                 name=f"leto-inject-{spec['kind']}-{spec['step']}")
+            t = threading.Thread(
+                target=self._run, args=(spec, since), daemon=True, name=f"leto-inject-{spec['kind']}-{spec['step']}"
+            )
             t.start()
             self._threads.append(t)
         return self
 
     def _run(self, spec: dict, since: float) -> None:
         try:
-            kill = inject_at_step(self.run_dir, rank=spec["rank"], node=spec["node"], step=spec["step"],
-                                  sig=self.sig, timeout_s=self.timeout_s, since=since, cancel=self._cancel)
+            kill = inject_at_step(
+                self.run_dir,
+                rank=spec["rank"],
+                node=spec["node"],
+                step=spec["step"],
+                sig=self.sig,
+                timeout_s=self.timeout_s,
+                since=since,
+                cancel=self._cancel,
+            )
         except InjectionCancelled:
             return
         except Exception as e:  # reported, not raised: the benchmark decides what a missed fault means

@@ -20,6 +20,7 @@ never refilled (NVRx cannot add processes to a running wrapper).
 
 Where the configuration departs from NVRx's defaults, and why, is in docs/baselines.md.
 """
+
 # No `from __future__ import annotations` here: NVRx finds the `CallWrapper` parameter of the
 # wrapped function by its annotation object (a string annotation makes its check raise).
 import argparse
@@ -35,7 +36,7 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,40 +52,42 @@ from leto.runtime.linux import describe_exit, die_with_parent, proc_stat
 from leto.training import train_gpt
 from leto.training.corpus import load_tokens
 from leto.training.data import Sampler
+from leto.training.member import RankMember
 from leto.training.model import GPT, PRESETS
 from leto.training.optim import MASTER, AdamW, warmup_cosine
-from leto.training.member import RankMember
 from leto.training.trainer import Trainer
 
 NVRX_VERSION = "0.7.0"
-DEFAULT_SPARES = 1          # as many warm spares as Leto's default shadows
+DEFAULT_SPARES = 1  # as many warm spares as Leto's default shadows
 DEFAULT_SHM = Path("/dev/shm")
 STOP_GRACE_S = 5.0
-POLL_S = 0.01               # the harness's supervision loop (as Leto's controller)
+POLL_S = 0.01  # the harness's supervision loop (as Leto's controller)
 STORE_PREFIX = "leto-nvrx/"
 
 # NVRx Wrapper settings. Defaults are NVRx's; the ones below are tuned for 5 ranks on one host, the
 # way the torchft baseline's lighthouse is tuned (heartbeat timeout 1 s instead of 5 s).
-MONITOR_INTERVAL_S = 0.05   # monitor thread / monitor process / progress watchdog (default 1 s;
-                            # NVRx's own tests use 0.01 s; the guide: scale with the number of ranks)
-LAST_CALL_WAIT_S = 0.1      # default 1 s: wait for concurrent faults; 2 monitor intervals
+MONITOR_INTERVAL_S = 0.05  # monitor thread / monitor process / progress watchdog (default 1 s;
+# NVRx's own tests use 0.01 s; the guide: scale with the number of ranks)
+LAST_CALL_WAIT_S = 0.1  # default 1 s: wait for concurrent faults; 2 monitor intervals
 HEARTBEAT_INTERVAL_S = 0.2  # default 1 s
-HEARTBEAT_TIMEOUT_S = 1.0   # default 30 s; detects a rank whose monitor process died too (a node loss)
-TERMINATION_GRACE_S = 0.0   # default 5 s; the guide: 0 is safe for workloads without SIGTERM handlers
+HEARTBEAT_TIMEOUT_S = 1.0  # default 30 s; detects a rank whose monitor process died too (a node loss)
+TERMINATION_GRACE_S = 0.0  # default 5 s; the guide: 0 is safe for workloads without SIGTERM handlers
 # soft / hard progress timeouts (60 / 90 s), barrier and completion timeouts (120 s): NVRx's defaults
 
 
-def nvrx_status() -> Optional[str]:
+def nvrx_status() -> str | None:
     """None if NVRx's in-process restart imports here, else why not (e.g. "not installed")."""
     try:
         import nvidia_resiliency_ext.inprocess  # noqa: F401
     except ModuleNotFoundError as e:
-        return "not installed" if e.name and e.name.startswith("nvidia_resiliency_ext") else \
-            f"not importable (missing {e.name})"
+        return (
+            "not installed"
+            if e.name and e.name.startswith("nvidia_resiliency_ext")
+            else f"not importable (missing {e.name})"
+        )
     except Exception as e:  # installed but broken: say so rather than crash
         return f"not importable ({type(e).__name__}: {e})"
     return None
-
 
 
 # ----- the in-memory checkpoint: one copy of each rank's shard per step, in tmpfs
@@ -118,8 +121,12 @@ class ShardCheckpoint:
                 continue
             if not isinstance(mark, dict) or not isinstance(mark.get("step"), int):
                 continue
-            if (mark.get("fingerprint"), mark.get("slot"), mark.get("world"), mark.get("nbytes")) == \
-                    (self.fingerprint, slot, world, size):
+            if (mark.get("fingerprint"), mark.get("slot"), mark.get("world"), mark.get("nbytes")) == (
+                self.fingerprint,
+                slot,
+                world,
+                size,
+            ):
                 out[mark["step"]] = slot
         return out
 
@@ -177,7 +184,7 @@ class ShardCheckpoint:
                 continue
             self._load(world, q, step, buf)
             old_rows = buf.transpose(0, 1).reshape(3, old_elems)
-            rows[:, a - lo:b - lo] = old_rows[:, a - q * old_elems:b - q * old_elems]
+            rows[:, a - lo : b - lo] = old_rows[:, a - q * old_elems : b - q * old_elems]
         member.state.copy_(rows.view(3, member.n_chunks, ce).transpose(0, 1))
 
     def save(self, member: RankMember) -> float:
@@ -195,8 +202,11 @@ class ShardCheckpoint:
         data = memoryview(member.state.numpy()).cast("B")
         write_whole(fd, data)
         tmp = marker.with_name(f".{marker.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"step": step, "slot": slot, "world": world, "nbytes": len(data),
-                                   "fingerprint": self.fingerprint}))
+        tmp.write_text(
+            json.dumps(
+                {"step": step, "slot": slot, "world": world, "nbytes": len(data), "fingerprint": self.fingerprint}
+            )
+        )
         os.replace(tmp, marker)
         return time.perf_counter() - t0
 
@@ -209,6 +219,7 @@ class ShardCheckpoint:
 def fingerprint(args: argparse.Namespace) -> str:
     """What a checkpoint must match (not the world size: a shrunk job reshards the state)."""
     import hashlib
+
     cfg = {"model": args.model, "seed": args.seed, "lr": args.lr, "steps": args.steps, "chunk_bytes": args.chunk_bytes}
     return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -221,13 +232,13 @@ class _Ctx:
 
     args: argparse.Namespace
     run_dir: Path
-    store: Any                  # a client of the harness's store (training process groups)
+    store: Any  # a client of the harness's store (training process groups)
     initial_rank: int
     node: int
     nodes: int
     timeout_s: float
     model: GPT
-    init: list[torch.Tensor]    # the initial parameters: a restart with no checkpoint starts from them
+    init: list[torch.Tensor]  # the initial parameters: a restart with no checkpoint starts from them
     sampler: Sampler
     tokens: int
     ckpt: ShardCheckpoint
@@ -243,11 +254,22 @@ def _train(ctx: _Ctx, call_wrapper) -> dict:
     with torch.no_grad():
         for p, v in zip(ctx.model.parameters(), ctx.init):
             p.copy_(v)
-    config = solo(JobConfig(training=TrainingConfig(workers=world, nodes=ctx.nodes),
-                            timeouts=Timeouts(collective_s=ctx.timeout_s)))
-    job = Job(config=config, role="worker", rank=rank, world_size=world, node=ctx.node, run_dir=ctx.run_dir,
-              store=store, proc_id="solo",  # "solo": no Leto membership or heartbeat (RankMember.connect)
-              device=torch.device("cpu"))
+    config = solo(
+        JobConfig(
+            training=TrainingConfig(workers=world, nodes=ctx.nodes), timeouts=Timeouts(collective_s=ctx.timeout_s)
+        )
+    )
+    job = Job(
+        config=config,
+        role="worker",
+        rank=rank,
+        world_size=world,
+        node=ctx.node,
+        run_dir=ctx.run_dir,
+        store=store,
+        proc_id="solo",  # "solo": no Leto membership or heartbeat (RankMember.connect)
+        device=torch.device("cpu"),
+    )
     args = ctx.args
     optimizer = AdamW(lr=warmup_cosine(args.lr, warmup=min(20, args.steps // 10), total=args.steps))
     trainer = Trainer(ctx.model, job, optimizer, chunk_bytes=args.chunk_bytes)
@@ -262,26 +284,43 @@ def _train(ctx: _Ctx, call_wrapper) -> dict:
             seq = ctx.store.add(f"{STORE_PREFIX}assignments", 1) - 1
             ctx.store.set(f"{STORE_PREFIX}assignment/{seq}", json.dumps(assign))
             ctx.store.wait([f"{STORE_PREFIX}procs/{seq}"], timedelta(seconds=ctx.timeout_s))
-            runlog.event(ctx.run_dir, "job_up", iteration=it, world_size=world,
-                         assignment={str(k): v for k, v in assign.items()},
-                         build_s=round(t_connect - t_call, 4),         # model reset, Trainer
-                         connect_s=round(t_connected - t_connect, 4),  # gloo group + broadcast
-                         call_s=round(time.perf_counter() - t_call, 4))
+            runlog.event(
+                ctx.run_dir,
+                "job_up",
+                iteration=it,
+                world_size=world,
+                assignment={str(k): v for k, v in assign.items()},
+                build_s=round(t_connect - t_call, 4),  # model reset, Trainer
+                connect_s=round(t_connected - t_connect, 4),  # gloo group + broadcast
+                call_s=round(time.perf_counter() - t_call, 4),
+            )
         t0 = time.perf_counter()
         restored = ctx.ckpt.restore(trainer.member)
         restore_s = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
         trainer.member.comm.all_reduce(restore_s, dist.ReduceOp.MAX)
         if restored is not None and rank == 0:
-            runlog.event(ctx.run_dir, "restore", iteration=it, step=restored[0],
-                         restore_s=round(float(restore_s), 6), from_world_size=restored[1],
-                         world_size=world, resharded=restored[1] != world)
+            runlog.event(
+                ctx.run_dir,
+                "restore",
+                iteration=it,
+                step=restored[0],
+                restore_s=round(float(restore_s), 6),
+                from_world_size=restored[1],
+                world_size=world,
+                resharded=restored[1] != world,
+            )
         for step in trainer.steps(args.steps):
             x, y, weight = ctx.sampler.batch(step, trainer.rank, trainer.world_size)
             trainer.step(lambda: ctx.model(x, y), weight=weight, tokens=ctx.tokens)
             with call_wrapper.atomic():  # the guide: no checkpoint write once a restart has begun
                 ctx.save_s.append(ctx.ckpt.save(trainer.member))
-        result = {"steps": trainer.step_count, "final_loss": trainer.last_loss, "digest": trainer.digest(),
-                  "iteration": it, "world_size": world}
+        result = {
+            "steps": trainer.step_count,
+            "final_loss": trainer.last_loss,
+            "digest": trainer.digest(),
+            "iteration": it,
+            "world_size": world,
+        }
         if rank == 0:
             result["ckpt_save_s_median"] = round(statistics.median(ctx.save_s), 6) if ctx.save_s else None
             (ctx.run_dir / "result.json").write_text(json.dumps(result))
@@ -304,8 +343,7 @@ def _wrapper(ctx: _Ctx, host: str, port: int, workers: int, max_iterations: int 
         a `StoreMixin` subclass passed as `store_factory`. No rank is critical then."""
 
         def __init__(self, host_name: str, port: int, timeout: timedelta = timedelta(seconds=300)) -> None:
-            super().__init__(host_name, port, is_master=False, timeout=timeout, wait_for_workers=False,
-                             use_libuv=True)
+            super().__init__(host_name, port, is_master=False, timeout=timeout, wait_for_workers=False, use_libuv=True)
 
         def get_packed(self, key: str, sep: str) -> list[str]:
             # NVRx 0.7.0 bug: when a rank's monitor process dies too (a node loss), the sibling
@@ -314,8 +352,9 @@ def _wrapper(ctx: _Ctx, host: str, port: int, workers: int, max_iterations: int 
             # that entry and hangs until the hard timeout. Read such entries as the rank they name.
             return [v[2:-1] if v.startswith("b'") and v.endswith("'") else v for v in super().get_packed(key, sep)]
 
-    failure_store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=ctx.timeout_s),
-                                  wait_for_workers=False)
+    failure_store = dist.TCPStore(
+        host, port, is_master=False, timeout=timedelta(seconds=ctx.timeout_s), wait_for_workers=False
+    )
 
     class RecordFailure(Abort):
         """Runs first in NVRx's abort (the monitor thread, once a fault is seen): the first rank to
@@ -324,25 +363,31 @@ def _wrapper(ctx: _Ctx, host: str, port: int, workers: int, max_iterations: int 
         def __call__(self, state):
             try:
                 if failure_store.add(f"{STORE_PREFIX}failure/{state.iteration}", 1) == 1:
-                    runlog.event(ctx.run_dir, "failure", iteration=state.iteration,
-                                 seen_by_initial_rank=state.initial_rank, cause="nvrx restart")
+                    runlog.event(
+                        ctx.run_dir,
+                        "failure",
+                        iteration=state.iteration,
+                        seen_by_initial_rank=state.initial_rank,
+                        cause="nvrx restart",
+                    )
             except Exception:  # the record is evidence, never a reason to fail the abort
                 pass
             return state
 
-    def train(call_wrapper: Optional[inprocess.CallWrapper] = None) -> dict:
+    def train(call_wrapper: inprocess.CallWrapper | None = None) -> dict:
         return _train(ctx, call_wrapper)
 
     run_dir = ctx.run_dir
     return inprocess.Wrapper(
         store_factory=HarnessStore,
         store_kwargs={"host_name": host, "port": port, "timeout": timedelta(seconds=ctx.timeout_s)},
-        initialize=inprocess.initialize.RetryController(max_iterations=max_iterations, min_world_size=1,
-                                                        min_active_world_size=1),
+        initialize=inprocess.initialize.RetryController(
+            max_iterations=max_iterations, min_world_size=1, min_active_world_size=1
+        ),
         abort=inprocess.Compose(AbortTorchDistributed(), RecordFailure()),  # the last one runs first
         rank_assignment=inprocess.Compose(
             inprocess.rank_assignment.MaxActiveWorldSize(workers),  # ranks past `workers` are spares
-            inprocess.rank_assignment.ShiftRanks(),                 # survivors close the gaps
+            inprocess.rank_assignment.ShiftRanks(),  # survivors close the gaps
         ),
         monitor_thread_interval=timedelta(seconds=MONITOR_INTERVAL_S),
         monitor_process_interval=timedelta(seconds=MONITOR_INTERVAL_S),
@@ -373,12 +418,23 @@ def worker_main(argv: list[str]) -> None:
     cfg = PRESETS[args.model]
     torch.manual_seed(args.seed)
     model = GPT(cfg)
-    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=ours.timeout),
-                          wait_for_workers=False)
-    ctx = _Ctx(args, ours.run_dir, store, int(os.environ["RANK"]), ours.node, ours.nodes, ours.timeout, model,
-               [p.detach().clone() for p in model.parameters()],
-               Sampler(load_tokens(), cfg.block_size, cfg.batch_size, args.seed), cfg.batch_size * cfg.block_size,
-               ShardCheckpoint(ours.ckpt_dir, fingerprint(args)))
+    store = dist.TCPStore(
+        host, int(port), is_master=False, timeout=timedelta(seconds=ours.timeout), wait_for_workers=False
+    )
+    ctx = _Ctx(
+        args,
+        ours.run_dir,
+        store,
+        int(os.environ["RANK"]),
+        ours.node,
+        ours.nodes,
+        ours.timeout,
+        model,
+        [p.detach().clone() for p in model.parameters()],
+        Sampler(load_tokens(), cfg.block_size, cfg.batch_size, args.seed),
+        cfg.batch_size * cfg.block_size,
+        ShardCheckpoint(ours.ckpt_dir, fingerprint(args)),
+    )
     wrapped = _wrapper(ctx, host, int(port), ours.workers, ours.max_iterations)
     try:
         wrapped()  # spares return None; every rank returns once the job is done
@@ -393,7 +449,7 @@ def _alive(pid: int) -> bool:
 
 
 def _state(pid: int) -> str:
-    """"ours" (a live process of this job: a pid read from a pidfile may have been reused),
+    """ "ours" (a live process of this job: a pid read from a pidfile may have been reused),
     "exiting" (its command line is already gone), "gone", or "other"."""
     if not _alive(pid):
         return "gone"
@@ -422,11 +478,12 @@ class _Harness:
         self.timeout_s = timeout_s
         self.world = workers + spares
         # initial placement: workers as Leto's controller places them, spare i on node i % nodes
-        self.node = [node_of_rank(r, workers, nodes) if r < workers else (r - workers) % nodes
-                     for r in range(self.world)]
+        self.node = [
+            node_of_rank(r, workers, nodes) if r < workers else (r - workers) % nodes for r in range(self.world)
+        ]
         self.procs: dict[int, subprocess.Popen] = {}
-        self.active: dict[int, int] = {r: r for r in range(workers)}   # initial rank -> current rank
-        self.exits: dict[int, int] = {}                                 # initial rank -> exit code
+        self.active: dict[int, int] = {r: r for r in range(workers)}  # initial rank -> current rank
+        self.exits: dict[int, int] = {}  # initial rank -> exit code
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.store = loopback_store(timeout_s)  # (NVRx's stores are clients of this one)
@@ -445,19 +502,32 @@ class _Harness:
                 if r in self.exits:
                     continue
                 cur = self.active.get(r)
-                recs.append({"role": "worker" if cur is not None else "spare", "rank": cur, "node": self.node[r],
-                             "pid": popen.pid, "id": f"rank{r}"})
+                recs.append(
+                    {
+                        "role": "worker" if cur is not None else "spare",
+                        "rank": cur,
+                        "node": self.node[r],
+                        "pid": popen.pid,
+                        "id": f"rank{r}",
+                    }
+                )
                 mon = self.monitor_pid(r)
                 if mon is not None and _alive(mon):
-                    recs.append({"role": "monitor", "rank": None, "node": self.node[r], "pid": mon,
-                                 "id": f"monitor{r}"})
+                    recs.append(
+                        {"role": "monitor", "rank": None, "node": self.node[r], "pid": mon, "id": f"monitor{r}"}
+                    )
         runlog.write_procs(self.run_dir, recs)
 
     def _follow(self) -> None:
         """Each restart iteration, rank 0 publishes initial rank -> rank; procs.json follows before
         the iteration records its first step (the fault injector picks its target from it)."""
-        client = dist.TCPStore("127.0.0.1", self.store.port, is_master=False, wait_for_workers=False,
-                               timeout=timedelta(seconds=self.timeout_s))
+        client = dist.TCPStore(
+            "127.0.0.1",
+            self.store.port,
+            is_master=False,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=self.timeout_s),
+        )
         seq = 0
         while not self.stop.is_set():
             key = f"{STORE_PREFIX}assignment/{seq}"
@@ -475,15 +545,25 @@ class _Harness:
         (self.run_dir / "nvrx").mkdir(exist_ok=True)
         runlog.event(self.run_dir, "launch", workers=self.workers, spares=self.spares)
         for r in range(self.world):
-            env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(self.world), MASTER_ADDR=LOOPBACK,
-                       MASTER_PORT=str(self.store.port), **network_env(LOOPBACK))
+            env = dict(
+                os.environ,
+                RANK=str(r),
+                WORLD_SIZE=str(self.world),
+                MASTER_ADDR=LOOPBACK,
+                MASTER_PORT=str(self.store.port),
+                **network_env(LOOPBACK),
+            )
             env.setdefault("TORCH_CPP_LOG_LEVEL", "error")  # the guide: store-wait timeouts warn otherwise
             env.pop("LOCAL_RANK", None)  # with LOCAL_RANK NVRx adds GPU, NVLink and NIC health checks
             with open(self.run_dir / f"rank{r}.log", "a") as log:
                 self.procs[r] = subprocess.Popen(
                     [sys.executable, "-m", "leto.baselines.nvrx_job", "worker", *cmd, "--node", str(self.node[r])],
-                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
-                    preexec_fn=die_with_parent)  # nothing outlives a SIGKILLed harness
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    env=env,
+                    preexec_fn=die_with_parent,
+                )  # nothing outlives a SIGKILLed harness
         self.write_procs()
         self.thread.start()
 
@@ -501,8 +581,16 @@ class _Harness:
                         cur = self.active.get(r)
                     changed = True
                     if rc != 0:
-                        runlog.event(self.run_dir, "exit", initial_rank=r, rank=cur, node=self.node[r],
-                                     pid=popen.pid, code=rc, cause=describe_exit(rc))
+                        runlog.event(
+                            self.run_dir,
+                            "exit",
+                            initial_rank=r,
+                            rank=cur,
+                            node=self.node[r],
+                            pid=popen.pid,
+                            code=rc,
+                            cause=describe_exit(rc),
+                        )
                 if r not in monitors_listed and self.monitor_pid(r) is not None:
                     monitors_listed.add(r)
                     changed = True
@@ -530,10 +618,23 @@ class _Harness:
         self.write_procs()
 
 
-def run(*, workers: int, steps: int, seed: int, model: str, run_dir: Path, injector: object = None,
-        quiet: bool = True, nodes: int = 1, spares: int = DEFAULT_SPARES, max_restarts: int = 3,
-        timeout_s: float = DEFAULT_TIMEOUT_S, job_args: list[str] | None = None, ckpt_dir: Path | None = None,
-        **_: object) -> dict:
+def run(
+    *,
+    workers: int,
+    steps: int,
+    seed: int,
+    model: str,
+    run_dir: Path,
+    injector: object = None,
+    quiet: bool = True,
+    nodes: int = 1,
+    spares: int = DEFAULT_SPARES,
+    max_restarts: int = 3,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    job_args: list[str] | None = None,
+    ckpt_dir: Path | None = None,
+    **_: object,
+) -> dict:
     """Run the NVRx baseline; returns the summary (same format as the other baselines)."""
     status = nvrx_status()
     if status is not None:
@@ -548,10 +649,29 @@ def run(*, workers: int, steps: int, seed: int, model: str, run_dir: Path, injec
     ckpt = Path(ckpt_dir) if ckpt_dir is not None else DEFAULT_SHM / f"leto-nvrx-{uuid.uuid4().hex[:12]}"
     t0 = time.time()
     harness = _Harness(run_dir, workers, spares, nodes, timeout_s)
-    cmd = ["--run-dir", str(run_dir), "--store", f"127.0.0.1:{harness.store.port}", "--workers", str(workers),
-           "--nodes", str(nodes), "--ckpt-dir", str(ckpt), "--timeout", str(timeout_s),
-           "--max-iterations", str(max_restarts + 1),
-           "--steps", str(steps), "--seed", str(seed), "--model", model, *(job_args or [])]
+    cmd = [
+        "--run-dir",
+        str(run_dir),
+        "--store",
+        f"127.0.0.1:{harness.store.port}",
+        "--workers",
+        str(workers),
+        "--nodes",
+        str(nodes),
+        "--ckpt-dir",
+        str(ckpt),
+        "--timeout",
+        str(timeout_s),
+        "--max-iterations",
+        str(max_restarts + 1),
+        "--steps",
+        str(steps),
+        "--seed",
+        str(seed),
+        "--model",
+        model,
+        *(job_args or []),
+    ]
     try:
         harness.spawn(cmd)
         code = harness.supervise(max(600.0, steps * 10.0))
@@ -559,6 +679,7 @@ def run(*, workers: int, steps: int, seed: int, model: str, run_dir: Path, injec
         harness.shutdown()
         if own_ckpt:
             import shutil
+
             shutil.rmtree(ckpt, ignore_errors=True)
     try:
         result = json.loads((run_dir / "result.json").read_text())
@@ -569,14 +690,24 @@ def run(*, workers: int, steps: int, seed: int, model: str, run_dir: Path, injec
     kills = sorted(getattr(injector, "kills", []), key=lambda k: k.time)
     records = _records(run_dir)
     iterations = [r for r in records if r.get("event") == "job_up"]
-    summary = {"steps": result.get("steps"), "final_loss": result.get("final_loss"), "digest": result.get("digest"),
-               "wall_s": round(time.time() - t0, 3), "workers": workers, "spares": spares, "nodes": nodes,
-               "exit_code": code, "system": "nvrx", "nvrx": NVRX_VERSION,
-               "restarts": len(iterations) - 1 if iterations else 0,
-               "final_world_size": result.get("world_size"), "ckpt_save_s_median": result.get("ckpt_save_s_median"),
-               "exits": [{"initial_rank": r, "code": c} for r, c in sorted(harness.exits.items()) if c != 0],
-               "recoveries": _recoveries(records, kills),
-               "injection_errors": list(getattr(injector, "errors", []))}
+    summary = {
+        "steps": result.get("steps"),
+        "final_loss": result.get("final_loss"),
+        "digest": result.get("digest"),
+        "wall_s": round(time.time() - t0, 3),
+        "workers": workers,
+        "spares": spares,
+        "nodes": nodes,
+        "exit_code": code,
+        "system": "nvrx",
+        "nvrx": NVRX_VERSION,
+        "restarts": len(iterations) - 1 if iterations else 0,
+        "final_world_size": result.get("world_size"),
+        "ckpt_save_s_median": result.get("ckpt_save_s_median"),
+        "exits": [{"initial_rank": r, "code": c} for r, c in sorted(harness.exits.items()) if c != 0],
+        "recoveries": _recoveries(records, kills),
+        "injection_errors": list(getattr(injector, "errors", [])),
+    }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 
@@ -608,23 +739,33 @@ def _recoveries(records: list[dict], kills: list) -> list[dict]:
         before = {int(i) for i in (prev[-1]["assignment"] if prev else {})}
         now = {int(i) for i in (up["assignment"] if up else {})}
         spec = kill.spec if kill else None
-        cause = (f"{spec.get('kind')} of " + (f"worker rank {spec['rank']}" if spec.get("rank") is not None
-                                              else f"node {spec.get('node')}") if spec else
-                 "; ".join(f"initial rank {e['initial_rank']} {e['cause']}" for e in gone) or "an exception")
-        out.append({
-            "cause": cause, "injected": spec, "iteration": fail.get("iteration"),
-            "rank": spec.get("rank") if spec else None, "node": spec.get("node") if spec else None,
-            "failed_initial_ranks": sorted(e["initial_rank"] for e in gone),
-            "promoted_spares": sorted(now - before), "world_size_after": up["world_size"] if up else None,
-            "failed_at_step": failed_at, "restored_step": res["step"] if res else (0 if up else None),
-            "lost_steps": (failed_at - res["step"]) if res else (failed_at if up else None),
-            "detect_s": rnd(fail["time"] - t),
-            "restart_s": rnd(up["time"] - fail["time"]) if up else None,
-            "restore_s": res["restore_s"] if res else None,
-            "first_step_s": rnd(after[0]["time"] - t) if after else None,
-            "total_s": rnd(regain["time"] - t) if regain else None,
-            "time": t,
-        })
+        cause = (
+            f"{spec.get('kind')} of "
+            + (f"worker rank {spec['rank']}" if spec.get("rank") is not None else f"node {spec.get('node')}")
+            if spec
+            else "; ".join(f"initial rank {e['initial_rank']} {e['cause']}" for e in gone) or "an exception"
+        )
+        out.append(
+            {
+                "cause": cause,
+                "injected": spec,
+                "iteration": fail.get("iteration"),
+                "rank": spec.get("rank") if spec else None,
+                "node": spec.get("node") if spec else None,
+                "failed_initial_ranks": sorted(e["initial_rank"] for e in gone),
+                "promoted_spares": sorted(now - before),
+                "world_size_after": up["world_size"] if up else None,
+                "failed_at_step": failed_at,
+                "restored_step": res["step"] if res else (0 if up else None),
+                "lost_steps": (failed_at - res["step"]) if res else (failed_at if up else None),
+                "detect_s": rnd(fail["time"] - t),
+                "restart_s": rnd(up["time"] - fail["time"]) if up else None,
+                "restore_s": res["restore_s"] if res else None,
+                "first_step_s": rnd(after[0]["time"] - t) if after else None,
+                "total_s": rnd(regain["time"] - t) if regain else None,
+                "time": t,
+            }
+        )
     return out
 
 
@@ -633,8 +774,9 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["worker"]:
         worker_main(argv[1:])
     else:
-        raise SystemExit("usage: python -m leto.baselines.nvrx_job worker ... (the harness is leto.baselines.restart "
-                         "--system nvrx)")
+        raise SystemExit(
+            "usage: python -m leto.baselines.nvrx_job worker ... (the harness is leto.baselines.restart --system nvrx)"
+        )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ metrics.jsonl.
     python -m leto.baselines.restart --system checkpoint-restart --workers 4 --nodes 2 \
         --steps 300 --mtbf-s 600 --kill 1@100 --run-dir runs/ckpt
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,7 +38,7 @@ from leto.runtime import runlog
 __all__ = ["SYSTEMS", "BaselineSpec", "RestartSupervisor", "main", "run_baseline"]
 
 SYSTEMS = ("checkpoint-restart", "memory-restart", "torchft", "nvrx")
-DEFAULT_MTBF_S = 600.0   # disk K from Young/Daly when neither K nor an MTBF is given
+DEFAULT_MTBF_S = 600.0  # disk K from Young/Daly when neither K nor an MTBF is given
 ATTEMPTS = "attempts"
 
 
@@ -55,11 +56,11 @@ class BaselineSpec:
     ckpt_every: int | None = None
     mtbf_s: float | None = None
     async_save: bool = False
-    ckpt_dir: Path | None = None      # default: run_dir/ckpt (disk), /dev/shm/leto-ckpt-... (memory)
+    ckpt_dir: Path | None = None  # default: run_dir/ckpt (disk), /dev/shm/leto-ckpt-... (memory)
     max_restarts: int = 3
     timeout_s: float = DEFAULT_TIMEOUT_S
     quiet: bool = True
-    job_args: list[str] = field(default_factory=list)   # more flags for the job (--lr, --chunk-bytes)
+    job_args: list[str] = field(default_factory=list)  # more flags for the job (--lr, --chunk-bytes)
 
     @property
     def mode(self) -> str:
@@ -68,10 +69,13 @@ class BaselineSpec:
 
 def _job_config(command: list[str], spec: BaselineSpec) -> JobConfig:
     # a baseline runs without Leto's keepers and in-memory protection
-    return JobConfig(training=TrainingConfig(command=tuple(command), workers=spec.workers, nodes=spec.nodes,
-                                             steps=spec.steps),
-                     protection=ProtectionConfig(enabled=False), timeouts=Timeouts(collective_s=spec.timeout_s),
-                     run_dir=str(spec.run_dir), quiet=spec.quiet)
+    return JobConfig(
+        training=TrainingConfig(command=tuple(command), workers=spec.workers, nodes=spec.nodes, steps=spec.steps),
+        protection=ProtectionConfig(enabled=False),
+        timeouts=Timeouts(collective_s=spec.timeout_s),
+        run_dir=str(spec.run_dir),
+        quiet=spec.quiet,
+    )
 
 
 @dataclass
@@ -80,8 +84,8 @@ class Attempt:
     start: float
     end: float = 0.0
     code: int | None = None
-    records: list[dict] = field(default_factory=list)    # metrics.jsonl of this attempt
-    result: dict = field(default_factory=dict)           # the controller's summary.json
+    records: list[dict] = field(default_factory=list)  # metrics.jsonl of this attempt
+    result: dict = field(default_factory=dict)  # the controller's summary.json
 
     def steps(self) -> list[dict]:
         return [r for r in self.records if "event" not in r and "step" in r]
@@ -100,15 +104,29 @@ class RestartSupervisor:
         self.attempts: list[Attempt] = []
         self.own_ckpt_dir = spec.ckpt_dir is None
         if spec.ckpt_dir is None:
-            spec.ckpt_dir = (spec.run_dir / "ckpt" if spec.mode == "disk"
-                             else DEFAULT_SHM / f"leto-ckpt-{uuid.uuid4().hex[:12]}")
+            spec.ckpt_dir = (
+                spec.run_dir / "ckpt" if spec.mode == "disk" else DEFAULT_SHM / f"leto-ckpt-{uuid.uuid4().hex[:12]}"
+            )
         if spec.mode == "disk" and spec.ckpt_every is None and spec.mtbf_s is None:
             spec.mtbf_s = DEFAULT_MTBF_S
 
     def command(self) -> list[str]:
         s = self.spec
-        cmd = ["-m", "leto.baselines.ckpt_job", "--steps", str(s.steps), "--seed", str(s.seed),
-               "--model", s.model, "--ckpt-dir", str(s.ckpt_dir), "--ckpt-mode", s.mode, *s.job_args]
+        cmd = [
+            "-m",
+            "leto.baselines.ckpt_job",
+            "--steps",
+            str(s.steps),
+            "--seed",
+            str(s.seed),
+            "--model",
+            s.model,
+            "--ckpt-dir",
+            str(s.ckpt_dir),
+            "--ckpt-mode",
+            s.mode,
+            *s.job_args,
+        ]
         if s.mode == "disk":
             cmd += ["--ckpt-every", str(s.ckpt_every)] if s.ckpt_every is not None else ["--mtbf-s", str(s.mtbf_s)]
             cmd += ["--async-save"] if s.async_save else []
@@ -184,8 +202,12 @@ class RestartSupervisor:
         return {
             "cause": _cause(failures, fail),
             "injected": kill.spec if kill else None,
-            "rank": fail.get("rank"), "node": fail.get("node"), "failed_ranks": ranks, "failed_nodes": nodes,
-            "failed_at_step": failed_at, "restored_step": restored,
+            "rank": fail.get("rank"),
+            "node": fail.get("node"),
+            "failed_ranks": ranks,
+            "failed_nodes": nodes,
+            "failed_at_step": failed_at,
+            "restored_step": restored,
             "lost_steps": failed_at - restored,
             "detect_s": rnd(t_det - t_fail) if kill else None,
             "teardown_s": rnd(prev.end - t_det),
@@ -202,24 +224,47 @@ class RestartSupervisor:
         intervals = [r for a in self.attempts for r in a.events("ckpt_interval")]
         restores = [r for a in self.attempts for r in a.events("restore")]
         med = lambda xs: round(statistics.median(xs), 6) if xs else None  # noqa: E731
-        every = 1 if self.spec.mode == "memory" else (self.spec.ckpt_every if self.spec.ckpt_every is not None
-                                                      else (intervals[-1]["every"] if intervals else None))
-        return {"mode": self.spec.mode, "dir": str(self.spec.ckpt_dir), "every": every,
-                "async": self.spec.async_save if self.spec.mode == "disk" else False,
-                "mtbf_s": self.spec.mtbf_s, "young_daly": intervals[-1] if intervals else None,
-                "saves": len(saves), "save_s_median": med([r["save_s"] for r in saves]),
-                "save_s_total": round(sum(r["save_s"] for r in saves), 6),
-                "commit_s_median": med([r["total_s"] for r in commits]),
-                "restore_s": [r["restore_s"] for r in restores]}
+        every = (
+            1
+            if self.spec.mode == "memory"
+            else (
+                self.spec.ckpt_every
+                if self.spec.ckpt_every is not None
+                else (intervals[-1]["every"] if intervals else None)
+            )
+        )
+        return {
+            "mode": self.spec.mode,
+            "dir": str(self.spec.ckpt_dir),
+            "every": every,
+            "async": self.spec.async_save if self.spec.mode == "disk" else False,
+            "mtbf_s": self.spec.mtbf_s,
+            "young_daly": intervals[-1] if intervals else None,
+            "saves": len(saves),
+            "save_s_median": med([r["save_s"] for r in saves]),
+            "save_s_total": round(sum(r["save_s"] for r in saves), 6),
+            "commit_s_median": med([r["total_s"] for r in commits]),
+            "restore_s": [r["restore_s"] for r in restores],
+        }
 
     def _summary(self, wall_s: float) -> dict:
         last = self.attempts[-1]
         res = last.result
-        return {"steps": res.get("steps"), "final_loss": res.get("final_loss"), "digest": res.get("digest"),
-                "wall_s": round(wall_s, 3), "workers": self.spec.workers, "spares": 0, "nodes": self.spec.nodes,
-                "exit_code": last.code, "system": self.spec.system, "restarts": len(self.attempts) - 1,
-                "ckpt": self._ckpt_stats(), "recoveries": self.recoveries(),
-                "injection_errors": list(self.injector.errors) if self.injector else []}
+        return {
+            "steps": res.get("steps"),
+            "final_loss": res.get("final_loss"),
+            "digest": res.get("digest"),
+            "wall_s": round(wall_s, 3),
+            "workers": self.spec.workers,
+            "spares": 0,
+            "nodes": self.spec.nodes,
+            "exit_code": last.code,
+            "system": self.spec.system,
+            "restarts": len(self.attempts) - 1,
+            "ckpt": self._ckpt_stats(),
+            "recoveries": self.recoveries(),
+            "injection_errors": list(self.injector.errors) if self.injector else [],
+        }
 
     def _write_metrics(self) -> None:
         recs: list[tuple[float, int, dict]] = []
@@ -228,8 +273,9 @@ class RestartSupervisor:
             recs += [(r.get("time", a.start), len(recs) + i, {**r, "attempt": a.n}) for i, r in enumerate(a.records)]
             recs.append((a.end, len(recs), {"event": "attempt_end", "time": a.end, "attempt": a.n, "code": a.code}))
         for k in self._kills():
-            recs.append((k.time, len(recs), {"event": "fault", "time": k.time, **k.spec, "pids": k.pids,
-                                             "at_step": k.step}))
+            recs.append(
+                (k.time, len(recs), {"event": "fault", "time": k.time, **k.spec, "pids": k.pids, "at_step": k.step})
+            )
         for r in self.recoveries():
             recs.append((r["time"], len(recs), {"event": "recovery", **r}))
         recs.sort(key=lambda x: (x[0], x[1]))
@@ -238,8 +284,11 @@ class RestartSupervisor:
 
 def _cause(failures: list[dict], first: dict) -> str:
     if len(failures) <= 1:
-        who = (f"{first.get('role', 'worker')} rank {first['rank']}" if first.get("rank") is not None
-               else f"{first.get('role', 'process')} on node {first.get('node')}")
+        who = (
+            f"{first.get('role', 'worker')} rank {first['rank']}"
+            if first.get("rank") is not None
+            else f"{first.get('role', 'process')} on node {first.get('node')}"
+        )
         return f"{who} {first.get('cause', '')}".strip()
     ranks = ", ".join(str(r) for r in sorted(f["rank"] for f in failures if f.get("rank") is not None))
     nodes = ", ".join(sorted({str(f.get("node")) for f in failures}))
@@ -247,9 +296,21 @@ def _cause(failures: list[dict], first: dict) -> str:
     return f"workers {ranks} (node {nodes}): {causes}"
 
 
-def run_baseline(system: str, *, workers: int, nodes: int, steps: int, seed: int, model: str, run_dir: Path,
-                 inject: list[dict] | None, ckpt_every: int | None, mtbf_s: float | None,
-                 quiet: bool = True, **options: object) -> dict:
+def run_baseline(
+    system: str,
+    *,
+    workers: int,
+    nodes: int,
+    steps: int,
+    seed: int,
+    model: str,
+    run_dir: Path,
+    inject: list[dict] | None,
+    ckpt_every: int | None,
+    mtbf_s: float | None,
+    quiet: bool = True,
+    **options: object,
+) -> dict:
     """Run one baseline on the built-in GPT job and return its summary (with `recoveries`).
 
     `inject`: `[{"kind": "kill"|"node-kill", "rank": R|None, "node": N|None, "step": S}]`, executed
@@ -267,13 +328,21 @@ def run_baseline(system: str, *, workers: int, nodes: int, steps: int, seed: int
         else:
             from leto.baselines.nvrx_job import run
         try:
-            return run(workers=workers, nodes=nodes, steps=steps, seed=seed, model=model,
-                       run_dir=run_dir, injector=injector, quiet=quiet, **options)
+            return run(
+                workers=workers,
+                nodes=nodes,
+                steps=steps,
+                seed=seed,
+                model=model,
+                run_dir=run_dir,
+                injector=injector,
+                quiet=quiet,
+                **options,
+            )
         finally:
             if injector is not None:
                 injector.stop()
-    spec = BaselineSpec(system, workers, nodes, steps, run_dir, seed, model, ckpt_every, mtbf_s,
-                        quiet=quiet, **options)  # type: ignore[arg-type]
+    spec = BaselineSpec(system, workers, nodes, steps, run_dir, seed, model, ckpt_every, mtbf_s, quiet=quiet, **options)  # type: ignore[arg-type]
     return RestartSupervisor(spec, injector).run()
 
 
@@ -287,8 +356,10 @@ def _at(text: str) -> tuple[int, int]:
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m leto.baselines.restart",
-                                description="Run a checkpoint-restart baseline on the built-in GPT job.")
+    p = argparse.ArgumentParser(
+        prog="python -m leto.baselines.restart",
+        description="Run a checkpoint-restart baseline on the built-in GPT job.",
+    )
     p.add_argument("--system", choices=SYSTEMS, default="checkpoint-restart")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--nodes", type=int, default=2)
@@ -296,19 +367,36 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default="tiny")
     p.add_argument("--run-dir", type=Path, default=None)
-    p.add_argument("--ckpt-dir", type=Path, default=None,
-                   help="where checkpoints go (kept, and resumed from if it holds one); default: a fresh one")
+    p.add_argument(
+        "--ckpt-dir",
+        type=Path,
+        default=None,
+        help="where checkpoints go (kept, and resumed from if it holds one); default: a fresh one",
+    )
     p.add_argument("--ckpt-every", type=int, default=None, help="disk: every K steps [Young/Daly]")
     p.add_argument("--mtbf-s", type=float, default=None, help=f"disk: MTBF for Young/Daly [{DEFAULT_MTBF_S:g}]")
     p.add_argument("--async-save", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--max-restarts", type=int, default=3)
     p.add_argument("--spares", type=int, default=1, help="nvrx: spare ranks beside the workers [1]")
-    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
-                   help=f"collective and store timeout [{DEFAULT_TIMEOUT_S:g}]")
-    p.add_argument("--kill", type=_at, action="append", default=[], metavar="RANK@STEP",
-                   help="SIGKILL worker RANK once STEP is recorded (repeatable)")
-    p.add_argument("--node-kill", type=_at, action="append", default=[], metavar="NODE@STEP",
-                   help="SIGKILL every process of NODE once STEP is recorded (repeatable)")
+    p.add_argument(
+        "--timeout", type=float, default=DEFAULT_TIMEOUT_S, help=f"collective and store timeout [{DEFAULT_TIMEOUT_S:g}]"
+    )
+    p.add_argument(
+        "--kill",
+        type=_at,
+        action="append",
+        default=[],
+        metavar="RANK@STEP",
+        help="SIGKILL worker RANK once STEP is recorded (repeatable)",
+    )
+    p.add_argument(
+        "--node-kill",
+        type=_at,
+        action="append",
+        default=[],
+        metavar="NODE@STEP",
+        help="SIGKILL every process of NODE once STEP is recorded (repeatable)",
+    )
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     return p.parse_args(argv)
@@ -320,20 +408,36 @@ _SHOWN = ("detect_s", "teardown_s", "restart_s", "restore_s", "first_step_s", "t
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     run_dir = a.run_dir or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{a.system}"
-    inject = ([{"kind": "kill", "rank": r, "node": None, "step": s} for r, s in a.kill]
-              + [{"kind": "node-kill", "rank": None, "node": n, "step": s} for n, s in a.node_kill])
-    summary = run_baseline(a.system, workers=a.workers, nodes=a.nodes, steps=a.steps, seed=a.seed, model=a.model,
-                           run_dir=run_dir, inject=inject or None, ckpt_every=a.ckpt_every, mtbf_s=a.mtbf_s,
-                           quiet=a.quiet, async_save=a.async_save, ckpt_dir=a.ckpt_dir,
-                           max_restarts=a.max_restarts, timeout_s=a.timeout,
-                           **({"spares": a.spares} if a.system == "nvrx" else {}))
+    inject = [{"kind": "kill", "rank": r, "node": None, "step": s} for r, s in a.kill] + [
+        {"kind": "node-kill", "rank": None, "node": n, "step": s} for n, s in a.node_kill
+    ]
+    summary = run_baseline(
+        a.system,
+        workers=a.workers,
+        nodes=a.nodes,
+        steps=a.steps,
+        seed=a.seed,
+        model=a.model,
+        run_dir=run_dir,
+        inject=inject or None,
+        ckpt_every=a.ckpt_every,
+        mtbf_s=a.mtbf_s,
+        quiet=a.quiet,
+        async_save=a.async_save,
+        ckpt_dir=a.ckpt_dir,
+        max_restarts=a.max_restarts,
+        timeout_s=a.timeout,
+        **({"spares": a.spares} if a.system == "nvrx" else {}),
+    )
     if a.json:
         print(json.dumps(summary))
     else:
         ck = summary.get("ckpt")
         saves = f"; checkpoint every {ck['every']} steps, median save {ck['save_s_median']}s" if ck else ""
-        print(f"{a.system}: {summary['steps']} steps in {summary['wall_s']:.1f}s, exit {summary['exit_code']}, "
-              f"{summary.get('restarts', 0)} restarts, digest {str(summary['digest'])[:16]}{saves}")
+        print(
+            f"{a.system}: {summary['steps']} steps in {summary['wall_s']:.1f}s, exit {summary['exit_code']}, "
+            f"{summary.get('restarts', 0)} restarts, digest {str(summary['digest'])[:16]}{saves}"
+        )
         for r in summary["recoveries"]:
             parts = [f"{k.removesuffix('_s')} {r[k]}s" for k in _SHOWN if r.get(k) is not None]
             print(f"  {r['cause']} at step {r['failed_at_step']}: {', '.join(parts)}, lost {r['lost_steps']} steps")

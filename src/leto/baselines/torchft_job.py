@@ -17,6 +17,7 @@ the workers, keeps run_dir/procs.json current, restarts dead workers and writes 
 Every server of the job (the lighthouse, each replica's store, manager server, checkpoint server
 and gloo) listens on, and is advertised at, 127.0.0.1 only.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,11 +46,11 @@ from leto.training.model import GPT, PRESETS
 from leto.training.optim import MASTER, AdamW, warmup_cosine
 from leto.training.shard import STATE_NAMES
 
-HEARTBEAT_TIMEOUT_MS = 1000   # the lighthouse's default is 5000; a tuned deployment detects faster
+HEARTBEAT_TIMEOUT_MS = 1000  # the lighthouse's default is 5000; a tuned deployment detects faster
 JOIN_TIMEOUT_MS = 2000
 QUORUM_TICK_MS = 50
 STOP_GRACE_S = 5.0
-DONE = "done"   # run_dir/DONE: a replica reached the last step; later quorums must not start
+DONE = "done"  # run_dir/DONE: a replica reached the last step; later quorums must not start
 
 
 def _quiet_rust_logs() -> None:
@@ -69,7 +70,6 @@ def _flatten(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, int]:
 def digest(step: int, flat: torch.Tensor, state: torch.Tensor) -> str:
     """The same digest as `Trainer.digest` (step, params, master, exp_avg, exp_avg_sq)."""
     return state_digest(step, {"params": flat, **dict(zip(STATE_NAMES, state, strict=True))})
-
 
 
 def _barrier(run_dir: Path, replica: int, expect: int, timeout_s: float) -> None:
@@ -106,7 +106,7 @@ def worker_main(argv: list[str]) -> None:
     optimizer = AdamW(lr=warmup_cosine(args.lr, warmup=min(20, args.steps // 10), total=args.steps))
     sampler = Sampler(load_tokens(), cfg.block_size, cfg.batch_size, args.seed)
     scratch, loss_t = torch.zeros(numel), torch.zeros(1)
-    heal_s: list[float] = []   # load times of the state a peer sent (healing)
+    heal_s: list[float] = []  # load times of the state a peer sent (healing)
 
     def load_state_dict(sd: dict) -> None:
         t0 = time.perf_counter()
@@ -117,12 +117,24 @@ def worker_main(argv: list[str]) -> None:
     store = loopback_store(ours.timeout)  # this replica group's own
     timeout = timedelta(seconds=ours.timeout)
     transport = _loopback_transport(timeout)  # (before the manager is made: it binds its server too)
-    manager = Manager(pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load_state_dict,
-                      state_dict=lambda: {"state": state}, min_replica_size=1, use_async_quorum=False,
-                      replica_id=f"replica{ours.replica}", store_addr=LOOPBACK, store_port=store.port,
-                      rank=0, world_size=1, lighthouse_addr=ours.lighthouse, timeout=timeout,
-                      quorum_timeout=timeout, init_sync=False, hostname=LOOPBACK,
-                      checkpoint_transport=transport)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timeout),
+        load_state_dict=load_state_dict,
+        state_dict=lambda: {"state": state},
+        min_replica_size=1,
+        use_async_quorum=False,
+        replica_id=f"replica{ours.replica}",
+        store_addr=LOOPBACK,
+        store_port=store.port,
+        rank=0,
+        world_size=1,
+        lighthouse_addr=ours.lighthouse,
+        timeout=timeout,
+        quorum_timeout=timeout,
+        init_sync=False,
+        hostname=LOOPBACK,
+        checkpoint_transport=transport,
+    )
     run_dir = ours.run_dir
     runlog.event(run_dir, "replica_up", replica=ours.replica, startup_s=round(time.time() - t_start, 3))
     _barrier(run_dir, ours.replica, ours.expect, ours.timeout)
@@ -139,8 +151,14 @@ def worker_main(argv: list[str]) -> None:
             t_q = time.perf_counter()
             manager.start_quorum()
             if heal_s:
-                runlog.event(run_dir, "heal", replica=ours.replica, step=manager.current_step(),
-                             restore_s=round(heal_s.pop(), 6), quorum_s=round(time.perf_counter() - t_q, 6))
+                runlog.event(
+                    run_dir,
+                    "heal",
+                    replica=ours.replica,
+                    step=manager.current_step(),
+                    restore_s=round(heal_s.pop(), 6),
+                    quorum_s=round(time.perf_counter() - t_q, 6),
+                )
             step = manager.current_step()
             if step >= args.steps:
                 break
@@ -159,13 +177,24 @@ def worker_main(argv: list[str]) -> None:
                 flat.copy_(state[MASTER])
                 now = time.perf_counter()
                 if rank == 0:
-                    runlog.append(run_dir, {"step": step + 1, "loss": float(loss_t.item()), "step_s": round(now - t_last, 6),
-                                    "tokens_per_s": round(tokens / (now - t_last), 1), "participants": world})
+                    runlog.append(
+                        run_dir,
+                        {
+                            "step": step + 1,
+                            "loss": float(loss_t.item()),
+                            "step_s": round(now - t_last, 6),
+                            "tokens_per_s": round(tokens / (now - t_last), 1),
+                            "participants": world,
+                        },
+                    )
                 t_last = now
             elif rank == 0:
                 runlog.event(run_dir, "step_failed", step=step + 1, participants=world)
-        result = {"steps": manager.current_step(), "final_loss": float(loss_t.item()),
-                  "digest": digest(manager.current_step(), flat, state)}
+        result = {
+            "steps": manager.current_step(),
+            "final_loss": float(loss_t.item()),
+            "digest": digest(manager.current_step(), flat, state),
+        }
         (run_dir / f"result-{ours.replica}.json").write_text(json.dumps(result))
         done.touch()
     finally:
@@ -204,17 +233,27 @@ def _loopback_transport(timeout: timedelta) -> object:
 # ----- the harness
 def _spawn(cmd: list[str], log: Path) -> subprocess.Popen:
     with open(log, "a") as f:
-        return subprocess.Popen([sys.executable, *cmd], stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=dict(os.environ, RUST_LOG=os.environ.get("RUST_LOG", "warn"),
-                                         **network_env(LOOPBACK)))
+        return subprocess.Popen(
+            [sys.executable, *cmd],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=dict(os.environ, RUST_LOG=os.environ.get("RUST_LOG", "warn"), **network_env(LOOPBACK)),
+        )
 
 
-def _write_procs(run_dir: Path, procs: dict[int, subprocess.Popen], lighthouse: subprocess.Popen,
-                 workers: int, nodes: int) -> None:
-    recs = [{"role": "controller", "rank": None, "node": None, "pid": os.getpid(), "id": "controller"},
-            {"role": "lighthouse", "rank": None, "node": None, "pid": lighthouse.pid, "id": "lighthouse"}]
-    recs += [{"role": "worker", "rank": r, "node": node_of_rank(r, workers, nodes), "pid": p.pid, "id": f"replica{r}"}
-             for r, p in procs.items() if p.poll() is None]
+def _write_procs(
+    run_dir: Path, procs: dict[int, subprocess.Popen], lighthouse: subprocess.Popen, workers: int, nodes: int
+) -> None:
+    recs = [
+        {"role": "controller", "rank": None, "node": None, "pid": os.getpid(), "id": "controller"},
+        {"role": "lighthouse", "rank": None, "node": None, "pid": lighthouse.pid, "id": "lighthouse"},
+    ]
+    recs += [
+        {"role": "worker", "rank": r, "node": node_of_rank(r, workers, nodes), "pid": p.pid, "id": f"replica{r}"}
+        for r, p in procs.items()
+        if p.poll() is None
+    ]
     runlog.write_procs(run_dir, recs)
 
 
@@ -249,9 +288,15 @@ def lighthouse_main(argv: list[str]) -> None:
     """Serve a torchft lighthouse until SIGTERM (its address is printed as `LIGHTHOUSE <addr>`)."""
     _quiet_rust_logs()
     from torchft._torchft import LighthouseServer
+
     min_replicas = int(argv[0]) if argv else 1
-    server = LighthouseServer(bind=f"{LOOPBACK}:0", min_replicas=min_replicas, join_timeout_ms=JOIN_TIMEOUT_MS,
-                              quorum_tick_ms=QUORUM_TICK_MS, heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
+    server = LighthouseServer(
+        bind=f"{LOOPBACK}:0",
+        min_replicas=min_replicas,
+        join_timeout_ms=JOIN_TIMEOUT_MS,
+        quorum_tick_ms=QUORUM_TICK_MS,
+        heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS,
+    )
     port = server.address().rsplit(":", 1)[1]  # it advertises the host name
     print(f"LIGHTHOUSE http://{LOOPBACK}:{port}", flush=True)
     stop = {"now": False}
@@ -263,9 +308,21 @@ def lighthouse_main(argv: list[str]) -> None:
         server.shutdown()
 
 
-def run(*, workers: int, steps: int, seed: int, model: str, run_dir: Path, injector: object = None,
-        quiet: bool = True, nodes: int = 1, max_restarts: int = 3, timeout_s: float = DEFAULT_TIMEOUT_S,
-        job_args: list[str] | None = None, **_: object) -> dict:
+def run(
+    *,
+    workers: int,
+    steps: int,
+    seed: int,
+    model: str,
+    run_dir: Path,
+    injector: object = None,
+    quiet: bool = True,
+    nodes: int = 1,
+    max_restarts: int = 3,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    job_args: list[str] | None = None,
+    **_: object,
+) -> dict:
     """Run the torchft baseline; returns the summary (same format as the other baselines)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -281,10 +338,31 @@ def run(*, workers: int, steps: int, seed: int, model: str, run_dir: Path, injec
     code = 0
     try:
         addr = _lighthouse_addr(lh_log, lighthouse, 60)
+
         def cmd(r: int, expect: int) -> list[str]:
-            return ["-m", "leto.baselines.torchft_job", "worker", "--replica", str(r), "--lighthouse", addr,
-                    "--run-dir", str(run_dir), "--timeout", str(timeout_s), "--expect", str(expect),
-                    "--steps", str(steps), "--seed", str(seed), "--model", model, *(job_args or [])]
+            return [
+                "-m",
+                "leto.baselines.torchft_job",
+                "worker",
+                "--replica",
+                str(r),
+                "--lighthouse",
+                addr,
+                "--run-dir",
+                str(run_dir),
+                "--timeout",
+                str(timeout_s),
+                "--expect",
+                str(expect),
+                "--steps",
+                str(steps),
+                "--seed",
+                str(seed),
+                "--model",
+                model,
+                *(job_args or []),
+            ]
+
         for r in range(workers):
             procs[r] = _spawn(cmd(r, workers), run_dir / f"worker{r}.log")
         _write_procs(run_dir, procs, lighthouse, workers, nodes)
@@ -298,10 +376,19 @@ def run(*, workers: int, steps: int, seed: int, model: str, run_dir: Path, injec
                 rc = p.poll()
                 if rc is None or rc == 0:
                     continue
-                failures.append({"event": "failure", "time": time.time(), "role": "worker", "rank": r,
-                                 "node": node_of_rank(r, workers, nodes), "pid": p.pid, "code": rc})
+                failures.append(
+                    {
+                        "event": "failure",
+                        "time": time.time(),
+                        "role": "worker",
+                        "rank": r,
+                        "node": node_of_rank(r, workers, nodes),
+                        "pid": p.pid,
+                        "code": rc,
+                    }
+                )
                 runlog.append(run_dir, failures[-1])
-                if (run_dir / DONE).exists():   # nothing to rejoin: the survivors have finished
+                if (run_dir / DONE).exists():  # nothing to rejoin: the survivors have finished
                     del procs[r]
                     continue
                 if restarts >= max_restarts:
@@ -318,12 +405,19 @@ def run(*, workers: int, steps: int, seed: int, model: str, run_dir: Path, injec
         _write_procs(run_dir, {}, lighthouse, workers, nodes)
     results = [json.loads(f.read_text()) for f in sorted(run_dir.glob("result-*.json"))]
     kills = sorted(getattr(injector, "kills", []), key=lambda k: k.time)
-    summary = {**(results[0] if results else {"steps": None, "final_loss": None, "digest": None}),
-               "replicas_agree": len({r["digest"] for r in results}) == 1 if results else False,
-               "replicas_finished": len(results),
-               "wall_s": round(time.time() - t0, 3), "workers": workers, "spares": 0, "nodes": nodes,
-               "exit_code": code, "system": "torchft", "restarts": restarts,
-               "recoveries": _recoveries(run_dir, failures, kills)}
+    summary = {
+        **(results[0] if results else {"steps": None, "final_loss": None, "digest": None}),
+        "replicas_agree": len({r["digest"] for r in results}) == 1 if results else False,
+        "replicas_finished": len(results),
+        "wall_s": round(time.time() - t0, 3),
+        "workers": workers,
+        "spares": 0,
+        "nodes": nodes,
+        "exit_code": code,
+        "system": "torchft",
+        "restarts": restarts,
+        "recoveries": _recoveries(run_dir, failures, kills),
+    }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 
@@ -337,24 +431,34 @@ def _recoveries(run_dir: Path, failures: list[dict], kills: list) -> list[dict]:
         t_fail = before[-1].time if before else fail["time"]
         failed_at = max((r["step"] for r in steps if r["time"] <= t_fail), default=0)
         after = [r for r in steps if r["time"] > t_fail]
-        heals = [r for r in recs if r.get("event") == "heal" and r.get("replica") == fail["rank"]
-                 and r["time"] > fail["time"]]
-        ups = [r for r in recs if r.get("event") == "replica_up" and r.get("replica") == fail["rank"]
-               and r["time"] > fail["time"]]
+        heals = [
+            r
+            for r in recs
+            if r.get("event") == "heal" and r.get("replica") == fail["rank"] and r["time"] > fail["time"]
+        ]
+        ups = [
+            r
+            for r in recs
+            if r.get("event") == "replica_up" and r.get("replica") == fail["rank"] and r["time"] > fail["time"]
+        ]
         first = after[0] if after else None
-        out.append({
-            "cause": f"worker rank {fail['rank']} {describe_exit(fail['code'])}",
-            "rank": fail["rank"], "node": fail["node"], "failed_at_step": failed_at,
-            # the survivors never lose a committed step; the step in flight is recomputed
-            "lost_steps": (first["step"] - 1 - failed_at) if first else None,
-            "detect_s": round(fail["time"] - t_fail, 3) if before else None,
-            "first_step_s": round(first["time"] - t_fail, 3) if first else None,
-            "total_s": round(first["time"] - t_fail, 3) if first else None,
-            "participants_after": first.get("participants") if first else None,
-            "restore_s": heals[0]["restore_s"] if heals else None,     # the replacement's heal, off the critical path
-            "rejoin_s": round(heals[0]["time"] - t_fail, 3) if heals else None,
-            "replacement_up_s": round(ups[0]["time"] - t_fail, 3) if ups else None,
-        })
+        out.append(
+            {
+                "cause": f"worker rank {fail['rank']} {describe_exit(fail['code'])}",
+                "rank": fail["rank"],
+                "node": fail["node"],
+                "failed_at_step": failed_at,
+                # the survivors never lose a committed step; the step in flight is recomputed
+                "lost_steps": (first["step"] - 1 - failed_at) if first else None,
+                "detect_s": round(fail["time"] - t_fail, 3) if before else None,
+                "first_step_s": round(first["time"] - t_fail, 3) if first else None,
+                "total_s": round(first["time"] - t_fail, 3) if first else None,
+                "participants_after": first.get("participants") if first else None,
+                "restore_s": heals[0]["restore_s"] if heals else None,  # the replacement's heal, off the critical path
+                "rejoin_s": round(heals[0]["time"] - t_fail, 3) if heals else None,
+                "replacement_up_s": round(ups[0]["time"] - t_fail, 3) if ups else None,
+            }
+        )
     return out
 
 

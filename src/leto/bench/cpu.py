@@ -9,6 +9,7 @@ With `memory_every_s` the sampler also reads each process's resident memory (`/p
 and `smaps_rollup`), so the benchmark can report what the processes that exist only for
 protection (keepers, zygotes) cost per node, measured while the job runs.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -33,11 +34,11 @@ def cpu_seconds(pid: int, tid: int | None = None) -> float | None:
 def thread_group(name: str) -> str:
     """What a thread of a keeper does, from its OS name."""
     if name.startswith(("gloo", "pt_gloo")):
-        return "gloo"             # gloo's transport threads (TCP, its run loop)
+        return "gloo"  # gloo's transport threads (TCP, its run loop)
     if name in ("keeper-send", "keeper-recv"):
-        return "tier2-threads"    # Python threads feeding gloo and folding what arrives
+        return "tier2-threads"  # Python threads feeding gloo and folding what arrives
     if name == "leto-keeper":
-        return "main"             # staging slots, tier-1 folds, batching, barriers
+        return "main"  # staging slots, tier-1 folds, batching, barriers
     return "other"
 
 
@@ -92,7 +93,7 @@ class CpuSampler:
         self.memory: list[tuple[float, dict]] = []
         self._next_memory = 0.0
         self.times: list[float] = []
-        self.samples: list[dict[str, float]] = []   # role -> CPU seconds of its live processes so far
+        self.samples: list[dict[str, float]] = []  # role -> CPU seconds of its live processes so far
         self._last: dict[int, tuple[str, float]] = {}
         self._last_thread: dict[tuple[int, int], tuple[str, float]] = {}  # a thread keeps its last value once gone
         self._stop = threading.Event()

@@ -11,6 +11,7 @@ on buffers far larger than the caches (`cold`: what the keepers see, reading slo
 wrote and parity rows last touched a step ago), so that the floor is a measurement of this machine
 at the moment of the benchmark, not an estimate: the true floor lies between the two.
 """
+
 from __future__ import annotations
 
 import socket
@@ -87,8 +88,13 @@ def operation_costs(size: int = CHUNK) -> dict[str, float]:
     return {k: round(v * 1e9, 4) for k, v in ns.items()}
 
 
-def floor(layout: Layout, step_s_off: float, cores: int, costs: dict[str, float] | None = None,
-          cold: dict[str, float] | None = None) -> dict:
+def floor(
+    layout: Layout,
+    step_s_off: float,
+    cores: int,
+    costs: dict[str, float] | None = None,
+    cold: dict[str, float] | None = None,
+) -> dict:
     """CPU milliseconds per step of each term of the floor, their sum, and the overhead ratio
     they alone would cost if the job's `cores` were busy with training for `step_s_off`; the
     same with the costs on cold buffers (`cold_*`)."""
@@ -107,14 +113,27 @@ def floor(layout: Layout, step_s_off: float, cores: int, costs: dict[str, float]
         "tier 2: TCP send and receive": (tier2, "tcp_loopback"),
         "tier 2: fold into tier-2 parity": (tier2, "fold"),
     }
-    out = {name: {"bytes_per_step": int(nb), "operation": op, "ns_per_byte": costs[op],
-                  "cpu_ms_per_step": round(nb * costs[op] * 1e-6, 3), "cold_ns_per_byte": cold[op],
-                  "cold_cpu_ms_per_step": round(nb * cold[op] * 1e-6, 3)} for name, (nb, op) in terms.items()}
+    out = {
+        name: {
+            "bytes_per_step": int(nb),
+            "operation": op,
+            "ns_per_byte": costs[op],
+            "cpu_ms_per_step": round(nb * costs[op] * 1e-6, 3),
+            "cold_ns_per_byte": cold[op],
+            "cold_cpu_ms_per_step": round(nb * cold[op] * 1e-6, 3),
+        }
+        for name, (nb, op) in terms.items()
+    }
     total_ms = sum(t["cpu_ms_per_step"] for t in out.values())
     cold_ms = sum(t["cold_cpu_ms_per_step"] for t in out.values())
-    return {"terms": out, "operation_ns_per_byte": costs, "cold_operation_ns_per_byte": cold,
-            "total_cpu_ms_per_step": round(total_ms, 3), "cold_total_cpu_ms_per_step": round(cold_ms, 3),
-            "floor_overhead_ratio": round(1 + total_ms * 1e-3 / (cores * step_s_off), 4),
-            "cold_floor_overhead_ratio": round(1 + cold_ms * 1e-3 / (cores * step_s_off), 4),
-            "note": "CPU the data movement alone needs per step, no per-chunk or per-message costs; the "
-                    "ratio assumes every core is busy with training, as on this machine"}
+    return {
+        "terms": out,
+        "operation_ns_per_byte": costs,
+        "cold_operation_ns_per_byte": cold,
+        "total_cpu_ms_per_step": round(total_ms, 3),
+        "cold_total_cpu_ms_per_step": round(cold_ms, 3),
+        "floor_overhead_ratio": round(1 + total_ms * 1e-3 / (cores * step_s_off), 4),
+        "cold_floor_overhead_ratio": round(1 + cold_ms * 1e-3 / (cores * step_s_off), 4),
+        "note": "CPU the data movement alone needs per step, no per-chunk or per-message costs; the "
+        "ratio assumes every core is busy with training, as on this machine",
+    }

@@ -20,6 +20,7 @@ of the kill or the cut:
 - `regain_s`: until the step in flight at the failure is done again;
 - `recovery_s`: as `regain_s`, and the next steps also run at the pre-failure speed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,8 @@ from leto.console import read_jsonl
 from leto.runtime.trace import mark
 
 STEPS = 30
-KILL_AFTER = 8          # the failure comes once this step is recorded
-CKPT_EVERY = 5          # checkpoint-restart's K
+KILL_AFTER = 8  # the failure comes once this step is recorded
+CKPT_EVERY = 5  # checkpoint-restart's K
 TARGETS_S = {"host": 3.0, "coordinator": 4.0}  # partition: the lease time + 1 s
 SCENARIOS = ("host", "coordinator", "partition", "coordinator-partition")
 CUTS = ("partition", "coordinator-partition")
@@ -49,10 +50,12 @@ def _harness():
     """tests/netns_cluster.py of this checkout (the benchmark needs the source tree and root)."""
     tests = REPO / "tests"
     if not (tests / "netns_cluster.py").exists():
-        raise RuntimeError(f"leto bench recovery --hosts needs the source tree's tests/netns_cluster.py "
-                           f"(not found under {tests})")
+        raise RuntimeError(
+            f"leto bench recovery --hosts needs the source tree's tests/netns_cluster.py (not found under {tests})"
+        )
     sys.path.insert(0, str(tests))
     import netns_cluster
+
     why = netns_cluster.available()
     if why is not None:
         raise RuntimeError(f"no namespace cluster on this machine: {why}")
@@ -67,8 +70,9 @@ def _records(run_dir: Path) -> list[dict]:
 
 
 def _last_step(run_dir: Path) -> int:
-    return max((r["step"] for r in _records(run_dir) if "event" not in r and isinstance(r.get("step"), int)),
-               default=-1)
+    return max(
+        (r["step"] for r in _records(run_dir) if "event" not in r and isinstance(r.get("step"), int)), default=-1
+    )
 
 
 def _wait(pred, timeout_s: float, what: str) -> None:
@@ -88,12 +92,24 @@ class _Job:
 
     def start(self, attempt: int, extra: list[str]) -> None:
         env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
-        argv = [sys.executable, "-m", "leto.cli", "train", "--rdzv", self.cluster.rdzv,
-                "--job-id", f"{self.job_id}-a{attempt}", *self.flags, *extra]
+        argv = [
+            sys.executable,
+            "-m",
+            "leto.cli",
+            "train",
+            "--rdzv",
+            self.cluster.rdzv,
+            "--job-id",
+            f"{self.job_id}-a{attempt}",
+            *self.flags,
+            *extra,
+        ]
         self.procs = []
         for i in range(self.cluster.hosts):
-            with open(f"{self.run_dir}.host{i}.{attempt}.out", "w") as out, \
-                    open(f"{self.run_dir}.host{i}.{attempt}.err", "w") as err:
+            with (
+                open(f"{self.run_dir}.host{i}.{attempt}.out", "w") as out,
+                open(f"{self.run_dir}.host{i}.{attempt}.err", "w") as err,
+            ):
                 self.procs.append(self.cluster.popen(i, argv, env=env, cwd=REPO, stdout=out, stderr=err))
 
     def wait(self, timeout_s: float) -> list[int]:
@@ -109,8 +125,9 @@ class _Job:
 
     def coordinator_host(self, attempt: int) -> tuple[int, int]:
         """(node of the coordinator, the host index that runs it)."""
-        got = self.cluster.etcdctl(0, "get", f"/leto/{self.job_id}-a{attempt}/control/coordinator",
-                                   "--print-value-only")
+        got = self.cluster.etcdctl(
+            0, "get", f"/leto/{self.job_id}-a{attempt}/control/coordinator", "--print-value-only"
+        )
         node = int(got.stdout.strip())
         return node, self.host_of(node)
 
@@ -124,14 +141,28 @@ def run_one(nc, system: str, scenario: str, out: Path, trial: int, args: argpars
     """One run: start the job, fail it once, let it finish; its numbers."""
     hosts = args.hosts
     run_dir = out / f"{system}-{scenario}-t{trial}"
-    flags = ["--nodes", str(hosts), "--workers", str(2 * hosts), "--steps", str(args.steps or STEPS),
-             "--model", args.model, "--run-dir", str(run_dir), "--lease", "2"]
+    flags = [
+        "--nodes",
+        str(hosts),
+        "--workers",
+        str(2 * hosts),
+        "--steps",
+        str(args.steps or STEPS),
+        "--model",
+        args.model,
+        "--run-dir",
+        str(run_dir),
+        "--lease",
+        "2",
+    ]
     if system == "leto":
         flags += ["--spares", "2", "--persist", "off"]
     else:
         flags += ["--spares", "0", "--protection", "off", "--persist", "on", "--persist-every", str(CKPT_EVERY)]
     rec: dict = {"system": system, "scenario": scenario, "run_dir": str(run_dir)}
-    shutil.rmtree(run_dir, ignore_errors=True)  # a run of an earlier bench in the same --out would be read as this one's
+    shutil.rmtree(
+        run_dir, ignore_errors=True
+    )  # a run of an earlier bench in the same --out would be read as this one's
     with nc.Cluster(hosts=hosts) as cluster:
         job = _Job(cluster, run_dir, f"b{os.getpid()}-{system}-{scenario}-{trial}", flags)
         job.start(0, [])
@@ -165,8 +196,9 @@ def run_one(nc, system: str, scenario: str, out: Path, trial: int, args: argpars
     rec["digest"] = s.get("digest")
     recs = s.get("recoveries") or []
     if recs:
-        rec["leto_record"] = {k: recs[0].get(k) for k in ("detect_s", "restore_s", "join_s", "total_s", "tier",
-                                                           "world_size")}
+        rec["leto_record"] = {
+            k: recs[0].get(k) for k in ("detect_s", "restore_s", "join_s", "total_s", "tier", "world_size")
+        }
     return rec
 
 
@@ -174,8 +206,12 @@ def main(args: argparse.Namespace) -> int:
     nc = _harness()
     out = args.out or default_out("recovery-hosts")
     out.mkdir(parents=True, exist_ok=True)
-    runs = [(system, scenario) for scenario in SCENARIOS for system in ("leto", "checkpoint-restart")
-            if system == "leto" or scenario == "host"]
+    runs = [
+        (system, scenario)
+        for scenario in SCENARIOS
+        for system in ("leto", "checkpoint-restart")
+        if system == "leto" or scenario == "host"
+    ]
     results: list[dict] = []
     for trial in range(args.trials):
         for system, scenario in runs:
@@ -184,45 +220,69 @@ def main(args: argparse.Namespace) -> int:
     table: dict = {}
     for system, scenario in runs:
         mine = [r for r in results if r["system"] == system and r["scenario"] == scenario and r["ok"]]
-        table[f"{system}/{scenario}"] = {k: median([r.get(k) for r in mine])
-                                          for k in ("detect_s", "first_s", "regain_s", "recovery_s", "lost_steps")}
+        table[f"{system}/{scenario}"] = {
+            k: median([r.get(k) for r in mine]) for k in ("detect_s", "first_s", "regain_s", "recovery_s", "lost_steps")
+        }
         table[f"{system}/{scenario}"]["trials_ok"] = len(mine)
     leto_host, ckpt_host = table["leto/host"], table["checkpoint-restart/host"]
     lease_s = 2.0
     targets = {
         "host_loss_training_again_s": {"measured": leto_host["regain_s"], "target": TARGETS_S["host"]},
-        "coordinator_host_loss_training_again_s": {"measured": table["leto/coordinator"]["regain_s"],
-                                                   "target": TARGETS_S["coordinator"]},
+        "coordinator_host_loss_training_again_s": {
+            "measured": table["leto/coordinator"]["regain_s"],
+            "target": TARGETS_S["coordinator"],
+        },
         "partition_training_again_s": {"measured": table["leto/partition"]["regain_s"], "target": lease_s + 1.0},
         # a cut coordinator's host is both a coordinator's host lost and a partition: checked against both
         "coordinator_host_partition_vs_coordinator_target_s": {
-            "measured": table["leto/coordinator-partition"]["regain_s"], "target": TARGETS_S["coordinator"]},
+            "measured": table["leto/coordinator-partition"]["regain_s"],
+            "target": TARGETS_S["coordinator"],
+        },
         "coordinator_host_partition_vs_partition_target_s": {
-            "measured": table["leto/coordinator-partition"]["regain_s"], "target": lease_s + 1.0},
+            "measured": table["leto/coordinator-partition"]["regain_s"],
+            "target": lease_s + 1.0,
+        },
     }
     for t in targets.values():
         t["met"] = t["measured"] is not None and t["measured"] <= t["target"]
-    report = {"hosts": args.hosts, "trials": args.trials, "steps": args.steps or STEPS, "kill_after_step": KILL_AFTER,
-              "checkpoint_every": CKPT_EVERY, "lease_s": lease_s, "systems": table, "targets": targets,
-              "speedup_regain_host_loss": ratio(ckpt_host["regain_s"], leto_host["regain_s"]),
-              "machine": machine(), "runs": results}
+    report = {
+        "hosts": args.hosts,
+        "trials": args.trials,
+        "steps": args.steps or STEPS,
+        "kill_after_step": KILL_AFTER,
+        "checkpoint_every": CKPT_EVERY,
+        "lease_s": lease_s,
+        "systems": table,
+        "targets": targets,
+        "speedup_regain_host_loss": ratio(ckpt_host["regain_s"], leto_host["regain_s"]),
+        "machine": machine(),
+        "runs": results,
+    }
     (out / "recovery-hosts.json").write_text(json.dumps(report, indent=1))
     if args.json:
         print(json.dumps(report, indent=1))
         return 0
-    print(f"leto bench recovery --hosts {args.hosts}: {args.trials} trial(s), {2 * args.hosts} workers, "
-          f"model {args.model}, lease {lease_s:g}s; medians in seconds from the failure")
-    print(f"{'system / failure':34} {'detect':>7} {'first step':>10} {'training again':>14} {'full speed':>10}"
-          f" {'lost steps':>10}")
+    print(
+        f"leto bench recovery --hosts {args.hosts}: {args.trials} trial(s), {2 * args.hosts} workers, "
+        f"model {args.model}, lease {lease_s:g}s; medians in seconds from the failure"
+    )
+    print(
+        f"{'system / failure':34} {'detect':>7} {'first step':>10} {'training again':>14} {'full speed':>10}"
+        f" {'lost steps':>10}"
+    )
     for name, row in table.items():
         cells = [row["detect_s"], row["first_s"], row["regain_s"], row["recovery_s"], row["lost_steps"]]
-        print(f"{name:34} " + " ".join(f"{'-' if v is None else f'{v:.2f}':>{w}}"
-                                       for v, w in zip(cells, (7, 10, 14, 10, 10))))
+        print(
+            f"{name:34} "
+            + " ".join(f"{'-' if v is None else f'{v:.2f}':>{w}}" for v, w in zip(cells, (7, 10, 14, 10, 10)))
+        )
     sp = report["speedup_regain_host_loss"]
     print(f"host loss, training again: checkpoint-restart / leto = {'-' if sp is None else f'{sp:.1f}x'}")
     for name, t in targets.items():
         m = t["measured"]
-        print(f"target {name}: {'-' if m is None else f'{m:.2f}'}s <= {t['target']:.1f}s: "
-              f"{'met' if t['met'] else 'NOT met'}")
+        print(
+            f"target {name}: {'-' if m is None else f'{m:.2f}'}s <= {t['target']:.1f}s: "
+            f"{'met' if t['met'] else 'NOT met'}"
+        )
     print(f"raw results: {out / 'recovery-hosts.json'}")
     return 0

@@ -8,6 +8,7 @@ protection costs: every buffer that exists for protection, wherever it lives, pe
 measured resident memory of the processes that exist only for protection. docs/benchmarks.md
 ("Protection overhead") describes the method and the JSON.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,26 +29,26 @@ from leto.errors import UsageError
 from leto.persistence.resume import DEFAULT_MTBF
 from leto.protection.accounting import bytes_per_element_per_step
 from leto.protection.codec_bench import measure_codec
-from leto.protection.transport import batch_buffer_bytes
 from leto.protection.layout import Geometry, Layout
 from leto.protection.placement import default_code
 from leto.protection.shm import specs
+from leto.protection.transport import batch_buffer_bytes
 from leto.protocol.messages import node_of_rank
 from leto.training.model import GPT, PRESETS
 from leto.training.trainer import DEFAULT_CHUNK_BYTES
 
-ROUNDS = 5          # interleaved off/on rounds of the default job (median of the paired ratios)
+ROUNDS = 5  # interleaved off/on rounds of the default job (median of the paired ratios)
 NODES = 2
 CURVES = {"none": (), "default": ("512",), "full": ("128", "512", "small")}  # besides the default job
-CURVE_ROUNDS = 3    # interleaved rounds of every other curve point (--curve-rounds)
-CURVE_STEPS = 12    # measured steps per run of every other curve point (--curve-steps)
-RSS_STEPS = 30      # steps of the run whose processes' memory is read (--rss on)
+CURVE_ROUNDS = 3  # interleaved rounds of every other curve point (--curve-rounds)
+CURVE_STEPS = 12  # measured steps per run of every other curve point (--curve-steps)
+RSS_STEPS = 30  # steps of the run whose processes' memory is read (--rss on)
 RSS_EVERY_S = 0.5
-TARGET_RATIO_DEFAULT = 1.03   # overhead_ratio on the default job
+TARGET_RATIO_DEFAULT = 1.03  # overhead_ratio on the default job
 TARGET_RATIO_ROWS, TARGET_ROWS = 1.01, 512  # overhead_ratio at 512 rows of the default model
-TARGET_MEMORY = 3.0           # all-in memory_overhead on the default job
+TARGET_MEMORY = 3.0  # all-in memory_overhead on the default job
 PROTECTION_ROLES = ("keeper", "zygote")  # processes that exist only for protection
-RECOVERY_ROLES = ("shadow",)             # warm spares: for recovery, reported apart
+RECOVERY_ROLES = ("shadow",)  # warm spares: for recovery, reported apart
 
 
 # ----- memory, counted whole
@@ -67,15 +68,30 @@ PARTS = {
 }
 
 
-def job_layout(model: str, workers: int, nodes: int, ec: tuple[int, int] | None, *, replicated_grads: bool = True,
-               protect_every: int = 1, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> tuple[Layout, int]:
+def job_layout(
+    model: str,
+    workers: int,
+    nodes: int,
+    ec: tuple[int, int] | None,
+    *,
+    replicated_grads: bool = True,
+    protect_every: int = 1,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> tuple[Layout, int]:
     """The generation-0 layout the built-in job's trainer builds (and the parameter count):
     `replicated_grads` is the CPU/gloo path, where every rank holds the reduced gradient."""
     numel = sum(p.numel() for p in GPT(PRESETS[model]).parameters())
     elems = chunk_bytes // 12
     n_chunks = -(-numel // (workers * elems))
-    layout = Layout(0, 0, Geometry(n_chunks, elems), tuple(node_of_rank(r, workers, nodes) for r in range(workers)),
-                    ec, protect_every=protect_every, replicated_grads=replicated_grads)
+    layout = Layout(
+        0,
+        0,
+        Geometry(n_chunks, elems),
+        tuple(node_of_rank(r, workers, nodes) for r in range(workers)),
+        ec,
+        protect_every=protect_every,
+        replicated_grads=replicated_grads,
+    )
     return layout, numel
 
 
@@ -104,10 +120,12 @@ def worker_copy_bytes(layout: Layout) -> dict[str, int]:
     g = layout.geometry
     shard, gshard = g.n_chunks * g.state_bytes, g.n_chunks * g.grad_bytes
     inplace = layout.replicated_grads and layout.protect_every == 1  # ShardedState.inplace
-    return {"worker_second_state": 0 if inplace else shard,
-            "worker_second_grads": gshard if layout.protects_grads else 0,
-            "worker_snapshot": shard if layout.protect_every > 1 else 0,
-            "worker_chunk_scratch": g.state_bytes if inplace else 0}
+    return {
+        "worker_second_state": 0 if inplace else shard,
+        "worker_second_grads": gshard if layout.protects_grads else 0,
+        "worker_snapshot": shard if layout.protect_every > 1 else 0,
+        "worker_chunk_scratch": g.state_bytes if inplace else 0,
+    }
 
 
 def memory_parts(layout: Layout) -> dict[str, int]:
@@ -131,14 +149,24 @@ def memory_summary(layout: Layout) -> dict:
     """The all-in figure and its parts, per protected byte, and what it tends to for a larger
     model (the parts that grow with it; staging slots and batch buffers stay constant)."""
     parts, protected = memory_parts(layout), protected_bytes(layout)
-    return {"memory_overhead": round(sum(parts.values()) / protected, 4),
-            "memory_overhead_large_model_limit": round(sum(b for p, b in parts.items() if PARTS[p][1]) / protected, 4),
-            "memory_parts": {p: {"bytes": b, "per_protected_byte": round(b / protected, 4), "where": PARTS[p][0],
-                                 "scales_with_model": PARTS[p][1]} for p, b in parts.items()}}
+    return {
+        "memory_overhead": round(sum(parts.values()) / protected, 4),
+        "memory_overhead_large_model_limit": round(sum(b for p, b in parts.items() if PARTS[p][1]) / protected, 4),
+        "memory_parts": {
+            p: {
+                "bytes": b,
+                "per_protected_byte": round(b / protected, 4),
+                "where": PARTS[p][0],
+                "scales_with_model": PARTS[p][1],
+            }
+            for p, b in parts.items()
+        },
+    }
 
 
-def memory_cost(model: str, workers: int, nodes: int, ec: tuple[int, int] | None,
-                replicated_grads: bool = True) -> dict:
+def memory_cost(
+    model: str, workers: int, nodes: int, ec: tuple[int, int] | None, replicated_grads: bool = True
+) -> dict:
     """Bytes of protection per byte of protected (unique) state, from the layout and constants
     the keepers and workers allocate by. Headline `memory_overhead`: all of it; the figure of the
     keepers' shared regions alone (what was reported before) stays as
@@ -148,9 +176,15 @@ def memory_cost(model: str, workers: int, nodes: int, ec: tuple[int, int] | None
     for n in layout.nodes:
         for name, shape, dtype in specs(layout, n):
             size = int(np.prod(shape)) * np.dtype(dtype).itemsize
-            kind = ("parity" if name.startswith(("p1", "p2_")) else "gradient_parity" if name.startswith(("g1", "g2_"))
-                    and "step" not in name and "count" not in name else "staging" if name.startswith("slot")
-                    else "tables")
+            kind = (
+                "parity"
+                if name.startswith(("p1", "p2_"))
+                else "gradient_parity"
+                if name.startswith(("g1", "g2_")) and "step" not in name and "count" not in name
+                else "staging"
+                if name.startswith("slot")
+                else "tables"
+            )
             by_kind[kind] += size
     protected = protected_bytes(layout)
     copies = layout.world_size * sum(worker_copy_bytes(layout).values())
@@ -158,18 +192,28 @@ def memory_cost(model: str, workers: int, nodes: int, ec: tuple[int, int] | None
     summary = memory_summary(layout)
     nccl, _ = job_layout(model, workers, nodes, ec, replicated_grads=False)
     nccl_summary = memory_summary(nccl)
-    return {"protected_bytes": protected, "protected_elements": layout.world_size * layout.geometry.n_chunks
-            * layout.geometry.chunk_elems, "keeper_bytes": region, "keeper_breakdown": by_kind,
-            "keeper_batch_buffer_bytes": summary["memory_parts"]["tier2_batch_buffers"]["bytes"],
-            "worker_second_copies_bytes": copies, **summary,
-            "memory_overhead_without_batches_and_copies": round(region / protected, 4),
-            "memory_overhead_with_worker_copies": round((region + copies) / protected, 4),
-            "memory_overhead_by_path": {
-                "gloo": {k: summary[k] for k in ("memory_overhead", "memory_overhead_large_model_limit")},
-                "nccl": {k: nccl_summary[k] for k in ("memory_overhead", "memory_overhead_large_model_limit")}},
-            "memory_layout": {"replicated_grads": layout.replicated_grads, "protects_grads": layout.protects_grads,
-                              "n_chunks": layout.geometry.n_chunks, "chunk_elems": layout.geometry.chunk_elems,
-                              "ring_slots": layout.ring_slots}}
+    return {
+        "protected_bytes": protected,
+        "protected_elements": layout.world_size * layout.geometry.n_chunks * layout.geometry.chunk_elems,
+        "keeper_bytes": region,
+        "keeper_breakdown": by_kind,
+        "keeper_batch_buffer_bytes": summary["memory_parts"]["tier2_batch_buffers"]["bytes"],
+        "worker_second_copies_bytes": copies,
+        **summary,
+        "memory_overhead_without_batches_and_copies": round(region / protected, 4),
+        "memory_overhead_with_worker_copies": round((region + copies) / protected, 4),
+        "memory_overhead_by_path": {
+            "gloo": {k: summary[k] for k in ("memory_overhead", "memory_overhead_large_model_limit")},
+            "nccl": {k: nccl_summary[k] for k in ("memory_overhead", "memory_overhead_large_model_limit")},
+        },
+        "memory_layout": {
+            "replicated_grads": layout.replicated_grads,
+            "protects_grads": layout.protects_grads,
+            "n_chunks": layout.geometry.n_chunks,
+            "chunk_elems": layout.geometry.chunk_elems,
+            "ring_slots": layout.ring_slots,
+        },
+    }
 
 
 def rss_summary(peaks: dict[int, dict]) -> dict:
@@ -184,16 +228,19 @@ def rss_summary(peaks: dict[int, dict]) -> dict:
         role = rec["role"]
         nodes = per_node.setdefault(role, {})
         nodes[rec.get("node") or 0] = nodes.get(rec.get("node") or 0, 0) + own
-        r = by_role.setdefault(role, {"processes": 0, "own_bytes": 0, "vm_rss_bytes": 0, "rss_shmem_bytes": 0,
-                                      "pss_bytes": 0})
+        r = by_role.setdefault(
+            role, {"processes": 0, "own_bytes": 0, "vm_rss_bytes": 0, "rss_shmem_bytes": 0, "pss_bytes": 0}
+        )
         r["processes"] += 1
         r["own_bytes"] += own
         r["vm_rss_bytes"] += rec["vm_rss"]
         r["rss_shmem_bytes"] += rec.get("rss_shmem", 0)
         r["pss_bytes"] += rec.get("pss", 0)
-    return {"fixed_rss_bytes_per_node": {r: max(per_node[r].values()) for r in PROTECTION_ROLES if r in per_node},
-            "recovery_rss_bytes_per_node": {r: max(per_node[r].values()) for r in RECOVERY_ROLES if r in per_node},
-            "rss_by_role": dict(sorted(by_role.items()))}
+    return {
+        "fixed_rss_bytes_per_node": {r: max(per_node[r].values()) for r in PROTECTION_ROLES if r in per_node},
+        "recovery_rss_bytes_per_node": {r: max(per_node[r].values()) for r in RECOVERY_ROLES if r in per_node},
+        "rss_by_role": dict(sorted(by_role.items())),
+    }
 
 
 # ----- the curve of compute per protected byte
@@ -226,8 +273,10 @@ def parse_curve(spec: str, model: str, workers: int) -> list[Point]:
             if p.global_rows < workers:
                 raise ValueError(f"--curve {spec}: {t} rows cannot be split over {workers} workers")
         else:
-            raise ValueError(f"--curve {spec}: {t!r} is neither a row count nor a preset "
-                             f"({', '.join(PRESETS)}); or none, default, full")
+            raise ValueError(
+                f"--curve {spec}: {t!r} is neither a row count nor a preset "
+                f"({', '.join(PRESETS)}); or none, default, full"
+            )
         if (p.model, p.global_rows) != (model, PRESETS[model].batch_size) and p not in points:
             points.append(p)  # the default job itself is always measured
     return points
@@ -245,27 +294,44 @@ def paired_ratio(off: list[float], on: list[float]) -> float:
     return statistics.median(b / a for a, b in zip(off, on))
 
 
-def curve_entry(point: Point, numel: int, layout: Layout, off: list[float], on: list[float],
-                cpu_off: list[dict[str, float]], cpu_on: list[dict[str, float]], steps: int,
-                prot: list[dict] | None = None) -> dict:
+def curve_entry(
+    point: Point,
+    numel: int,
+    layout: Layout,
+    off: list[float],
+    on: list[float],
+    cpu_off: list[dict[str, float]],
+    cpu_on: list[dict[str, float]],
+    steps: int,
+    prot: list[dict] | None = None,
+) -> dict:
     """One curve entry from its runs (median of each run's steady step time, median CPU by role
     and thread over the rounds)."""
     step_off, step_on = statistics.median(off), statistics.median(on)
     tokens = point.global_rows * PRESETS[point.model].block_size
     prot = prot or []
-    return {"label": point.label, "model": point.model, "rows": point.global_rows,
-            "step_s_off": round(step_off, 5), "step_s_on": round(step_on, 5),
-            "overhead_ratio": round(paired_ratio(off, on), 4),
-            "overhead_ratio_of_medians": round(step_on / step_off, 4),
-            "cpu_s_per_step_off": _median_by_role(cpu_off), "cpu_s_per_step_on": _median_by_role(cpu_on),
-            "bytes_per_element_per_step": bytes_per_element_per_step(layout),
-            "tokens_per_param_per_step": float(f"{tokens / numel:.4g}"),
-            "tokens_per_step": tokens, "params": numel,
-            "protected_elements": layout.world_size * layout.geometry.n_chunks * layout.geometry.chunk_elems,
-            "rounds": len(on), "steps_per_run": steps,
-            "step_s_off_runs": [round(x, 5) for x in off], "step_s_on_runs": [round(x, 5) for x in on],
-            "protection_stage_s_per_step": round(statistics.mean(r.get("stage_s", 0) for r in prot), 6) if prot else None,
-            "protection_wait_s_per_step": round(statistics.mean(r.get("wait_s", 0) for r in prot), 6) if prot else None}
+    return {
+        "label": point.label,
+        "model": point.model,
+        "rows": point.global_rows,
+        "step_s_off": round(step_off, 5),
+        "step_s_on": round(step_on, 5),
+        "overhead_ratio": round(paired_ratio(off, on), 4),
+        "overhead_ratio_of_medians": round(step_on / step_off, 4),
+        "cpu_s_per_step_off": _median_by_role(cpu_off),
+        "cpu_s_per_step_on": _median_by_role(cpu_on),
+        "bytes_per_element_per_step": bytes_per_element_per_step(layout),
+        "tokens_per_param_per_step": float(f"{tokens / numel:.4g}"),
+        "tokens_per_step": tokens,
+        "params": numel,
+        "protected_elements": layout.world_size * layout.geometry.n_chunks * layout.geometry.chunk_elems,
+        "rounds": len(on),
+        "steps_per_run": steps,
+        "step_s_off_runs": [round(x, 5) for x in off],
+        "step_s_on_runs": [round(x, 5) for x in on],
+        "protection_stage_s_per_step": round(statistics.mean(r.get("stage_s", 0) for r in prot), 6) if prot else None,
+        "protection_wait_s_per_step": round(statistics.mean(r.get("wait_s", 0) for r in prot), 6) if prot else None,
+    }
 
 
 def check_tokens(records: list[dict], tokens: int, run_dir: Path) -> None:
@@ -273,11 +339,21 @@ def check_tokens(records: list[dict], tokens: int, run_dir: Path) -> None:
     is its tokens per step (a rows knob that did not take would otherwise pass unseen)."""
     seen = {round(r["tokens_per_s"] * r["step_s"]) for r in records if r.get("tokens_per_s") and r.get("step_s")}
     if not seen or any(abs(t - tokens) > max(2, tokens // 100) for t in seen):
-        raise RuntimeError(f"benchmark job trained {sorted(seen)[:3]} tokens per step, expected {tokens}; see {run_dir}")
+        raise RuntimeError(
+            f"benchmark job trained {sorted(seen)[:3]} tokens per step, expected {tokens}; see {run_dir}"
+        )
 
 
-def _measure(point: Point, default_rows: int, rounds: int, steps: int, workers: int, ec: tuple[int, int] | None,
-             tmp: Path, persist: dict | None = None) -> tuple[list[float], list[float], list[dict], list[dict], list[dict]]:
+def _measure(
+    point: Point,
+    default_rows: int,
+    rounds: int,
+    steps: int,
+    workers: int,
+    ec: tuple[int, int] | None,
+    tmp: Path,
+    persist: dict | None = None,
+) -> tuple[list[float], list[float], list[dict], list[dict], list[dict]]:
     """`rounds` interleaved off/on runs of one point: step times, CPU by role, protected steps.
     With `persist` (a dict to fill), each round also runs protection + persistence at its default
     K, and the wall time per step of all three goes into it."""
@@ -288,18 +364,28 @@ def _measure(point: Point, default_rows: int, rounds: int, steps: int, workers: 
         for v in variants:
             protection = v != "off"
             d = tmp / f"{point.model}-{point.global_rows}-{i}-{v}"
-            res = run_job(workers, steps + WARMUP_STEPS, point.model, d, nodes=NODES, protection=protection,
-                          ec=ec if protection else None, extra=["--rows", str(point.rows)] if rows_flag else None,
-                          persist=v == "persist")
+            res = run_job(
+                workers,
+                steps + WARMUP_STEPS,
+                point.model,
+                d,
+                nodes=NODES,
+                protection=protection,
+                ec=ec if protection else None,
+                extra=["--rows", str(point.rows)] if rows_flag else None,
+                persist=v == "persist",
+            )
             check_tokens(res["steps"], point.global_rows * PRESETS[point.model].block_size, d)
             if persist is not None:
                 persist.setdefault(f"wall_step_s_{v}", []).append(wall_step_s(res["steps"]))
             if v == "persist":
                 first = res["steps"][WARMUP_STEPS - 1]["step"]
                 persist.setdefault("checkpoints_in_window", []).append(
-                    sum(1 for e in res["events"] if e["event"] == "persist_commit" and e["step"] > first))
-                persist.setdefault("every", []).extend(e["every"] for e in res["events"]
-                                                       if e["event"] == "persist_interval")
+                    sum(1 for e in res["events"] if e["event"] == "persist_commit" and e["step"] > first)
+                )
+                persist.setdefault("every", []).extend(
+                    e["every"] for e in res["events"] if e["event"] == "persist_interval"
+                )
                 continue
             (on if protection else off).append(steady_step_s(res["steps"]))
             (cpu_on if protection else cpu_off).append(res["cpu_s_per_step"])
@@ -312,12 +398,16 @@ def persistence_entry(runs: dict) -> dict:
     """The default job's all-in figure: protection plus persistent checkpoints at the default K,
     against no protection, by wall time per step (so a checkpoint's copy in the step is charged)."""
     off, on, per = runs["wall_step_s_off"], runs["wall_step_s_on"], runs["wall_step_s_persist"]
-    return {"mtbf": DEFAULT_MTBF, "every": runs.get("every", []),
-            "checkpoints_in_window": runs.get("checkpoints_in_window", []),
-            "wall_step_s_off_runs": [round(x, 5) for x in off], "wall_step_s_on_runs": [round(x, 5) for x in on],
-            "wall_step_s_persist_runs": [round(x, 5) for x in per],
-            "overhead_ratio_wall": round(paired_ratio(off, on), 4),
-            "overhead_ratio_with_persistence": round(paired_ratio(off, per), 4)}
+    return {
+        "mtbf": DEFAULT_MTBF,
+        "every": runs.get("every", []),
+        "checkpoints_in_window": runs.get("checkpoints_in_window", []),
+        "wall_step_s_off_runs": [round(x, 5) for x in off],
+        "wall_step_s_on_runs": [round(x, 5) for x in on],
+        "wall_step_s_persist_runs": [round(x, 5) for x in per],
+        "overhead_ratio_wall": round(paired_ratio(off, on), 4),
+        "overhead_ratio_with_persistence": round(paired_ratio(off, per), 4),
+    }
 
 
 # ----- targets
@@ -329,24 +419,37 @@ def verdict(value: float | None, limit: float) -> str:
 
 
 def targets(out: dict) -> dict[str, dict]:
-    at_rows = next((e["overhead_ratio"] for e in out.get("curve", [])
-                    if e["model"] == out["model"] and e["rows"] == TARGET_ROWS), None)
-    checks = {"overhead_ratio_default_job": (out.get("overhead_ratio"), TARGET_RATIO_DEFAULT),
-              "overhead_ratio_default_job_with_persistence":
-                  (out.get("persistence", {}).get("overhead_ratio_with_persistence"), TARGET_RATIO_DEFAULT),
-              f"overhead_ratio_{TARGET_ROWS}_rows": (at_rows, TARGET_RATIO_ROWS),
-              "memory_overhead_default_job": (out.get("memory_overhead"), TARGET_MEMORY)}
-    return {name: {"value": v, "target": f"<= {limit}", "result": verdict(v, limit)} for name, (v, limit) in checks.items()}
+    at_rows = next(
+        (e["overhead_ratio"] for e in out.get("curve", []) if e["model"] == out["model"] and e["rows"] == TARGET_ROWS),
+        None,
+    )
+    checks = {
+        "overhead_ratio_default_job": (out.get("overhead_ratio"), TARGET_RATIO_DEFAULT),
+        "overhead_ratio_default_job_with_persistence": (
+            out.get("persistence", {}).get("overhead_ratio_with_persistence"),
+            TARGET_RATIO_DEFAULT,
+        ),
+        f"overhead_ratio_{TARGET_ROWS}_rows": (at_rows, TARGET_RATIO_ROWS),
+        "memory_overhead_default_job": (out.get("memory_overhead"), TARGET_MEMORY),
+    }
+    return {
+        name: {"value": v, "target": f"<= {limit}", "result": verdict(v, limit)} for name, (v, limit) in checks.items()
+    }
 
 
 # ----- the benchmark
 def main(args: argparse.Namespace) -> int:
     steps = args.steps or 40
+
     def flag(name: str, default: object) -> object:  # None: not given
         value = getattr(args, name, None)
         return default if value is None else value
-    rounds, curve_rounds, curve_steps = flag("rounds", ROUNDS), flag("curve_rounds", CURVE_ROUNDS), \
-        flag("curve_steps", CURVE_STEPS)
+
+    rounds, curve_rounds, curve_steps = (
+        flag("rounds", ROUNDS),
+        flag("curve_rounds", CURVE_ROUNDS),
+        flag("curve_steps", CURVE_STEPS),
+    )
     curve_spec, rss = flag("curve", "default"), flag("rss", "on") == "on"
     if rounds < 1 or curve_rounds < 1 or curve_steps < 2:
         raise UsageError("leto bench overhead: error: --rounds and --curve-rounds must be >= 1, --curve-steps >= 2")
@@ -363,45 +466,74 @@ def main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="leto-bench-") as tmp:
         log(f"default job: {rounds} interleaved rounds of {steps} steps: off, on, on with persistence")
         persist: dict = {}
-        off, on, cpu_off, cpu_on, prot = _measure(default, default.global_rows, rounds, steps, args.workers, ec,
-                                                  Path(tmp), persist)
+        off, on, cpu_off, cpu_on, prot = _measure(
+            default, default.global_rows, rounds, steps, args.workers, ec, Path(tmp), persist
+        )
         curve.append(curve_entry(default, numel, layout, off, on, cpu_off, cpu_on, steps, prot))
         for p in points:
             log(f"curve: {p.label}: {curve_rounds} interleaved off/on rounds of {curve_steps} steps")
             p_layout, p_numel = job_layout(p.model, args.workers, NODES, ec)
-            p_off, p_on, p_cpu_off, p_cpu_on, p_prot = _measure(p, PRESETS[p.model].batch_size, curve_rounds,
-                                                                curve_steps, args.workers, ec, Path(tmp))
+            p_off, p_on, p_cpu_off, p_cpu_on, p_prot = _measure(
+                p, PRESETS[p.model].batch_size, curve_rounds, curve_steps, args.workers, ec, Path(tmp)
+            )
             curve.append(curve_entry(p, p_numel, p_layout, p_off, p_on, p_cpu_off, p_cpu_on, curve_steps, p_prot))
         if rss:
             log(f"memory: one protected run of {RSS_STEPS} steps with a shadow and zygotes (--spares 1)")
-            res = run_job(args.workers, RSS_STEPS, args.model, Path(tmp) / "rss", spares=1, nodes=NODES,
-                          protection=True, ec=ec, memory_every_s=RSS_EVERY_S)
-            rss_out = {"rss_run": {"steps": RSS_STEPS, "spares": 1, "every_s": RSS_EVERY_S},
-                       **rss_summary(res["memory"])}
+            res = run_job(
+                args.workers,
+                RSS_STEPS,
+                args.model,
+                Path(tmp) / "rss",
+                spares=1,
+                nodes=NODES,
+                protection=True,
+                ec=ec,
+                memory_every_s=RSS_EVERY_S,
+            )
+            rss_out = {
+                "rss_run": {"steps": RSS_STEPS, "spares": 1, "every_s": RSS_EVERY_S},
+                **rss_summary(res["memory"]),
+            }
     step_off, step_on = statistics.median(off), statistics.median(on)
     codec = measure_codec(nbytes=32 << 20, k=args.workers // NODES, m=1)
     mem = memory_cost(args.model, args.workers, NODES, ec)
     protected_per_node = mem["protected_bytes"] / NODES
     if rss_out.get("fixed_rss_bytes_per_node"):
-        rss_out["fixed_rss_per_protected_byte"] = round(sum(rss_out["fixed_rss_bytes_per_node"].values())
-                                                        / protected_per_node, 2)
-    out = {"model": args.model, "workers": args.workers, "nodes": NODES, "ec": f"{ec[0]}+{ec[1]}",
-           "steps_per_run": steps, "rounds": rounds,
-           "step_s_off": round(step_off, 5), "step_s_on": round(step_on, 5),
-           "overhead_ratio": round(paired_ratio(off, on), 4),
-           "overhead_ratio_of_medians": round(step_on / step_off, 4),
-           "step_s_off_runs": [round(x, 5) for x in off], "step_s_on_runs": [round(x, 5) for x in on],
-           "protection_stage_s_per_step": round(statistics.mean(r.get("stage_s", 0) for r in prot), 6),
-           "protection_wait_s_per_step": round(statistics.mean(r.get("wait_s", 0) for r in prot), 6),
-           "encode_gbps": round(codec["encode_gbps"], 2), "xor_gbps": round(codec["xor_gbps"], 2),
-           "checksum_gbps": round(codec["checksum_gbps"], 2), "memcpy_gbps": round(codec["memcpy_gbps"], 2),
-           "cpu_s_per_step_off": curve[0]["cpu_s_per_step_off"], "cpu_s_per_step_on": curve[0]["cpu_s_per_step_on"],
-           "bytes_per_element_per_step": bytes_per_element_per_step(layout),
-           "protection_cpu_s_per_step": _protection_cpu(curve[0]),
-           "physical_floor": floor(layout, step_off, os.cpu_count() or 1),
-           "persistence": persistence_entry(persist), **mem, **rss_out,
-           "curve_mode": curve_spec, "curve_rounds": curve_rounds if points else None,
-           "curve_steps_per_run": curve_steps if points else None, "curve": curve}
+        rss_out["fixed_rss_per_protected_byte"] = round(
+            sum(rss_out["fixed_rss_bytes_per_node"].values()) / protected_per_node, 2
+        )
+    out = {
+        "model": args.model,
+        "workers": args.workers,
+        "nodes": NODES,
+        "ec": f"{ec[0]}+{ec[1]}",
+        "steps_per_run": steps,
+        "rounds": rounds,
+        "step_s_off": round(step_off, 5),
+        "step_s_on": round(step_on, 5),
+        "overhead_ratio": round(paired_ratio(off, on), 4),
+        "overhead_ratio_of_medians": round(step_on / step_off, 4),
+        "step_s_off_runs": [round(x, 5) for x in off],
+        "step_s_on_runs": [round(x, 5) for x in on],
+        "protection_stage_s_per_step": round(statistics.mean(r.get("stage_s", 0) for r in prot), 6),
+        "protection_wait_s_per_step": round(statistics.mean(r.get("wait_s", 0) for r in prot), 6),
+        "encode_gbps": round(codec["encode_gbps"], 2),
+        "xor_gbps": round(codec["xor_gbps"], 2),
+        "checksum_gbps": round(codec["checksum_gbps"], 2),
+        "memcpy_gbps": round(codec["memcpy_gbps"], 2),
+        "cpu_s_per_step_off": curve[0]["cpu_s_per_step_off"],
+        "cpu_s_per_step_on": curve[0]["cpu_s_per_step_on"],
+        "bytes_per_element_per_step": bytes_per_element_per_step(layout),
+        "protection_cpu_s_per_step": _protection_cpu(curve[0]),
+        "physical_floor": floor(layout, step_off, os.cpu_count() or 1),
+        "persistence": persistence_entry(persist),
+        **mem,
+        **rss_out,
+        "curve_mode": curve_spec,
+        "curve_rounds": curve_rounds if points else None,
+        "curve_steps_per_run": curve_steps if points else None,
+        "curve": curve,
+    }
     out["targets"] = targets(out)
     if args.json:
         print(json.dumps(out))
@@ -415,59 +547,91 @@ def _protection_cpu(entry: dict) -> dict[str, float]:
     difference between protected and unprotected rounds (noisy on a shared machine)."""
     on, off = entry["cpu_s_per_step_on"], entry["cpu_s_per_step_off"]
     keeper, worker = on.get("keeper", 0.0), on.get("worker", 0.0) - off.get("worker", 0.0)
-    return {"keeper": round(keeper, 5), "worker_difference": round(worker, 5), "total": round(keeper + worker, 5),
-            "share_of_training_cpu": round((keeper + worker) / off["worker"], 4) if off.get("worker") else None}
+    return {
+        "keeper": round(keeper, 5),
+        "worker_difference": round(worker, 5),
+        "total": round(keeper + worker, 5),
+        "share_of_training_cpu": round((keeper + worker) / off["worker"], 4) if off.get("worker") else None,
+    }
 
 
 def _print(out: dict, mem: dict) -> None:
-    print(f"default job ({out['model']}, {out['workers']} workers, {out['nodes']} nodes, --ec {out['ec']}), "
-          f"{out['rounds']} interleaved rounds of {out['steps_per_run']} steps")
-    print(f"  step time off {out['step_s_off'] * 1e3:.1f} ms, on {out['step_s_on'] * 1e3:.1f} ms: "
-          f"overhead ratio {out['overhead_ratio']:.3f}")
+    print(
+        f"default job ({out['model']}, {out['workers']} workers, {out['nodes']} nodes, --ec {out['ec']}), "
+        f"{out['rounds']} interleaved rounds of {out['steps_per_run']} steps"
+    )
+    print(
+        f"  step time off {out['step_s_off'] * 1e3:.1f} ms, on {out['step_s_on'] * 1e3:.1f} ms: "
+        f"overhead ratio {out['overhead_ratio']:.3f}"
+    )
     pe = out["persistence"]
-    print(f"  with persistent checkpoints too (default --mtbf {pe['mtbf']}, K {sorted(set(pe['every']))}, "
-          f"{sum(pe['checkpoints_in_window'])} checkpoints in the measured steps): overhead ratio "
-          f"{pe['overhead_ratio_with_persistence']:.3f} by wall time per step "
-          f"(protection alone, same clock: {pe['overhead_ratio_wall']:.3f})")
-    print(f"  protection on the training thread per step: staging {out['protection_stage_s_per_step'] * 1e3:.2f} ms, "
-          f"waiting for keepers {out['protection_wait_s_per_step'] * 1e3:.2f} ms (rank 0)")
+    print(
+        f"  with persistent checkpoints too (default --mtbf {pe['mtbf']}, K {sorted(set(pe['every']))}, "
+        f"{sum(pe['checkpoints_in_window'])} checkpoints in the measured steps): overhead ratio "
+        f"{pe['overhead_ratio_with_persistence']:.3f} by wall time per step "
+        f"(protection alone, same clock: {pe['overhead_ratio_wall']:.3f})"
+    )
+    print(
+        f"  protection on the training thread per step: staging {out['protection_stage_s_per_step'] * 1e3:.2f} ms, "
+        f"waiting for keepers {out['protection_wait_s_per_step'] * 1e3:.2f} ms (rank 0)"
+    )
     c_off, c_on = out["cpu_s_per_step_off"], out["cpu_s_per_step_on"]
-    print(f"  CPU per step: workers {c_off.get('worker', 0) * 1e3:.0f} ms off, {c_on.get('worker', 0) * 1e3:.0f} ms on; "
-          f"keepers {c_on.get('keeper', 0) * 1e3:.0f} ms (all processes of a role, median of {out['rounds']} rounds)")
+    print(
+        f"  CPU per step: workers {c_off.get('worker', 0) * 1e3:.0f} ms off, {c_on.get('worker', 0) * 1e3:.0f} ms on; "
+        f"keepers {c_on.get('keeper', 0) * 1e3:.0f} ms (all processes of a role, median of {out['rounds']} rounds)"
+    )
     parts = sorted(((k.split("/", 1)[1], v) for k, v in c_on.items() if k.startswith("keeper/")), key=lambda kv: -kv[1])
     if parts:
         print("  keepers by thread: " + ", ".join(f"{name} {v * 1e3:.1f} ms" for name, v in parts))
     b = out["bytes_per_element_per_step"]["total"]
-    print(f"  moved per protected element and step: staged {b['staged']:g} B, checksummed {b['checksummed']:g} B, "
-          f"tier-2 sent {b['tier2_sent']:g} B ({out['protected_elements']:,} protected elements)")
-    print(f"  encode {out['encode_gbps']:.1f} GB/s, XOR {out['xor_gbps']:.1f} GB/s, checksum {out['checksum_gbps']:.1f} GB/s, "
-          f"memcpy {out['memcpy_gbps']:.1f} GB/s")
+    print(
+        f"  moved per protected element and step: staged {b['staged']:g} B, checksummed {b['checksummed']:g} B, "
+        f"tier-2 sent {b['tier2_sent']:g} B ({out['protected_elements']:,} protected elements)"
+    )
+    print(
+        f"  encode {out['encode_gbps']:.1f} GB/s, XOR {out['xor_gbps']:.1f} GB/s, "
+        f"checksum {out['checksum_gbps']:.1f} GB/s, memcpy {out['memcpy_gbps']:.1f} GB/s"
+    )
     fl = out["physical_floor"]
-    print(f"  physical floor (data movement alone, measured now): {fl['total_cpu_ms_per_step']:.1f} ms CPU a step "
-          f"in cache, {fl['cold_total_cpu_ms_per_step']:.1f} ms from memory: ratio >= {fl['floor_overhead_ratio']:.3f} "
-          f"/ {fl['cold_floor_overhead_ratio']:.3f}; by term (in cache / from memory):")
+    print(
+        f"  physical floor (data movement alone, measured now): {fl['total_cpu_ms_per_step']:.1f} ms CPU a step "
+        f"in cache, {fl['cold_total_cpu_ms_per_step']:.1f} ms from memory: ratio >= {fl['floor_overhead_ratio']:.3f} "
+        f"/ {fl['cold_floor_overhead_ratio']:.3f}; by term (in cache / from memory):"
+    )
     for name, t in sorted(fl["terms"].items(), key=lambda kv: -kv[1]["cold_cpu_ms_per_step"]):
-        print(f"    {name}: {t['bytes_per_step'] / 1e6:.1f} MB x {t['ns_per_byte']:.3f} / {t['cold_ns_per_byte']:.3f} "
-              f"ns/B = {t['cpu_ms_per_step']:.2f} / {t['cold_cpu_ms_per_step']:.2f} ms")
+        print(
+            f"    {name}: {t['bytes_per_step'] / 1e6:.1f} MB x {t['ns_per_byte']:.3f} / {t['cold_ns_per_byte']:.3f} "
+            f"ns/B = {t['cpu_ms_per_step']:.2f} / {t['cold_cpu_ms_per_step']:.2f} ms"
+        )
     if len(out["curve"]) > 1:
-        print(f"curve of compute per protected byte (other points: {out['curve_rounds']} rounds of "
-              f"{out['curve_steps_per_run']} steps)")
+        print(
+            f"curve of compute per protected byte (other points: {out['curve_rounds']} rounds of "
+            f"{out['curve_steps_per_run']} steps)"
+        )
         for e in out["curve"]:
-            print(f"  {e['label']:>18}: {e['tokens_per_param_per_step']:.4g} tokens/param/step, off "
-                  f"{e['step_s_off'] * 1e3:.1f} ms, on {e['step_s_on'] * 1e3:.1f} ms: ratio {e['overhead_ratio']:.3f}; "
-                  f"CPU keepers {e['cpu_s_per_step_on'].get('keeper', 0) * 1e3:.0f} ms, workers "
-                  f"{(e['cpu_s_per_step_on'].get('worker', 0) - e['cpu_s_per_step_off'].get('worker', 0)) * 1e3:+.0f} ms")
-    print(f"  memory, all in: {out['memory_overhead']:.2f} B per protected B ("
-          + ", ".join(f"{k} {v['per_protected_byte']:.2f}" for k, v in mem["memory_parts"].items() if v["bytes"])
-          + f"); for a larger model it tends to {out['memory_overhead_large_model_limit']:.2f}; the keepers' "
-            f"regions alone {out['memory_overhead_without_batches_and_copies']:.2f}")
+            print(
+                f"  {e['label']:>18}: {e['tokens_per_param_per_step']:.4g} tokens/param/step, off "
+                f"{e['step_s_off'] * 1e3:.1f} ms, on {e['step_s_on'] * 1e3:.1f} ms: ratio {e['overhead_ratio']:.3f}; "
+                f"CPU keepers {e['cpu_s_per_step_on'].get('keeper', 0) * 1e3:.0f} ms, workers "
+                f"{(e['cpu_s_per_step_on'].get('worker', 0) - e['cpu_s_per_step_off'].get('worker', 0)) * 1e3:+.0f} ms"
+            )
+    print(
+        f"  memory, all in: {out['memory_overhead']:.2f} B per protected B ("
+        + ", ".join(f"{k} {v['per_protected_byte']:.2f}" for k, v in mem["memory_parts"].items() if v["bytes"])
+        + f"); for a larger model it tends to {out['memory_overhead_large_model_limit']:.2f}; the keepers' "
+        f"regions alone {out['memory_overhead_without_batches_and_copies']:.2f}"
+    )
     fixed = out.get("fixed_rss_bytes_per_node")
     if fixed is not None:
-        print("  processes that exist only for protection, per node: "
-              + (", ".join(f"{r} {v / 2**20:.0f} MiB" for r, v in fixed.items()) or "none seen")
-              + "; warm shadows (recovery) "
-              + (", ".join(f"{r} {v / 2**20:.0f} MiB" for r, v in out["recovery_rss_bytes_per_node"].items())
-                 or "none seen"))
+        print(
+            "  processes that exist only for protection, per node: "
+            + (", ".join(f"{r} {v / 2**20:.0f} MiB" for r, v in fixed.items()) or "none seen")
+            + "; warm shadows (recovery) "
+            + (
+                ", ".join(f"{r} {v / 2**20:.0f} MiB" for r, v in out["recovery_rss_bytes_per_node"].items())
+                or "none seen"
+            )
+        )
     for name, t in out["targets"].items():
         v = "-" if t["value"] is None else f"{t['value']:.3f}"
         print(f"  target {name} {t['target']}: {v} {t['result']}")

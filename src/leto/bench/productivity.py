@@ -33,6 +33,7 @@ shutdown) and its ratio to the fastest other system's (`failure_free_ratio_to_fa
 the targets (Leto's ratio <= 1.03; Leto ahead of every peer on the headline, by >= 10 pp over
 checkpoint-restart), judged on the medians measured in this run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,53 +44,89 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+from leto.baselines.faults import ExternalInjector
 from leto.baselines.nvrx_job import nvrx_status
 from leto.bench import plots
-from leto.baselines.faults import ExternalInjector
-from leto.bench.runs import (DEFAULT_MTBF_S, LETO, BenchInterrupted, JobConfig, NoInjector, Run, ScheduledKill,
-                             System, default_out, failure_schedule, in_run_failure_free_s, kill_steps, log, machine,
-                             median, median_index, productive_fraction, run_system, stdout_to_stderr, torchft_status,
-                             work_time_s)
+from leto.bench.runs import (
+    DEFAULT_MTBF_S,
+    LETO,
+    BenchInterrupted,
+    JobConfig,
+    NoInjector,
+    Run,
+    ScheduledKill,
+    System,
+    default_out,
+    failure_schedule,
+    in_run_failure_free_s,
+    kill_steps,
+    log,
+    machine,
+    median,
+    median_index,
+    productive_fraction,
+    run_system,
+    stdout_to_stderr,
+    torchft_status,
+    work_time_s,
+)
 from leto.training.model import PRESETS
 
 DEFAULT_STEPS = 240
 DEFAULT_TRIALS = 3
-SCHEDULE_SEED = 0     # the same seed, and the same kill steps and ranks, in every trial
+SCHEDULE_SEED = 0  # the same seed, and the same kill steps and ranks, in every trial
 HORIZON_S = 3600.0
-SYSTEMS = (System(LETO, LETO, 1), System("checkpoint-restart", "checkpoint-restart"),
-           System("memory-restart", "memory-restart"), System("torchft", "torchft"), System("nvrx", "nvrx"))
+SYSTEMS = (
+    System(LETO, LETO, 1),
+    System("checkpoint-restart", "checkpoint-restart"),
+    System("memory-restart", "memory-restart"),
+    System("torchft", "torchft"),
+    System("nvrx", "nvrx"),
+)
 
 HEADLINE = "productivity"
 IN_RUN = "productivity_in_run_estimate_excludes_per_step_costs"
 OWN = "productivity_vs_own_failure_free_run_excludes_per_step_costs"
 FIGURES = (HEADLINE, IN_RUN, OWN)
-DIFFERENCES = {HEADLINE: "difference_pp",
-               IN_RUN: "difference_pp_in_run_estimate_excludes_per_step_costs",
-               OWN: "difference_pp_vs_own_failure_free_run_excludes_per_step_costs"}
+DIFFERENCES = {
+    HEADLINE: "difference_pp",
+    IN_RUN: "difference_pp_in_run_estimate_excludes_per_step_costs",
+    OWN: "difference_pp_vs_own_failure_free_run_excludes_per_step_costs",
+}
 RATIO = "failure_free_ratio_to_fastest_peer"
 WORK_RATIO = "failure_free_work_ratio_to_fastest_peer"
-PER_TRIAL = (HEADLINE, IN_RUN, OWN, "wall_s", "failures", "in_run_failure_free_s", "failure_free_work_s",
-             "failure_free_run_s", RATIO, WORK_RATIO)   # reported per trial, as medians and with their spread
+PER_TRIAL = (
+    HEADLINE,
+    IN_RUN,
+    OWN,
+    "wall_s",
+    "failures",
+    "in_run_failure_free_s",
+    "failure_free_work_s",
+    "failure_free_run_s",
+    RATIO,
+    WORK_RATIO,
+)  # reported per trial, as medians and with their spread
 
-TARGET_RATIO = 1.03                              # Leto's failure_free_ratio_to_fastest_peer, median, at most
-TARGET_LEAD_PP = {"checkpoint-restart": 10.0}    # Leto's headline lead in pp, median, at least; other peers: > 0
+TARGET_RATIO = 1.03  # Leto's failure_free_ratio_to_fastest_peer, median, at most
+TARGET_LEAD_PP = {"checkpoint-restart": 10.0}  # Leto's headline lead in pp, median, at least; other peers: > 0
 
 DEFINITIONS = {
     HEADLINE: "headline: the fastest failure-free run of any system in the same trial (launch -> last step of "
-              "the work) / this system's wall time for the work with failures (launch -> last step of the work "
-              "first recorded); charges start-up, per-step costs (protection, checkpoint writes) and the failures",
+    "the work) / this system's wall time for the work with failures (launch -> last step of the work "
+    "first recorded); charges start-up, per-step costs (protection, checkpoint writes) and the failures",
     IN_RUN: "the failed run's own failure-free time (its wall time less what each failure cost, from its step "
-            "records) / its wall time; charges only the failures, not per-step costs",
+    "records) / its wall time; charges only the failures, not per-step costs",
     OWN: "the system's own failure-free run in the same trial / its wall time with failures; per-step costs are "
-         "in both, so they are not charged",
+    "in both, so they are not charged",
     "failure_free_work_s": "failure-free run: launch -> the last step of the work recorded",
     "failure_free_run_s": "failure-free run: launch -> the run returned (start-up, the work, shutdown); None if "
-                          "the run did not end cleanly",
+    "the run did not end cleanly",
     RATIO: "failure_free_run_s / the smallest failure_free_run_s of the other systems in the same trial",
     WORK_RATIO: "failure_free_work_s / the smallest failure_free_work_s of the other systems in the same trial",
     "difference_pp": "per trial (Leto's headline - the system's) x 100, then the median over the trials",
     "medians": "system figures: the median over the trials that measured them (trials_ok: how many measured "
-               "the headline); spread: [min, max] over the same trials",
+    "the headline); spread: [min, max] over the same trials",
 }
 
 
@@ -114,8 +151,9 @@ def trial_order(systems: list[System], trial: int) -> list[System]:
     return list(systems[k:]) + list(systems[:k])
 
 
-def run_all(cfg: JobConfig, out: Path, systems: list[System], schedule: list[ScheduledKill],
-            trials: int) -> tuple[list[dict[str, dict[str, Run]]], list[dict], list[list[str]], dict | None]:
+def run_all(
+    cfg: JobConfig, out: Path, systems: list[System], schedule: list[ScheduledKill], trials: int
+) -> tuple[list[dict[str, dict[str, Run]]], list[dict], list[list[str]], dict | None]:
     """Every trial: per system in turn (rotated per trial), the failure-free run, then the run with
     the kills. The kill steps come from the first failure-free run that finished the work (Leto's in
     trial 1) and are the same in every trial. Returns per trial the runs, the kills (faults.ExternalInjector
@@ -132,22 +170,33 @@ def run_all(cfg: JobConfig, out: Path, systems: list[System], schedule: list[Sch
         orders.append([s.name for s in order])
         for system in order:
             tag = f"trial {trial + 1}/{trials}"
-            free = run_system(system, cfg, out / "runs" / f"trial{trial + 1}-failure-free-{system.name}",
-                              NoInjector(), limit_s=120.0 + 2.0 * cfg.steps)
+            free = run_system(
+                system,
+                cfg,
+                out / "runs" / f"trial{trial + 1}-failure-free-{system.name}",
+                NoInjector(),
+                limit_s=120.0 + 2.0 * cfg.steps,
+            )
             runs["failure-free"][system.name] = free
             _log_run(tag, system.name, "failure-free", free, cfg.steps)
             ff_s = work_time_s(free.records, free.t_start, cfg.steps)
             if specs is None:
                 if ff_s is None:
-                    log(f"[productivity] {system.name}'s failure-free run did not finish the work: it cannot give "
-                        f"the kill steps; its run with failures is skipped")
+                    log(
+                        f"[productivity] {system.name}'s failure-free run did not finish the work: it cannot give "
+                        f"the kill steps; its run with failures is skipped"
+                    )
                     continue
                 specs = kill_steps(schedule, free.records, free.t_start, cfg.steps)
                 reference = {"trial": trial + 1, "system": system.name, "work_s": ff_s}
             run_dir = out / "runs" / f"trial{trial + 1}-failures-{system.name}"
-            run = run_system(system, replace(cfg, max_restarts=len(specs) + 3), run_dir,
-                             ExternalInjector(run_dir, [dict(s) for s in specs], timeout_s=timeout_s),
-                             limit_s=120.0 + 4.0 * (ff_s or 2.0 * cfg.steps) + 30.0 * len(specs))
+            run = run_system(
+                system,
+                replace(cfg, max_restarts=len(specs) + 3),
+                run_dir,
+                ExternalInjector(run_dir, [dict(s) for s in specs], timeout_s=timeout_s),
+                limit_s=120.0 + 4.0 * (ff_s or 2.0 * cfg.steps) + 30.0 * len(specs),
+            )
             runs["failures"][system.name] = run
             _log_run(tag, system.name, "failures", run, cfg.steps)
     return all_runs, specs or [], orders, reference
@@ -155,9 +204,14 @@ def run_all(cfg: JobConfig, out: Path, systems: list[System], schedule: list[Sch
 
 def _log_run(tag: str, name: str, phase: str, run: Run, steps: int) -> None:
     wall = work_time_s(run.records, run.t_start, steps)
-    log(f"[productivity] {tag} {name:18} {phase:12} "
-        + (f"{steps} steps in {wall:.1f} s, {len(run.kills)} failures" if wall is not None
-           else f"did not finish the work: {run.error}"))
+    log(
+        f"[productivity] {tag} {name:18} {phase:12} "
+        + (
+            f"{steps} steps in {wall:.1f} s, {len(run.kills)} failures"
+            if wall is not None
+            else f"did not finish the work: {run.error}"
+        )
+    )
 
 
 def summarize_trial(cfg: JobConfig, runs: dict[str, dict[str, Run]], names: list[str]) -> dict:
@@ -167,8 +221,7 @@ def summarize_trial(cfg: JobConfig, runs: dict[str, dict[str, Run]], names: list
     run's exit code is reported, but a failure after the work was done does not void it)."""
     free_runs = runs["failure-free"]
     work = {n: work_time_s(r.records, r.t_start, cfg.steps) for n, r in free_runs.items()}
-    whole = {n: round(r.t_end - r.t_start, 4) if r.ok and work[n] is not None else None
-             for n, r in free_runs.items()}
+    whole = {n: round(r.t_end - r.t_start, 4) if r.ok and work[n] is not None else None for n, r in free_runs.items()}
     known = {n: t for n, t in work.items() if t is not None}
     fastest = min(known, key=lambda n: known[n]) if known else None
     ref = known.get(fastest) if fastest else None
@@ -188,15 +241,28 @@ def summarize_trial(cfg: JobConfig, runs: dict[str, dict[str, Run]], names: list
             HEADLINE: productive_fraction(ref, wall),
             IN_RUN: productive_fraction(in_run, wall),
             OWN: productive_fraction(work.get(name), wall),
-            "wall_s": wall, "failures": len(kills) if run else None, "in_run_failure_free_s": in_run,
-            "failure_free_work_s": work.get(name), "failure_free_run_s": whole.get(name),
+            "wall_s": wall,
+            "failures": len(kills) if run else None,
+            "in_run_failure_free_s": in_run,
+            "failure_free_work_s": work.get(name),
+            "failure_free_run_s": whole.get(name),
             RATIO: _ratio(whole.get(name), fastest_peer(whole, name)),
             WORK_RATIO: _ratio(work.get(name), fastest_peer(work, name)),
-            "ok": wall is not None, "error": run.error if run else "not run (no kill steps yet)",
+            "ok": wall is not None,
+            "error": run.error if run else "not run (no kill steps yet)",
             "failure_free_error": ff.error if ff else "not run",
-            "kills": [{"at_s": round(k.time - run.t_start, 3), "rank": k.spec.get("rank"), "step": k.spec.get("step"),
-                       "after_step": k.step} for k in kills],
-            "run_dir": str(run.run_dir) if run else None, "failure_free_run_dir": str(ff.run_dir) if ff else None}
+            "kills": [
+                {
+                    "at_s": round(k.time - run.t_start, 3),
+                    "rank": k.spec.get("rank"),
+                    "step": k.spec.get("step"),
+                    "after_step": k.step,
+                }
+                for k in kills
+            ],
+            "run_dir": str(run.run_dir) if run else None,
+            "failure_free_run_dir": str(ff.run_dir) if ff else None,
+        }
     leto = systems.get(LETO, {})
     diffs = {DIFFERENCES[f]: {n: pp(leto.get(f), s[f]) for n, s in systems.items() if n != LETO} for f in FIGURES}
     return {"fastest_failure_free": {"system": fastest, "work_s": ref}, "systems": systems, **diffs}
@@ -220,10 +286,18 @@ def aggregate(trials: list[dict], names: list[str]) -> dict:
     peers = [n for n in systems if n != LETO]
     for key in DIFFERENCES.values():
         report[key] = {n: median([t[key].get(n) for t in trials]) for n in peers}
-    report["spread"] = {key: {n: spread([t[key].get(n) for t in trials]) for n in peers}
-                        for key in DIFFERENCES.values()}
-    report["trials"] = [{"trial": t["trial"], "order": t["order"], "fastest_failure_free": t["fastest_failure_free"],
-                         **{key: t[key] for key in DIFFERENCES.values()}} for t in trials]
+    report["spread"] = {
+        key: {n: spread([t[key].get(n) for t in trials]) for n in peers} for key in DIFFERENCES.values()
+    }
+    report["trials"] = [
+        {
+            "trial": t["trial"],
+            "order": t["order"],
+            "fastest_failure_free": t["fastest_failure_free"],
+            **{key: t[key] for key in DIFFERENCES.values()},
+        }
+        for t in trials
+    ]
     return report
 
 
@@ -251,19 +325,34 @@ def targets(report: dict, peers: list[str]) -> list[dict]:
     leto = report["systems"].get(LETO, {})
     r = leto.get(RATIO)
     k = sum(1 for t in leto.get("trials", []) if t.get(RATIO) is not None)
-    out = [{"name": RATIO, "what": "Leto's whole failure-free run (launch to end) / the fastest other system's in "
-                                   "the same trial, median of trials",
-            "target": f"<= {TARGET_RATIO:g}", "measured": r, "trials_measured": k, "trials": n,
-            "result": _verdict(r, r is not None and r <= TARGET_RATIO, k, n)}]
+    out = [
+        {
+            "name": RATIO,
+            "what": "Leto's whole failure-free run (launch to end) / the fastest other system's in "
+            "the same trial, median of trials",
+            "target": f"<= {TARGET_RATIO:g}",
+            "measured": r,
+            "trials_measured": k,
+            "trials": n,
+            "result": _verdict(r, r is not None and r <= TARGET_RATIO, k, n),
+        }
+    ]
     for peer in peers:
         d = report["difference_pp"].get(peer)
         need = TARGET_LEAD_PP.get(peer)
         ok = d is not None and (d >= need if need is not None else d > 0)
         k = sum(1 for t in report.get("trials", []) if t["difference_pp"].get(peer) is not None)
-        out.append({"name": f"difference_pp[{peer}]",
-                    "what": f"Leto's headline productivity minus {peer}'s, percentage points, median of trials",
-                    "target": f">= +{need:g} pp" if need is not None else "> 0 pp", "measured": d,
-                    "trials_measured": k, "trials": n, "result": _verdict(d, ok, k, n)})
+        out.append(
+            {
+                "name": f"difference_pp[{peer}]",
+                "what": f"Leto's headline productivity minus {peer}'s, percentage points, median of trials",
+                "target": f">= +{need:g} pp" if need is not None else "> 0 pp",
+                "measured": d,
+                "trials_measured": k,
+                "trials": n,
+                "result": _verdict(d, ok, k, n),
+            }
+        )
     return out
 
 
@@ -280,29 +369,50 @@ def make_plot(out: Path, report: dict, runs: list[dict[str, dict[str, Run]]], to
         ff, run = runs[trial - 1]["failure-free"].get(name), runs[trial - 1]["failures"].get(name)
         if ff is not None:
             end = ff.t_start + (rec["failure_free_work_s"] or ff.t_end - ff.t_start)
-            title = (f"{name} (trial {trial}): work done in {_sec(rec['failure_free_work_s'])}, exit after "
-                     f"{_sec(rec['failure_free_run_s'])} ({_ratio_txt(rec[RATIO])} the fastest peer)")
-            free_col.append(plots.Panel(title, [r for r in ff.steps() if r["time"] <= end], ff.t_start, [],
-                                        [(end, "done"), (ff.t_end, "exit")]))
+            title = (
+                f"{name} (trial {trial}): work done in {_sec(rec['failure_free_work_s'])}, exit after "
+                f"{_sec(rec['failure_free_run_s'])} ({_ratio_txt(rec[RATIO])} the fastest peer)"
+            )
+            free_col.append(
+                plots.Panel(
+                    title,
+                    [r for r in ff.steps() if r["time"] <= end],
+                    ff.t_start,
+                    [],
+                    [(end, "done"), (ff.t_end, "exit")],
+                )
+            )
             right = max(right, ff.t_end - ff.t_start)
         if run is not None:
             end = run.t_end if rec["wall_s"] is None else run.t_start + rec["wall_s"]
             n = rec["failures"] or 0
-            title = (f"{name} (trial {trial}): {_pct(rec[HEADLINE])} productive, {n} failure{'' if n == 1 else 's'}, "
-                     f"work done in {_sec(rec['wall_s'])}")
+            title = (
+                f"{name} (trial {trial}): {_pct(rec[HEADLINE])} productive, {n} failure{'' if n == 1 else 's'}, "
+                f"work done in {_sec(rec['wall_s'])}"
+            )
             steps = [r for r in run.steps() if r["time"] <= end]  # not what a restart did after the work
-            fail_col.append(plots.Panel(title, steps, run.t_start, [k.time for k in run.kills if k.time <= end],
-                                        [] if rec["wall_s"] is None else [(end, "done")]))
+            fail_col.append(
+                plots.Panel(
+                    title,
+                    steps,
+                    run.t_start,
+                    [k.time for k in run.kills if k.time <= end],
+                    [] if rec["wall_s"] is None else [(end, "done")],
+                )
+            )
             right = max(right, end - run.t_start)
     if not free_col and not fail_col:
         return []
     cfg = report["config"]
-    path = plots.timeline([free_col, fail_col],
-                          ["failure-free", f"{len(cfg['kills'])} worker kills at the same steps "
-                                           f"(Poisson, MTBF {cfg['mtbf_s']:g} s)"], tokens,
-                          out / "productivity-timeline.png",
-                          f"Tokens/s over wall time, {cfg['steps']} steps (each system's median trial of "
-                          f"{cfg['trials']})", "seconds since launch", xlim=(0.0, right * 1.03))
+    path = plots.timeline(
+        [free_col, fail_col],
+        ["failure-free", f"{len(cfg['kills'])} worker kills at the same steps (Poisson, MTBF {cfg['mtbf_s']:g} s)"],
+        tokens,
+        out / "productivity-timeline.png",
+        f"Tokens/s over wall time, {cfg['steps']} steps (each system's median trial of {cfg['trials']})",
+        "seconds since launch",
+        xlim=(0.0, right * 1.03),
+    )
     return [str(path)]
 
 
@@ -326,8 +436,7 @@ def _num(x: float | None) -> str:
     return "-" if x is None else f"{x:g}"
 
 
-def _with_spread(fmt: Callable[[float | None], str], value: float | None, rng: list[float] | None,
-                 trials: int) -> str:
+def _with_spread(fmt: Callable[[float | None], str], value: float | None, rng: list[float] | None, trials: int) -> str:
     """'median [min-max]' (just the value when one trial measured it)."""
     if value is None or rng is None or trials <= 1 or rng[0] == rng[1]:
         return fmt(value)
@@ -337,13 +446,17 @@ def _with_spread(fmt: Callable[[float | None], str], value: float | None, rng: l
 def print_table(report: dict) -> None:
     cfg = report["config"]
     n = cfg["trials"]
-    print(f"leto bench productivity: {cfg['steps']} steps of the {cfg['model']} job, {cfg['workers']} workers on "
-          f"{cfg['nodes']} nodes, {n} trial{'' if n == 1 else 's'}; {len(cfg['kills'])} worker SIGKILLs (Poisson, "
-          f"MTBF {cfg['mtbf_s']:g} s, seed {cfg['seed']}) after steps "
-          f"{', '.join(str(k['step']) for k in cfg['kills']) or '-'}, the same in every trial")
+    print(
+        f"leto bench productivity: {cfg['steps']} steps of the {cfg['model']} job, {cfg['workers']} workers on "
+        f"{cfg['nodes']} nodes, {n} trial{'' if n == 1 else 's'}; {len(cfg['kills'])} worker SIGKILLs (Poisson, "
+        f"MTBF {cfg['mtbf_s']:g} s, seed {cfg['seed']}) after steps "
+        f"{', '.join(str(k['step']) for k in cfg['kills']) or '-'}, the same in every trial"
+    )
     print(f"medians of {n} trials, [min..max] beside them" if n > 1 else "one trial: no medians, no spread")
-    head = (f"  {'system':20} {'productivity':>22} {'leto +pp':>20} {'failure-free run':>20} {'/ fastest peer':>20} "
-            f"{'with failures':>20} {'failures':>8} {'trials':>6}")
+    head = (
+        f"  {'system':20} {'productivity':>22} {'leto +pp':>20} {'failure-free run':>20} {'/ fastest peer':>20} "
+        f"{'with failures':>20} {'failures':>8} {'trials':>6}"
+    )
     print(head)
     secondary = []
     for name, s in report["systems"].items():
@@ -353,23 +466,31 @@ def print_table(report: dict) -> None:
         sp, k = s["spread"], len(s["trials"])
         d = report["difference_pp"].get(name)
         lead = "" if name == LETO else _with_spread(_pp, d, report["spread"]["difference_pp"].get(name), n)
-        print(f"  {name:20} {_with_spread(_pct, s[HEADLINE], sp[HEADLINE], k):>22} {lead:>20} "
-              f"{_with_spread(_sec, s['failure_free_run_s'], sp['failure_free_run_s'], k):>20} "
-              f"{_with_spread(_ratio_txt, s[RATIO], sp[RATIO], k):>20} "
-              f"{_with_spread(_sec, s['wall_s'], sp['wall_s'], k):>20} {_num(s['failures']):>8} "
-              f"{s['trials_ok']:>3}/{k:<2}")
+        print(
+            f"  {name:20} {_with_spread(_pct, s[HEADLINE], sp[HEADLINE], k):>22} {lead:>20} "
+            f"{_with_spread(_sec, s['failure_free_run_s'], sp['failure_free_run_s'], k):>20} "
+            f"{_with_spread(_ratio_txt, s[RATIO], sp[RATIO], k):>20} "
+            f"{_with_spread(_sec, s['wall_s'], sp['wall_s'], k):>20} {_num(s['failures']):>8} "
+            f"{s['trials_ok']:>3}/{k:<2}"
+        )
         d_in = "" if name == LETO else _pp(report[DIFFERENCES[IN_RUN]].get(name))
         d_own = "" if name == LETO else _pp(report[DIFFERENCES[OWN]].get(name))
-        secondary.append(f"  {name:20} {_with_spread(_pct, s[IN_RUN], sp[IN_RUN], k):>22} {d_in:>9} "
-                         f"{_with_spread(_pct, s[OWN], sp[OWN], k):>22} {d_own:>9}")
-    print("productivity = the fastest failure-free run of any system in the same trial (launch -> last step) / the\n"
-          "  system's wall time with failures: it charges start-up, protection, checkpoint writes and the failures\n"
-          "leto +pp: per trial Leto's productivity minus the system's, then the median\n"
-          "failure-free run: launch -> the run returned; / fastest peer: that over the fastest other system's in the\n"
-          "  same trial; with failures: launch -> last step of the work; trials: trials that measured the\n"
-          "  productivity / trials run")
-    print("\nsecondary estimates, both EXCLUDE per-step costs (protection, checkpoint writes): they charge only "
-          "the failures")
+        secondary.append(
+            f"  {name:20} {_with_spread(_pct, s[IN_RUN], sp[IN_RUN], k):>22} {d_in:>9} "
+            f"{_with_spread(_pct, s[OWN], sp[OWN], k):>22} {d_own:>9}"
+        )
+    print(
+        "productivity = the fastest failure-free run of any system in the same trial (launch -> last step) / the\n"
+        "  system's wall time with failures: it charges start-up, protection, checkpoint writes and the failures\n"
+        "leto +pp: per trial Leto's productivity minus the system's, then the median\n"
+        "failure-free run: launch -> the run returned; / fastest peer: that over the fastest other system's in the\n"
+        "  same trial; with failures: launch -> last step of the work; trials: trials that measured the\n"
+        "  productivity / trials run"
+    )
+    print(
+        "\nsecondary estimates, both EXCLUDE per-step costs (protection, checkpoint writes): they charge only "
+        "the failures"
+    )
     print(f"  {'system':20} {'in-run estimate':>22} {'leto +pp':>9} {'vs own failure-free':>22} {'leto +pp':>9}")
     for line in secondary:
         print(line)
@@ -377,40 +498,71 @@ def print_table(report: dict) -> None:
     for t in report["targets"]:
         m = t["measured"]
         shown = "-" if m is None else (f"{m:.3f}x" if t["name"] == RATIO else f"{m:+.1f} pp")
-        print(f"  {t['result']:12} {t['name']:34} target {t['target']:>9}, measured {shown} "
-              f"(in {t['trials_measured']}/{t['trials']} trials)")
+        print(
+            f"  {t['result']:12} {t['name']:34} target {t['target']:>9}, measured {shown} "
+            f"(in {t['trials_measured']}/{t['trials']} trials)"
+        )
     print(f"\nplot: {', '.join(report['plots']) or '-'}\nraw results: {report['json']}")
 
 
-def build_report(cfg: JobConfig, all_runs: list[dict[str, dict[str, Run]]], names: list[str], *,
-                 specs: list[dict], orders: list[list[str]] | None = None, reference: dict | None = None,
-                 torchft: str | None = None, info: dict | None = None) -> dict:
+def build_report(
+    cfg: JobConfig,
+    all_runs: list[dict[str, dict[str, Run]]],
+    names: list[str],
+    *,
+    specs: list[dict],
+    orders: list[list[str]] | None = None,
+    reference: dict | None = None,
+    torchft: str | None = None,
+    info: dict | None = None,
+) -> dict:
     """The JSON document (less `json` and `plots`) from every trial's runs: `config`, `definitions`,
     `systems` (medians, spreads, raw trials; in the order of `names`), Leto's differences (medians
     and spreads), `trials` (order, fastest failure-free run, differences of each trial), `targets`.
     `torchft`: why torchft did not run (None: installed)."""
     orders = orders or [list(runs["failure-free"]) for runs in all_runs]
     per_trial = [{"trial": i + 1, "order": orders[i], **summarize_trial(cfg, r, names)} for i, r in enumerate(all_runs)]
-    report: dict = {"bench": "productivity", "machine": info or {},
-                    "config": {"workers": cfg.workers, "nodes": cfg.nodes, "model": cfg.model, "steps": cfg.steps,
-                               "mtbf_s": DEFAULT_MTBF_S, "seed": SCHEDULE_SEED, "trials": len(all_runs),
-                               "kills": specs, "kill_steps_from": reference, "ckpt_mtbf_s": cfg.mtbf_s,
-                               "schedule": "Poisson failure times in seconds of failure-free training (seed "
-                                           f"{SCHEDULE_SEED} in every trial), mapped once onto the steps of the "
-                                           "first failure-free run that finished the work (kill_steps_from): the "
-                                           "same kill steps and ranks for every system in every trial",
-                               "order": "each trial: per system in turn, its failure-free run then its run with "
-                                        "failures; the order of the systems rotates by one per trial"},
-                    "torchft": torchft or "installed", "definitions": DEFINITIONS, **aggregate(per_trial, names)}
+    report: dict = {
+        "bench": "productivity",
+        "machine": info or {},
+        "config": {
+            "workers": cfg.workers,
+            "nodes": cfg.nodes,
+            "model": cfg.model,
+            "steps": cfg.steps,
+            "mtbf_s": DEFAULT_MTBF_S,
+            "seed": SCHEDULE_SEED,
+            "trials": len(all_runs),
+            "kills": specs,
+            "kill_steps_from": reference,
+            "ckpt_mtbf_s": cfg.mtbf_s,
+            "schedule": "Poisson failure times in seconds of failure-free training (seed "
+            f"{SCHEDULE_SEED} in every trial), mapped once onto the steps of the "
+            "first failure-free run that finished the work (kill_steps_from): the "
+            "same kill steps and ranks for every system in every trial",
+            "order": "each trial: per system in turn, its failure-free run then its run with "
+            "failures; the order of the systems rotates by one per trial",
+        },
+        "torchft": torchft or "installed",
+        "definitions": DEFINITIONS,
+        **aggregate(per_trial, names),
+    }
     measured = report["systems"]
-    report["systems"] = {n: measured.get(n) or {"status": torchft if n == "torchft" and torchft else "not run",
-                                                **{k: None for k in PER_TRIAL}, "trials": []} for n in names}
-    for n in (n for n in names if n != LETO):   # a peer that never ran: no difference, no spread
+    report["systems"] = {
+        n: measured.get(n)
+        or {
+            "status": torchft if n == "torchft" and torchft else "not run",
+            **{k: None for k in PER_TRIAL},
+            "trials": [],
+        }
+        for n in names
+    }
+    for n in (n for n in names if n != LETO):  # a peer that never ran: no difference, no spread
         for key in DIFFERENCES.values():
             report[key].setdefault(n, None)
             report["spread"][key].setdefault(n, None)
     verdicts = targets(report, [n for n in names if n != LETO])
-    head = ("bench", "machine", "config", "torchft", "definitions")   # the targets right after the definitions
+    head = ("bench", "machine", "config", "torchft", "definitions")  # the targets right after the definitions
     return {**{k: report[k] for k in head}, "targets": verdicts, **{k: v for k, v in report.items() if k not in head}}
 
 
@@ -446,8 +598,7 @@ def main(args: argparse.Namespace) -> int:
         log(f"leto bench productivity: {e}; stopped")
         return 130
     info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    report = build_report(cfg, all_runs, names, specs=specs, orders=orders, reference=reference, torchft=tf,
-                          info=info)
+    report = build_report(cfg, all_runs, names, specs=specs, orders=orders, reference=reference, torchft=tf, info=info)
     report["json"] = str(out / "productivity.json")
     report["plots"] = make_plot(out, report, all_runs, PRESETS[cfg.model].batch_size * PRESETS[cfg.model].block_size)
     Path(report["json"]).write_text(dumps(report))

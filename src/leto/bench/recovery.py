@@ -6,6 +6,7 @@ process(es) by PID once step `kill_step` is recorded, i.e. at the start of step 
 Every number comes from the run's metrics.jsonl (see `runs.analyze_recovery`); medians over
 trials are reported, raw values are in the JSON.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,13 +16,34 @@ from pathlib import Path
 
 from leto.baselines.nvrx_job import NVRX_VERSION, nvrx_status
 from leto.bench import plots
-from leto.bench.runs import (LETO, SEGMENTS, TOLERANCE, WINDOW, BenchInterrupted, JobConfig, Run, System,
-                             analyze_recovery, default_out, log, machine, median, median_index, ratio, run_system,
-                             state_bytes_per_rank, step_injector, stdout_to_stderr, torchft_status)
+from leto.bench.runs import (
+    LETO,
+    SEGMENTS,
+    TOLERANCE,
+    WINDOW,
+    BenchInterrupted,
+    JobConfig,
+    Run,
+    System,
+    analyze_recovery,
+    default_out,
+    log,
+    machine,
+    median,
+    median_index,
+    ratio,
+    run_system,
+    state_bytes_per_rank,
+    stdout_to_stderr,
+    step_injector,
+    torchft_status,
+)
 from leto.training.model import PRESETS
 
 DEFAULT_STEPS = 40
-SPARES_VARIANT = 3    # node loss: 1 shadow for 2 lost ranks shrinks the job; 3 (alternating nodes) leave 2 on the survivor
+SPARES_VARIANT = (
+    3  # node loss: 1 shadow for 2 lost ranks shrinks the job; 3 (alternating nodes) leave 2 on the survivor
+)
 FAILURES = {"worker": "kill", "node": "node-kill"}
 FAILURE_ORDER = ("worker", "node")
 TITLES = {"worker": "worker SIGKILL", "node": "whole-node loss"}
@@ -80,8 +102,9 @@ def speedups(systems: dict[str, dict], ref: str, key: str = "recovery_s") -> dic
     return {name: ratio(s.get(key), base) for name, s in systems.items() if name != ref}
 
 
-def run_all(args: argparse.Namespace, cfg: JobConfig, out: Path, failures: list[str], step: int,
-            skipped: dict[str, str]) -> tuple[dict[str, dict[str, list[dict]]], dict[str, dict[str, list[Run]]]]:
+def run_all(
+    args: argparse.Namespace, cfg: JobConfig, out: Path, failures: list[str], step: int, skipped: dict[str, str]
+) -> tuple[dict[str, dict[str, list[dict]]], dict[str, dict[str, list[Run]]]]:
     """Every trial of every system, interleaved; returns (raw results, runs) per failure and system."""
     results: dict[str, dict[str, list[dict]]] = {f: {} for f in failures}
     runs: dict[str, dict[str, list[Run]]] = {f: {} for f in failures}
@@ -98,9 +121,15 @@ def run_all(args: argparse.Namespace, cfg: JobConfig, out: Path, failures: list[
                 res = evaluate(run, system)
                 results[failure].setdefault(system.name, []).append(res)
                 runs[failure].setdefault(system.name, []).append(run)
-                log(f"[recovery] trial {trial + 1}/{args.trials} {TITLES[failure]:15} {system.name:18} "
-                    + (f"recovery {res.get('recovery_s')} s, regain {res.get('regain_s')} s, "
-                       f"lost {res.get('lost_steps')} steps" if res.get("ok") else f"FAILED: {res.get('error')}"))
+                log(
+                    f"[recovery] trial {trial + 1}/{args.trials} {TITLES[failure]:15} {system.name:18} "
+                    + (
+                        f"recovery {res.get('recovery_s')} s, regain {res.get('regain_s')} s, "
+                        f"lost {res.get('lost_steps')} steps"
+                        if res.get("ok")
+                        else f"FAILED: {res.get('error')}"
+                    )
+                )
     return results, runs
 
 
@@ -126,15 +155,30 @@ def make_plots(out: Path, report: dict, runs: dict[str, dict[str, list[Run]]], t
             col.append(plots.Panel(name, run.steps(), trial["kill_time"], [trial["kill_time"]], marks))
         columns.append(col)
         titles.append(f"{TITLES[failure]} (kill after step {report['config']['kill_step']})")
-        bars[TITLES[failure]] = {name: agg.get("breakdown") for name, agg in section["systems"].items()
-                                 if not agg.get("status")}
+        bars[TITLES[failure]] = {
+            name: agg.get("breakdown") for name, agg in section["systems"].items() if not agg.get("status")
+        }
     paths = []
     if any(columns):
-        paths.append(plots.timeline(columns, titles, tokens, out / "recovery-timeline.png",
-                                    "Tokens/s around the failure (median trial of each system)",
-                                    "seconds since the kill", xlim=(-4.0, right)))
-    paths.append(plots.breakdown_bars(bars, out / "recovery-breakdown.png",
-                                      "Recovery time: kill → back at pre-failure speed (median trial)", SEGMENTS))
+        paths.append(
+            plots.timeline(
+                columns,
+                titles,
+                tokens,
+                out / "recovery-timeline.png",
+                "Tokens/s around the failure (median trial of each system)",
+                "seconds since the kill",
+                xlim=(-4.0, right),
+            )
+        )
+    paths.append(
+        plots.breakdown_bars(
+            bars,
+            out / "recovery-breakdown.png",
+            "Recovery time: kill → back at pre-failure speed (median trial)",
+            SEGMENTS,
+        )
+    )
     return [str(p) for p in paths]
 
 
@@ -148,25 +192,33 @@ def _steps(x: float | None) -> str:
 
 def print_table(report: dict) -> None:
     cfg = report["config"]
-    print(f"leto bench recovery: {cfg['workers']} workers on {cfg['nodes']} nodes, model {cfg['model']}, "
-          f"{cfg['steps']} steps, failure injected after step {cfg['kill_step']}; medians of {cfg['trials']} trials")
+    print(
+        f"leto bench recovery: {cfg['workers']} workers on {cfg['nodes']} nodes, model {cfg['model']}, "
+        f"{cfg['steps']} steps, failure injected after step {cfg['kill_step']}; medians of {cfg['trials']} trials"
+    )
     for failure, section in sections(report):
         print(f"\n{TITLES[failure]}: {section['what']}")
-        print(f"  {'system':20} {'recovery':>9} {'regain':>8} {'detect':>7} {'restore':>8} {'lost steps':>10} "
-              f"{'n':>5} {'vs leto':>8}")
+        print(
+            f"  {'system':20} {'recovery':>9} {'regain':>8} {'detect':>7} {'restore':>8} {'lost steps':>10} "
+            f"{'n':>5} {'vs leto':>8}"
+        )
         for name, s in section["systems"].items():
             if s.get("status"):
                 print(f"  {name}: {s['status']}")
                 continue
             sp = section["speedup"].get(name)
             vs = "" if name == LETO else ("-" if sp is None else f"{sp:.1f}x")
-            print(f"  {name:20} {_fmt(s['recovery_s']):>8}s {_fmt(s['regain_s']):>7}s {_fmt(s['detect_s']):>6}s "
-                  f"{_fmt(s['restore_s']):>7}s {_steps(s['lost_steps']):>10} "
-                  f"{s['trials_with_recovery']:>3}/{len(s['trials'])} "
-                  f"{vs:>8}")
-    print(f"\nrecovery: kill -> the lost work is redone and the next {cfg['window']} steps together ran in at most "
-          f"{cfg['tolerance']}x their pre-failure median time; regain: kill -> the step in flight is done; "
-          f"n: trials that got back to speed / trials; vs leto: the system's recovery / Leto's")
+            print(
+                f"  {name:20} {_fmt(s['recovery_s']):>8}s {_fmt(s['regain_s']):>7}s {_fmt(s['detect_s']):>6}s "
+                f"{_fmt(s['restore_s']):>7}s {_steps(s['lost_steps']):>10} "
+                f"{s['trials_with_recovery']:>3}/{len(s['trials'])} "
+                f"{vs:>8}"
+            )
+    print(
+        f"\nrecovery: kill -> the lost work is redone and the next {cfg['window']} steps together ran in at most "
+        f"{cfg['tolerance']}x their pre-failure median time; regain: kill -> the step in flight is done; "
+        f"n: trials that got back to speed / trials; vs leto: the system's recovery / Leto's"
+    )
     print(f"plots: {', '.join(report['plots'])}\nraw results: {report['json']}")
 
 
@@ -176,8 +228,12 @@ def section_for(failure: str, step: int, trials: dict[str, list[dict]], skipped:
     for name, why in skipped.items():
         systems[name] = {"status": why, **{k: None for k in KEYS}, "trials": []}
     who = "rank 1" if failure == "worker" else "node 1 (its workers, shadows and keeper)"
-    section = {"what": f"SIGKILL of {who} once step {step} is recorded", "systems": systems,
-               "speedup": speedups(systems, LETO), "speedup_regain": speedups(systems, LETO, "regain_s")}
+    section = {
+        "what": f"SIGKILL of {who} once step {step} is recorded",
+        "systems": systems,
+        "speedup": speedups(systems, LETO),
+        "speedup_regain": speedups(systems, LETO, "regain_s"),
+    }
     if failure == "node":
         section["speedup_vs_spares3"] = speedups(systems, f"leto --spares {SPARES_VARIANT}")
     return section
@@ -186,6 +242,7 @@ def section_for(failure: str, step: int, trials: dict[str, list[dict]], skipped:
 def main(args: argparse.Namespace) -> int:
     if getattr(args, "hosts", None):
         from leto.bench import hosts
+
         return hosts.main(args)
     steps = args.steps or DEFAULT_STEPS
     nodes = min(2, args.workers)
@@ -211,15 +268,27 @@ def main(args: argparse.Namespace) -> int:
         log(f"leto bench recovery: {e}; stopped")
         return 130
     info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    report: dict = {"bench": "recovery", "machine": info,
-                    "config": {"workers": cfg.workers, "nodes": cfg.nodes, "model": cfg.model, "seed": cfg.seed,
-                               "steps": steps, "kill_step": step, "trials": args.trials, "window": WINDOW,
-                               "tolerance": TOLERANCE, "ckpt_mtbf_s": cfg.mtbf_s,
-                               "order": "for each trial, for each failure, each system in turn"},
-                    "state_bytes_per_rank": state_bytes_per_rank(cfg.model, cfg.workers),
-                    "torchft": skipped.get("torchft", "installed"),
-                    "nvrx": skipped.get("nvrx", "installed"),
-                    **section_for("worker", step, results["worker"], skipped)}
+    report: dict = {
+        "bench": "recovery",
+        "machine": info,
+        "config": {
+            "workers": cfg.workers,
+            "nodes": cfg.nodes,
+            "model": cfg.model,
+            "seed": cfg.seed,
+            "steps": steps,
+            "kill_step": step,
+            "trials": args.trials,
+            "window": WINDOW,
+            "tolerance": TOLERANCE,
+            "ckpt_mtbf_s": cfg.mtbf_s,
+            "order": "for each trial, for each failure, each system in turn",
+        },
+        "state_bytes_per_rank": state_bytes_per_rank(cfg.model, cfg.workers),
+        "torchft": skipped.get("torchft", "installed"),
+        "nvrx": skipped.get("nvrx", "installed"),
+        **section_for("worker", step, results["worker"], skipped),
+    }
     if "node" in failures:
         report["node_loss"] = section_for("node", step, results["node"], skipped)
     report["json"] = str(out / "recovery.json")

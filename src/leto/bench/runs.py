@@ -5,6 +5,7 @@ injector outside the job kills processes by PID (`leto.baselines.faults`), and r
 timeline back from the evidence every system writes: `metrics.jsonl` step records (rank 0, one per
 completed step) and the supervisor's events (`failure`, `restore`, `recovery`, `heal`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,19 +25,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from leto import config as job_config
 from leto.baselines.faults import ExternalInjector, Kill, poisson_schedule
 from leto.baselines.restart import run_baseline
 from leto.bench.throughput import steady_step_s
 from leto.console import read_jsonl
-from leto import config as job_config
 from leto.control.one_host import run_job
 from leto.protection.placement import default_code
 from leto.training.model import PRESETS
 from leto.training.trainer import DEFAULT_CHUNK_BYTES
 
 LETO = "leto"
-WINDOW = 3            # consecutive steps that must run at pre-failure throughput ...
-TOLERANCE = 1.25      # ... together in at most this many times their pre-failure median time
+WINDOW = 3  # consecutive steps that must run at pre-failure throughput ...
+TOLERANCE = 1.25  # ... together in at most this many times their pre-failure median time
 # (over a window, not step by step: single protected steps vary by +-40 % on this shared box)
 DEFAULT_MTBF_S = 8.0  # the productivity schedule's MTBF; checkpoint-restart's K is set for it
 SEGMENTS = ("detect", "restart / rebuild", "restore", "recompute", "back to speed")
@@ -66,7 +67,7 @@ class JobConfig:
     steps: int = 40
     model: str = "tiny"
     seed: int = 0
-    mtbf_s: float = DEFAULT_MTBF_S   # checkpoint-restart: K from Young/Daly for this MTBF
+    mtbf_s: float = DEFAULT_MTBF_S  # checkpoint-restart: K from Young/Daly for this MTBF
     timeout_s: float = job_config.DEFAULT_TIMEOUT_S  # collective / store timeout inside the job
     max_restarts: int = 3
 
@@ -103,8 +104,9 @@ class Run:
 
     def steps(self) -> list[dict]:
         """Step records (not events), in time order."""
-        return sorted((r for r in self.records if "event" not in r and isinstance(r.get("step"), int)),
-                      key=lambda r: r["time"])
+        return sorted(
+            (r for r in self.records if "event" not in r and isinstance(r.get("step"), int)), key=lambda r: r["time"]
+        )
 
     def events(self, kind: str) -> list[dict]:
         return [r for r in self.records if r.get("event") == kind]
@@ -123,13 +125,28 @@ def torchft_status() -> str | None:
 
 def _run_leto(system: System, cfg: JobConfig, run_dir: Path) -> int:
     """The built-in job under Leto's controller, exactly as `leto train` builds it."""
-    command = ["-m", "leto.training.train_gpt", "--steps", str(cfg.steps), "--seed", str(cfg.seed), "--model", cfg.model]
-    return run_job(job_config.JobConfig(
-        training=job_config.TrainingConfig(command=tuple(command), workers=cfg.workers, nodes=cfg.nodes,
-                                           steps=cfg.steps),
-        protection=job_config.ProtectionConfig(enabled=True, ec=default_code(cfg.nodes)),
-        recovery=job_config.RecoveryConfig(spares=system.spares),
-        timeouts=job_config.Timeouts(collective_s=cfg.timeout_s), run_dir=str(run_dir), quiet=True))
+    command = [
+        "-m",
+        "leto.training.train_gpt",
+        "--steps",
+        str(cfg.steps),
+        "--seed",
+        str(cfg.seed),
+        "--model",
+        cfg.model,
+    ]
+    return run_job(
+        job_config.JobConfig(
+            training=job_config.TrainingConfig(
+                command=tuple(command), workers=cfg.workers, nodes=cfg.nodes, steps=cfg.steps
+            ),
+            protection=job_config.ProtectionConfig(enabled=True, ec=default_code(cfg.nodes)),
+            recovery=job_config.RecoveryConfig(spares=system.spares),
+            timeouts=job_config.Timeouts(collective_s=cfg.timeout_s),
+            run_dir=str(run_dir),
+            quiet=True,
+        )
+    )
 
 
 class RunTimeout(Exception):
@@ -186,9 +203,20 @@ def run_system(system: System, cfg: JobConfig, run_dir: Path, injector: Injector
             if system.kind == LETO:
                 code = _run_leto(system, cfg, run_dir)
             else:
-                summary = run_baseline(system.kind, workers=cfg.workers, nodes=cfg.nodes, steps=cfg.steps,
-                                       seed=cfg.seed, model=cfg.model, run_dir=run_dir, inject=None, ckpt_every=None,
-                                       mtbf_s=cfg.mtbf_s, max_restarts=cfg.max_restarts, timeout_s=cfg.timeout_s)
+                summary = run_baseline(
+                    system.kind,
+                    workers=cfg.workers,
+                    nodes=cfg.nodes,
+                    steps=cfg.steps,
+                    seed=cfg.seed,
+                    model=cfg.model,
+                    run_dir=run_dir,
+                    inject=None,
+                    ckpt_every=None,
+                    mtbf_s=cfg.mtbf_s,
+                    max_restarts=cfg.max_restarts,
+                    timeout_s=cfg.timeout_s,
+                )
                 code = summary.get("exit_code")
     except (KeyboardInterrupt, SystemExit):
         raise
@@ -208,21 +236,35 @@ def run_system(system: System, cfg: JobConfig, run_dir: Path, injector: Injector
         summary = {}
     if code not in (0, None) and error is None:
         error = f"exit code {code}"
-    return Run(system.name, run_dir, t_start, t_end, code, error, summary, read_jsonl(run_dir / "metrics.jsonl"),
-               sorted(injector.kills, key=lambda k: k.time), list(injector.errors))
+    return Run(
+        system.name,
+        run_dir,
+        t_start,
+        t_end,
+        code,
+        error,
+        summary,
+        read_jsonl(run_dir / "metrics.jsonl"),
+        sorted(injector.kills, key=lambda k: k.time),
+        list(injector.errors),
+    )
 
 
 def step_injector(run_dir: Path, kind: str, who: int, step: int, timeout_s: float) -> ExternalInjector:
     """The same external SIGKILL for every system: worker `who` (kind "kill") or every process of
     node `who` ("node-kill"), once step `step` is recorded."""
-    spec = {"kind": kind, "rank": who if kind == "kill" else None, "node": who if kind == "node-kill" else None,
-            "step": step}
+    spec = {
+        "kind": kind,
+        "rank": who if kind == "kill" else None,
+        "node": who if kind == "node-kill" else None,
+        "step": step,
+    }
     return ExternalInjector(run_dir, [spec], timeout_s=timeout_s)
 
 
 @dataclass(frozen=True)
 class ScheduledKill:
-    at_s: float   # seconds of failure-free training after the start of the run
+    at_s: float  # seconds of failure-free training after the start of the run
     rank: int
 
 
@@ -280,8 +322,7 @@ def system_restore_s(records: list[dict], t_kill: float) -> tuple[float | None, 
     return None, False
 
 
-def analyze_recovery(records: list[dict], t_kill: float, *, window: int = WINDOW,
-                     tolerance: float = TOLERANCE) -> dict:
+def analyze_recovery(records: list[dict], t_kill: float, *, window: int = WINDOW, tolerance: float = TOLERANCE) -> dict:
     """Recovery metrics of the failure at `t_kill` from a run's metrics records (steps + events).
 
     * `failed_at`: last step recorded before the kill; the step in flight is `failed_at + 1`.
@@ -297,8 +338,7 @@ def analyze_recovery(records: list[dict], t_kill: float, *, window: int = WINDOW
     * `lost_steps`: steps completed before the kill that were completed again after it.
     * `breakdown`: recovery_s split into SEGMENTS (restore taken from the system's own records).
     """
-    steps = sorted((r for r in records if "event" not in r and isinstance(r.get("step"), int)),
-                   key=lambda r: r["time"])
+    steps = sorted((r for r in records if "event" not in r and isinstance(r.get("step"), int)), key=lambda r: r["time"])
     before = [r for r in steps if r["time"] <= t_kill]
     after = [r for r in steps if r["time"] > t_kill]
     failed_at = max((r["step"] for r in before), default=0)
@@ -312,23 +352,39 @@ def analyze_recovery(records: list[dict], t_kill: float, *, window: int = WINDOW
     if pre is not None and new:
         limit = tolerance * pre
         for i in range(new[0], len(after) - window):
-            if sum(r["step_s"] for r in after[i + 1:i + 1 + window]) <= limit * window:
+            if sum(r["step_s"] for r in after[i + 1 : i + 1 + window]) <= limit * window:
                 recovered = after[i]
                 break
     restore_s, critical = system_restore_s(records, t_kill)
-    out = {"failed_at": failed_at, "pre_step_s": _round(pre), "detect_s": _round(detect_s),
-           "restore_s": _round(restore_s), "first_s": _round(first["time"] - t_kill if first else None),
-           "regain_s": _round(regain["time"] - t_kill if regain else None),
-           "recovery_s": _round(recovered["time"] - t_kill if recovered else None),
-           "lost_steps": len({r["step"] for r in after if r["step"] <= failed_at})}
-    out["breakdown"] = breakdown(t_kill, fail["time"] if fail else None, first["time"] if first else None,
-                                 regain["time"] if regain else None, recovered["time"] if recovered else None,
-                                 restore_s if critical else 0.0)
+    out = {
+        "failed_at": failed_at,
+        "pre_step_s": _round(pre),
+        "detect_s": _round(detect_s),
+        "restore_s": _round(restore_s),
+        "first_s": _round(first["time"] - t_kill if first else None),
+        "regain_s": _round(regain["time"] - t_kill if regain else None),
+        "recovery_s": _round(recovered["time"] - t_kill if recovered else None),
+        "lost_steps": len({r["step"] for r in after if r["step"] <= failed_at}),
+    }
+    out["breakdown"] = breakdown(
+        t_kill,
+        fail["time"] if fail else None,
+        first["time"] if first else None,
+        regain["time"] if regain else None,
+        recovered["time"] if recovered else None,
+        restore_s if critical else 0.0,
+    )
     return out
 
 
-def breakdown(t_kill: float, t_detect: float | None, t_first: float | None, t_regain: float | None,
-              t_recovered: float | None, restore_s: float | None) -> dict[str, float] | None:
+def breakdown(
+    t_kill: float,
+    t_detect: float | None,
+    t_first: float | None,
+    t_regain: float | None,
+    t_recovered: float | None,
+    restore_s: float | None,
+) -> dict[str, float] | None:
     """Split kill -> recovered into SEGMENTS that add up to recovery_s.
 
     detect: kill -> failure recorded; restart / rebuild: failure recorded -> first step after the
@@ -341,8 +397,13 @@ def breakdown(t_kill: float, t_detect: float | None, t_first: float | None, t_re
     t_detect = min(max(t_detect, t_kill), t_first)
     span = t_first - t_detect
     rest = min(max(restore_s or 0.0, 0.0), span)
-    parts = {"detect": t_detect - t_kill, "restart / rebuild": span - rest, "restore": rest,
-             "recompute": t_regain - t_first, "back to speed": t_recovered - t_regain}
+    parts = {
+        "detect": t_detect - t_kill,
+        "restart / rebuild": span - rest,
+        "restore": rest,
+        "recompute": t_regain - t_first,
+        "back to speed": t_recovered - t_regain,
+    }
     return {k: round(max(v, 0.0), 4) for k, v in parts.items()}
 
 
@@ -363,13 +424,13 @@ def in_run_failure_free_s(records: list[dict], t_start: float, steps: int, kill_
     finish = min((r["time"] for r in done if r["step"] == steps), default=None)
     if finish is None:
         return None
-    spans: list[tuple[float, float, float]] = []   # (from, to, normal step time)
+    spans: list[tuple[float, float, float]] = []  # (from, to, normal step time)
     for t_kill in sorted(kill_times):
         if t_kill >= finish:
             break
         r = analyze_recovery(records, t_kill)
         end = finish if r["recovery_s"] is None else min(finish, t_kill + r["recovery_s"])
-        if spans and t_kill <= spans[-1][1]:   # a failure before the last one was over: one span
+        if spans and t_kill <= spans[-1][1]:  # a failure before the last one was over: one span
             spans[-1] = (spans[-1][0], max(spans[-1][1], end), spans[-1][2])
         else:
             spans.append((t_kill, end, r["pre_step_s"] or statistics.median(x["step_s"] for x in done)))
@@ -415,6 +476,7 @@ def state_bytes_per_rank(model: str, workers: int) -> int:
     import torch
 
     from leto.training.model import GPT
+
     with torch.device("meta"):
         numel = sum(p.numel() for p in GPT(PRESETS[model]).parameters() if p.requires_grad)
     elems = DEFAULT_CHUNK_BYTES // 12
@@ -425,9 +487,16 @@ def state_bytes_per_rank(model: str, workers: int) -> int:
 def machine() -> dict:
     """Where the numbers came from."""
     import torch
-    return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "cpus": os.cpu_count(), "platform": platform.platform(),
-            "python": platform.python_version(), "torch": torch.__version__, "backend": "gloo over loopback (CPU)",
-            "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
+
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "backend": "gloo over loopback (CPU)",
+        "loadavg_start": [round(x, 2) for x in os.getloadavg()],
+    }
 
 
 def default_out(kind: str) -> Path:

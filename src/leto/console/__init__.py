@@ -1,5 +1,6 @@
 """What the coordinator shows: a rich progress bar on a terminal, plain lines otherwise; the
 notices it shows are in `console/notices.py`."""
+
 from __future__ import annotations
 
 import json
@@ -9,8 +10,7 @@ from pathlib import Path
 from types import TracebackType
 
 from rich.console import Console
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                           TimeRemainingColumn)
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from leto.console.notices import TO_STDERR, Notice, Recovered, SegmentsRemoved, render
 
@@ -65,10 +65,17 @@ class StepDisplay:
 
     def __enter__(self) -> StepDisplay:
         if self.live:
-            self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                                      TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
-                                      TextColumn("eta"), TimeRemainingColumn(),
-                                      console=self.console, transient=False)
+            self._progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"),
+                TimeElapsedColumn(),
+                TextColumn("eta"),
+                TimeRemainingColumn(),
+                console=self.console,
+                transient=False,
+            )
             self._progress.start()
             self._task = self._progress.add_task("train", total=self.total, info="")
         return self

@@ -2,6 +2,7 @@
 
 The coordinator emits notices (`StepDisplay.show`); the words are here, in `render`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -123,8 +124,23 @@ class Recovered:
     total_s: float
 
 
-Notice = (ConfigNotWritten | SegmentsRemoved | TookOver | Stopping | ProcessFailed | CannotRecover | ProtectionOff
-          | RecoveringInALoop | NothingProtected | AfterLastStep | Shrinking | Degraded | Growing | Resized | Recovered)
+Notice = (
+    ConfigNotWritten
+    | SegmentsRemoved
+    | TookOver
+    | Stopping
+    | ProcessFailed
+    | CannotRecover
+    | ProtectionOff
+    | RecoveringInALoop
+    | NothingProtected
+    | AfterLastStep
+    | Shrinking
+    | Degraded
+    | Growing
+    | Resized
+    | Recovered
+)
 TO_STDERR = (ConfigNotWritten, SegmentsRemoved)  # said at once on stderr, past the progress bar
 
 
@@ -132,8 +148,10 @@ def render(n: Notice) -> str:
     """The console line of a notice."""
     match n:
         case ConfigNotWritten(path, why):
-            return (f"leto: cannot write {path} ({why}); the job goes on without it "
-                    f"(a --resume of this run then needs the job's flags)")
+            return (
+                f"leto: cannot write {path} ({why}); the job goes on without it "
+                f"(a --resume of this run then needs the job's flags)"
+            )
         case SegmentsRemoved(count):
             return f"leto: removed {count} shared-memory segment(s) left behind by dead jobs"
         case TookOver(generation):
@@ -147,13 +165,18 @@ def render(n: Notice) -> str:
         case ProtectionOff():
             return "leto: protection is off, so the lost state cannot be rebuilt; stopping the job"
         case RecoveringInALoop(limit):
-            return f"leto: {limit} recoveries in one job: something fails over and over; stopping the job rather than loop"
+            return (
+                f"leto: {limit} recoveries in one job: something fails over and over; stopping the job rather than loop"
+            )
         case NothingProtected():
-            return ("leto: the failure came before any state was protected (the script does not use "
-                    "leto.Trainer, or protection had not started); stopping the job")
+            return (
+                "leto: the failure came before any state was protected (the script does not use "
+                "leto.Trainer, or protection had not started); stopping the job"
+            )
         case AfterLastStep(recorded):
-            return ("leto: the failure came after the last step; nothing to recover"
-                    + ("" if recorded else " (rank 0 did not record the result)"))
+            return "leto: the failure came after the last step; nothing to recover" + (
+                "" if recorded else " (rank 0 did not record the result)"
+            )
         case Shrinking(lost, ranks):
             return f"leto: no shadow left for {lost} lost rank(s): shrinking to {ranks} ranks (same global batch)"
         case Degraded(what):
@@ -163,6 +186,8 @@ def render(n: Notice) -> str:
         case Resized(generation, ranks, step, total_s):
             return f"leto: generation {generation} runs {ranks} ranks again (step {step}, {total_s:.3f}s)"
         case Recovered(generation, cause, tier, step, detect_s, restore_s, total_s):
-            return (f"leto: recovered generation {generation} ({cause}) via {tier} at step {step}: "
-                    f"detect {detect_s:.3f}s, restore {restore_s}s, total {total_s:.3f}s")
+            return (
+                f"leto: recovered generation {generation} ({cause}) via {tier} at step {step}: "
+                f"detect {detect_s:.3f}s, restore {restore_s}s, total {total_s:.3f}s"
+            )
     raise TypeError(f"not a notice: {n!r}")

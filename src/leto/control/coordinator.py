@@ -7,6 +7,7 @@ commands are `procs.Processes`, spare finding `spares.Spares`, the recovery reco
 console renders them. It knows the processes only from the supervisors' reports and acts on them
 only by commands, both through the store (docs/design.md, "Supervisor and coordinator").
 """
+
 from __future__ import annotations
 
 import json
@@ -73,8 +74,14 @@ class Hosts(Protocol):
 class Coordinator:
     """Decides the membership of one job, from start to end."""
 
-    def __init__(self, store: dist.Store, config: JobConfig, serve: Callable[[], None] | None = None,
-                 summary_extra: dict | None = None, hosts: Hosts | None = None) -> None:
+    def __init__(
+        self,
+        store: dist.Store,
+        config: JobConfig,
+        serve: Callable[[], None] | None = None,
+        summary_extra: dict | None = None,
+        hosts: Hosts | None = None,
+    ) -> None:
         """`serve`: where the host's supervisor runs in this thread, the call that lets it carry
         out the commands written so far (so none waits for its next round); None where it runs
         elsewhere and polls the store itself. `hosts`: a multi-host job's hosts (None: one host)."""
@@ -84,9 +91,9 @@ class Coordinator:
         self.processes = Processes(store, serve, config.timeouts.fork_s)
         self.procs = self.processes.views  # every process asked for, by id (the same dict)
         self.spares = Spares(self.processes, config, self._read_reports)
-        self.members: dict[int, ProcView] = {}    # rank -> its process in the current generation
+        self.members: dict[int, ProcView] = {}  # rank -> its process in the current generation
         self.members_before: dict[int, ProcView] = {}
-        self.pending: list[Recovery] = []         # recoveries waiting for their first step
+        self.pending: list[Recovery] = []  # recoveries waiting for their first step
         self.dead_keeper_nodes: set[int] = set()
         self.host_lost_at: dict[int, float] = {}  # a lost host's last sign of life (time.time())
         self.events: list[dict] = []
@@ -94,7 +101,7 @@ class Coordinator:
         self.membership = Membership(0, (), ())
         self.display = StepDisplay(config.training.steps, quiet=config.quiet)
         self._inbox: list[ProcEvent] = []
-        self._refused = Refusals()               # malformed store values seen (said once)
+        self._refused = Refusals()  # malformed store values seen (said once)
         self._signal: int | None = None
         self._next_report = 0
         self._last_step: tuple[int, float] | None = None
@@ -167,11 +174,24 @@ class Coordinator:
         in_membership = set(self.membership.node_of_rank)
         self.dead_keeper_nodes = {n for n in range(self.cfg.training.nodes) if n not in in_membership}
         for p in self.procs.values():  # undecided: a dead member, the last keeper of a node in the membership
-            keeper_gone = p.role == "keeper" and p.node in in_membership and not any(
-                q.role == "keeper" and q.node == p.node and q.alive for q in self.procs.values())
+            keeper_gone = (
+                p.role == "keeper"
+                and p.node in in_membership
+                and not any(q.role == "keeper" and q.node == p.node and q.alive for q in self.procs.values())
+            )
             if (p in self.members.values() and p.code not in (None, 0)) or (keeper_gone and p.code is not None):
-                self._inbox.append(ProcEvent(ProcEventKind.EXITED, p.proc_id, p.role, p.rank, p.node, p.pid, p.code,
-                                             "exited before the coordinator was lost"))
+                self._inbox.append(
+                    ProcEvent(
+                        ProcEventKind.EXITED,
+                        p.proc_id,
+                        p.role,
+                        p.rank,
+                        p.node,
+                        p.pid,
+                        p.code,
+                        "exited before the coordinator was lost",
+                    )
+                )
         self.events = [r for r in read_jsonl(self.run_dir / runlog.METRICS) if "event" in r]
         self.event("takeover", generation=gen)
         self.display.show(notices.TookOver(gen))
@@ -271,8 +291,18 @@ class Coordinator:
             for p in self.procs.values():
                 if p.node == node and p.alive:
                     p.code = -signal.SIGKILL
-                    self._inbox.append(ProcEvent(ProcEventKind.EXITED, p.proc_id, p.role, p.rank, node, p.pid, p.code,
-                                                 f"lost with its host: {why}"))
+                    self._inbox.append(
+                        ProcEvent(
+                            ProcEventKind.EXITED,
+                            p.proc_id,
+                            p.role,
+                            p.rank,
+                            node,
+                            p.pid,
+                            p.code,
+                            f"lost with its host: {why}",
+                        )
+                    )
 
     def hosts_up(self) -> list[int]:
         """The nodes whose supervisor takes part (one host: node 0 stands for all)."""
@@ -280,9 +310,16 @@ class Coordinator:
 
     def _take_failures(self) -> list[tuple[ProcView, str]]:
         """The failures among the events read: any non-zero exit, a keeper's exit, a fence."""
-        out = [(self.procs[e.proc_id], e.cause) for e in self._inbox
-               if e.proc_id in self.procs and (e.kind is ProcEventKind.FENCED or e.kind is ProcEventKind.EXITED
-                                               and (e.code != 0 or self.procs[e.proc_id].role == "keeper"))]
+        out = [
+            (self.procs[e.proc_id], e.cause)
+            for e in self._inbox
+            if e.proc_id in self.procs
+            and (
+                e.kind is ProcEventKind.FENCED
+                or e.kind is ProcEventKind.EXITED
+                and (e.code != 0 or self.procs[e.proc_id].role == "keeper")
+            )
+        ]
         self._inbox.clear()
         return out
 
@@ -308,8 +345,9 @@ class Coordinator:
             return self._after_training()
         dead_keepers = {p.node for p, _ in failed if p.role == "keeper"}
         lost_ranks = {r for r, p in self.members.items() if any(p is f for f, _ in failed)}
-        lost_nodes = {n for n in dead_keepers
-                      if all(p.code not in (None, 0) for p in self.members.values() if p.node == n)}
+        lost_nodes = {
+            n for n in dead_keepers if all(p.code not in (None, 0) for p in self.members.values() if p.node == n)
+        }
         if not lost_ranks and not dead_keepers:
             self.spares.replenish(self.dead_keeper_nodes)
             return None  # only idle shadows died
@@ -329,11 +367,20 @@ class Coordinator:
         trace.mark("announced", generation=new.generation)
         self._note_degradation(new)
         t_fail = min(self._failure_time(p, t_detect) for p, _ in failed)
-        record = Recovery(new.generation, cause, t_fail, t_detect, len(new.proc_of_rank), sorted(lost_ranks),
-                          sorted(lost_nodes), {str(r): s.proc_id for r, s in adopted.items()})
+        record = Recovery(
+            new.generation,
+            cause,
+            t_fail,
+            t_detect,
+            len(new.proc_of_rank),
+            sorted(lost_ranks),
+            sorted(lost_nodes),
+            {str(r): s.proc_id for r, s in adopted.items()},
+        )
         if len(new.proc_of_rank) < len(self.members_before):
-            self.display.show(notices.Shrinking(len(self.members_before) - len(new.proc_of_rank),
-                                                len(new.proc_of_rank)))
+            self.display.show(
+                notices.Shrinking(len(self.members_before) - len(new.proc_of_rank), len(new.proc_of_rank))
+            )
         self._merge_pending(record)
         for n in dead_keepers - lost_nodes:  # the node lives: give it a new keeper, at normal priority
             self.processes.spawn("keeper", None, n, boost=True)  # (the workers wait for it to protect again)
@@ -376,9 +423,14 @@ class Coordinator:
         """Drain the current generation's keepers and publish generation g+1."""
         live_nodes = sorted({n for n in self.membership.node_of_rank if n not in self.dead_keeper_nodes | dead_keepers})
         # one etcd transaction: whoever sees the membership finds the drain it rebuilds from
-        self.store.multi_set([keys.drain(self.membership.generation), keys.membership(new.generation), keys.JOB_STATE],
-                             [Drain(tuple(live_nodes), new.generation).to_json(), new.to_json(),
-                              JobState(new.generation, True).to_json()])
+        self.store.multi_set(
+            [keys.drain(self.membership.generation), keys.membership(new.generation), keys.JOB_STATE],
+            [
+                Drain(tuple(live_nodes), new.generation).to_json(),
+                new.to_json(),
+                JobState(new.generation, True).to_json(),
+            ],
+        )
         self.processes.command(Command("wake_keepers"))
         for proc_id in new.proc_of_rank:  # adopting shadows run at normal priority from here
             if self.procs[proc_id].role == "shadow":
@@ -411,7 +463,7 @@ class Coordinator:
         warm = self.spares.warm(self.dead_keeper_nodes)
         if not warm or self.membership.generation >= MAX_GENERATIONS:
             return
-        new = grow_membership(self.membership, warm[:workers - len(self.members)])
+        new = grow_membership(self.membership, warm[: workers - len(self.members)])
         t = time.time()
         self._announce(new)
         self.pending = [Recovery(new.generation, new.cause, t, t, len(new.proc_of_rank))]
@@ -419,8 +471,11 @@ class Coordinator:
 
     def _ever_protected(self) -> bool:
         """Has any generation's protection been committed (by any keeper)?"""
-        return any(self.store.check([keys.committed(g, n)])
-                   for g in range(self.membership.generation + 1) for n in range(self.cfg.training.nodes))
+        return any(
+            self.store.check([keys.committed(g, n)])
+            for g in range(self.membership.generation + 1)
+            for n in range(self.cfg.training.nodes)
+        )
 
     def _failure_time(self, p: ProcView, t_detect: float) -> float:
         """When the failure happened: the injector's record, else the last sign of life of its
@@ -435,8 +490,11 @@ class Coordinator:
             return min(t_detect, self.host_lost_at[p.node])
         key = keys.heartbeat(p.proc_id)
         try:
-            beat = parse_beat(self.store.get(key), key) if p.role in ("worker", "keeper") and self.store.check([key]) \
+            beat = (
+                parse_beat(self.store.get(key), key)
+                if p.role in ("worker", "keeper") and self.store.check([key])
                 else None
+            )
         except BadValue:
             beat = None
         return min(t_detect, beat[0]) if beat is not None else t_detect
@@ -476,12 +534,22 @@ class Coordinator:
             self.spares.replenish(self.dead_keeper_nodes)
             if pending.grow:
                 self.event("resize", **done)
-                self.display.show(notices.Resized(done["generation"], done["world_size"], done["step"],
-                                                  done["total_s"]))
+                self.display.show(
+                    notices.Resized(done["generation"], done["world_size"], done["step"], done["total_s"])
+                )
                 continue
             self.event("recovery", **done)
-            self.display.show(notices.Recovered(done["generation"], done["cause"], done["tier"], done["step"],
-                                                done["detect_s"], done["restore_s"], done["total_s"]))
+            self.display.show(
+                notices.Recovered(
+                    done["generation"],
+                    done["cause"],
+                    done["tier"],
+                    done["step"],
+                    done["detect_s"],
+                    done["restore_s"],
+                    done["total_s"],
+                )
+            )
         self.max_step = max(self.max_step, rec.step)
 
     def write_summary(self, wall_s: float, code: int) -> None:

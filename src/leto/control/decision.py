@@ -1,4 +1,5 @@
 """The coordinator's decision after a failure: the next generation's membership."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,8 +15,9 @@ class Spare:
     node: int
 
 
-def next_membership(membership: Membership, failed_ranks: set[int], failed_nodes: set[int], spares: list[Spare],
-              cause: str) -> tuple[Membership, dict[int, Spare]]:
+def next_membership(
+    membership: Membership, failed_ranks: set[int], failed_nodes: set[int], spares: list[Spare], cause: str
+) -> tuple[Membership, dict[int, Spare]]:
     """Generation g+1 and the spare adopting each failed rank: a shadow on the same node preferred
     (its keeper holds the tier-1 parity), else on the node with the fewest ranks. Failed ranks
     left without a shadow are dropped (the survivors take over their shards and the ranks after
@@ -37,13 +39,24 @@ def next_membership(membership: Membership, failed_ranks: set[int], failed_nodes
     keep = [r for r in range(len(node_of_rank)) if r not in dropped]
     if not keep:
         raise LookupError("every rank was lost and no shadow is left")
-    new = Membership(membership.generation + 1, tuple(node_of_rank[r] for r in keep), tuple(proc_of_rank[r] for r in keep),
-               tuple(sorted(failed_ranks)), tuple(sorted(failed_nodes)), cause)
+    new = Membership(
+        membership.generation + 1,
+        tuple(node_of_rank[r] for r in keep),
+        tuple(proc_of_rank[r] for r in keep),
+        tuple(sorted(failed_ranks)),
+        tuple(sorted(failed_nodes)),
+        cause,
+    )
     return new, adopted
 
 
 def grow_membership(membership: Membership, spares: list[Spare]) -> Membership:
     """Generation g+1 with `spares` joining as new ranks at the end (after a shrink)."""
-    return Membership(membership.generation + 1, membership.node_of_rank + tuple(s.node for s in spares),
-                membership.proc_of_rank + tuple(s.proc_id for s in spares), (), (),
-                f"grow: {', '.join(s.proc_id for s in spares)} joined")
+    return Membership(
+        membership.generation + 1,
+        membership.node_of_rank + tuple(s.node for s in spares),
+        membership.proc_of_rank + tuple(s.proc_id for s in spares),
+        (),
+        (),
+        f"grow: {', '.join(s.proc_id for s in spares)} joined",
+    )

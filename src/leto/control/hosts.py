@@ -7,6 +7,7 @@ its lease); when its host is lost, the key goes with the lease and another host 
 (`Coordinator.restore`) while the training processes keep their state. Every store client of a
 host is fenced by its host record, so a host that lost its lease cannot write into the job.
 """
+
 from __future__ import annotations
 
 import os
@@ -19,8 +20,8 @@ from leto.config import JobConfig
 from leto.control.coordinator import POLL_S, Coordinator
 from leto.control.lease import HostLease, Liveness, LivenessWatch, reaches_any
 from leto.control.supervisor import Supervisor
-from leto.protocol import keys
 from leto.errors import BadValue
+from leto.protocol import keys
 from leto.protocol.messages import HostRecord, Refusals, parse_int
 from leto.runtime import linux, threads, trace
 from leto.runtime.env import ENV_HOST_STORE, LOOPBACK, loopback_store, network_env
@@ -32,7 +33,7 @@ from leto.runtime.etcd_store import (
     parse_endpoints,
 )
 
-HOST_CHECK_S = 0.05   # how often the coordinator reads the host records (the lease's verdict)
+HOST_CHECK_S = 0.05  # how often the coordinator reads the host records (the lease's verdict)
 ELECTION_CHECK_S = 0.1
 _refused = Refusals()  # malformed store values this host ignored (said once each)
 LEADER_CHECK_S = 2.0  # how often the coordinator's host checks that its etcd member leads
@@ -109,10 +110,15 @@ class Cluster:
             self._last_check = now
             live = self.read()
             if self.me not in live:
-                raise Fenced(f"this host's record ({keys.host(self.me)}) is gone, its lease revoked or expired: "
-                             f"it is no longer part of the job")
-            ended = [n for n in range(self.nodes)  # every host joined at the start
-                     if n not in live and n not in self._lost and n not in out]
+                raise Fenced(
+                    f"this host's record ({keys.host(self.me)}) is gone, its lease revoked or expired: "
+                    f"it is no longer part of the job"
+                )
+            ended = [
+                n
+                for n in range(self.nodes)  # every host joined at the start
+                if n not in live and n not in self._lost and n not in out
+            ]
             if ended:  # seen in the mirror, not proved by a fenced write of this host's: ask etcd
                 self.store.confirm_fence()
             for n in ended:
@@ -152,8 +158,11 @@ class EtcdLeaderHere:
             except (StoreUnavailable, EtcdError) as e:  # an election, a member down: try again later
                 failures += 1
                 if failures == 3:  # said once, after a few tries (one failure is an election)
-                    print(f"leto: could not make this host's etcd member the leader (host losses may wait "
-                          f"for an etcd election): {e}", file=sys.stderr)
+                    print(
+                        f"leto: could not make this host's etcd member the leader (host losses may wait "
+                        f"for an etcd election): {e}",
+                        file=sys.stderr,
+                    )
             if self._stop.wait(LEADER_CHECK_S):
                 return
 
@@ -172,10 +181,11 @@ def _join(base: EtcdStore, cfg: JobConfig, lease: HostLease, addr: str, liveness
     """Take the next node number and this host's record; (node, the record's create revision)."""
     node = base.add(keys.HOST_SEQ, 1) - 1
     if node >= cfg.training.nodes:
-        raise HostLost(f"job {cfg.rendezvous.job_id!r} already has its {cfg.training.nodes} hosts (--nodes); "
-                       f"this host is number {node + 1}")
-    rev = base.create(keys.host(node), HostRecord(node, addr, liveness.port, os.getpid(), lease.id).to_json(),
-                      lease.id)
+        raise HostLost(
+            f"job {cfg.rendezvous.job_id!r} already has its {cfg.training.nodes} hosts (--nodes); "
+            f"this host is number {node + 1}"
+        )
+    rev = base.create(keys.host(node), HostRecord(node, addr, liveness.port, os.getpid(), lease.id).to_json(), lease.id)
     if rev is None:
         raise HostLost(f"node {node} of job {cfg.rendezvous.job_id!r} already has a host")
     return node, rev
@@ -187,8 +197,10 @@ def _await_hosts(store: EtcdStore, cfg: JobConfig, lease: HostLease) -> None:
         if (why := lease.lost()) is not None:
             raise HostLost(why)
         if time.monotonic() > deadline:
-            raise HostLost(f"only {len(store.under('control/host/'))} of {cfg.training.nodes} hosts joined job "
-                           f"{cfg.rendezvous.job_id!r} within {cfg.timeouts.collective_s:.0f}s")
+            raise HostLost(
+                f"only {len(store.under('control/host/'))} of {cfg.training.nodes} hosts joined job "
+                f"{cfg.rendezvous.job_id!r} within {cfg.timeouts.collective_s:.0f}s"
+            )
         time.sleep(0.05)
 
 
@@ -222,8 +234,9 @@ def run_host(config: JobConfig, summary_extra: dict | None = None) -> int:
         host_store = loopback_store(config.timeouts.collective_s)
         child_env = {ENV_HOST_STORE: f"{LOOPBACK}:{host_store.port}", **network_env(addr)}
         _await_hosts(store, config, lease)
-        supervisor = Supervisor(store, config, url, f"{r.job_id}-h{node}", node=node, child_env=child_env,
-                                host_store=host_store)
+        supervisor = Supervisor(
+            store, config, url, f"{r.job_id}-h{node}", node=node, child_env=child_env, host_store=host_store
+        )
         supervisor.start()
         last_election = 0.0
         leader = LeaderWatch(store, node, lease, [e for e in endpoints if e != own])
@@ -335,8 +348,15 @@ class LeaderWatch:
         return True
 
 
-def _elect(store: EtcdStore, config: JobConfig, node: int, lease: HostLease, supervisor: Supervisor,
-           leader: LeaderWatch, summary_extra: dict | None) -> Coordinator | None:
+def _elect(
+    store: EtcdStore,
+    config: JobConfig,
+    node: int,
+    lease: HostLease,
+    supervisor: Supervisor,
+    leader: LeaderWatch,
+    summary_extra: dict | None,
+) -> Coordinator | None:
     """Become the coordinator if there is none (the key is bound to this host's lease)."""
     if store.create(keys.COORDINATOR, str(node), lease.id) is None:
         return None

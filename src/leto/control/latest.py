@@ -1,4 +1,5 @@
 """A store value that is replaced, never deleted, read with one round trip once it exists."""
+
 from __future__ import annotations
 
 import torch.distributed as dist

@@ -19,6 +19,7 @@ extends every lease by its TTL, which made a cut host's loss known 2-3.4 s after
 watcher judges only while its own lease is fresh: a watcher that is cut off itself hears from
 no one, and must not take the others out.
 """
+
 from __future__ import annotations
 
 import errno
@@ -39,8 +40,8 @@ REFRESHES_PER_LEASE = 4
 # must not stop itself during one. Its lease may expire earlier at etcd; from then on etcd refuses
 # its writes (the fence) and no later generation includes it, so waiting is safe.
 SILENT_LEASES = 2
-BEAT_S = 0.1          # how often a supervisor tells its watchers its lease's age
-RETRY_S = 0.05        # the pause before a failed refresh is tried again
+BEAT_S = 0.1  # how often a supervisor tells its watchers its lease's age
+RETRY_S = 0.05  # the pause before a failed refresh is tried again
 REACH_TIMEOUT_S = 0.1  # a connect that says whether this host reaches another
 _BEAT = struct.Struct("!d")  # a beat: seconds since the last confirmed refresh began
 # A watcher's first bytes: what it is, and the version of this protocol. A connection that has
@@ -188,7 +189,7 @@ class Liveness:
         except OSError:
             return False
         got += chunk
-        if not chunk or _HELLO_BYTES[:len(got)] != got:
+        if not chunk or _HELLO_BYTES[: len(got)] != got:
             return False
         pending[conn] = (deadline, got)
         return len(got) == _HELLO.size or None
@@ -222,11 +223,11 @@ class LivenessWatch:
         self.ttl_s, self._judge, self._reaches = ttl_s, judge, reaches
         self._reached: tuple[float, bool] = (-math.inf, False)  # the last probe: when, and its answer
         self._conns: dict[int, socket.socket] = {}
-        self._pending: dict[int, bytes] = {}    # a beat's bytes received so far
+        self._pending: dict[int, bytes] = {}  # a beat's bytes received so far
         self._refreshed: dict[int, float] = {}  # when its last confirmed refresh began, at the latest
-        self._heard: dict[int, float] = {}      # when it last sent anything (or was connected to)
+        self._heard: dict[int, float] = {}  # when it last sent anything (or was connected to)
         self._refused: set[int] = set()
-        self._beaten: set[int] = set()          # whose connection has delivered a beat
+        self._beaten: set[int] = set()  # whose connection has delivered a beat
         self.gone: set[int] = set()
 
     def watch(self, node: int, addr: str, port: int) -> None:
@@ -266,8 +267,10 @@ class LivenessWatch:
         if self._judge():
             for node, refreshed in self._refreshed.items():
                 if node in self._conns and node not in found and now - refreshed > self.ttl_s + BEAT_S:
-                    found[node] = (f"it reported no refresh of its etcd lease for {now - refreshed:.1f}s "
-                                   f"(cut off or frozen; lease {self.ttl_s:g}s)")
+                    found[node] = (
+                        f"it reported no refresh of its etcd lease for {now - refreshed:.1f}s "
+                        f"(cut off or frozen; lease {self.ttl_s:g}s)"
+                    )
         else:
             # This host cannot refresh either. If it reaches no one, it is the one cut off: every
             # host's silence counts again from when its own refreshes go through. If it does, etcd
@@ -331,6 +334,7 @@ class LivenessWatch:
 
 def reaches_any(addrs: list[tuple[str, int]]) -> Callable[[], bool]:
     """A probe: does a TCP connect to one of `addrs` (the other hosts' etcd members) succeed?"""
+
     def reaches() -> bool:
         for addr in addrs:
             try:
@@ -339,4 +343,5 @@ def reaches_any(addrs: list[tuple[str, int]]) -> Callable[[], bool]:
             except OSError:
                 continue
         return False
+
     return reaches

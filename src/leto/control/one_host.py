@@ -5,6 +5,7 @@ and one loop gives each its round, the supervisor first, so that a failure it re
 on in the same round. Nothing of the job listens beyond loopback: the store is bound to
 127.0.0.1, and every child's gloo and NCCL to the loopback interface.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,10 +24,20 @@ def run_job(config: JobConfig, summary_extra: dict | None = None) -> int:
     store = loopback_store(config.timeouts.collective_s)
     addr = f"{LOOPBACK}:{store.port}"
     # the coordinator has the supervisor serve each command at once: its own look is a fallback
-    supervisor = Supervisor(store, config, addr, f"{os.getpid()}-{store.port}", command_poll_s=HEARTBEAT_CHECK_S,
-                            child_env=network_env(LOOPBACK))
-    coordinator = Coordinator(connect(addr, config.timeouts.collective_s), config,
-                              serve=supervisor.serve_commands, summary_extra=summary_extra)
+    supervisor = Supervisor(
+        store,
+        config,
+        addr,
+        f"{os.getpid()}-{store.port}",
+        command_poll_s=HEARTBEAT_CHECK_S,
+        child_env=network_env(LOOPBACK),
+    )
+    coordinator = Coordinator(
+        connect(addr, config.timeouts.collective_s),
+        config,
+        serve=supervisor.serve_commands,
+        summary_extra=summary_extra,
+    )
     coordinator.prepare()
     supervisor.start()
     try:
@@ -41,8 +52,11 @@ def run_job(config: JobConfig, summary_extra: dict | None = None) -> int:
         finally:
             coordinator.stop()
     except Exception as e:  # one host: an error of its controller stops the job, with one line
-        print(f"leto: stopping the job after an unexpected error in its controller: {type(e).__name__}: {e}",
-              file=sys.stderr, flush=True)
+        print(
+            f"leto: stopping the job after an unexpected error in its controller: {type(e).__name__}: {e}",
+            file=sys.stderr,
+            flush=True,
+        )
         code = 1
     finally:
         supervisor.close()

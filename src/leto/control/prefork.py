@@ -16,6 +16,7 @@ a forked process may. A command the server cannot run like `python ARGV` (interp
 is exec'd, and so is everything once the server fails (`ForkServer.broken` says why) or with
 `--fork-server off`.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -31,7 +32,7 @@ from leto.config import JobConfig
 from leto.protection import doorbell
 from leto.runtime import linux
 
-READY_TIMEOUT_S = 120.0   # the server's imports, on a host that is busy starting a job
+READY_TIMEOUT_S = 120.0  # the server's imports, on a host that is busy starting a job
 REQUEST_TIMEOUT_S = 10.0  # one fork and adoption
 ADOPT_TIMEOUT_S = 5.0
 PRELOAD = ("torch", "torch.distributed", "leto.runtime.env", "leto.protection.keeper", "leto.training.train_gpt")
@@ -76,9 +77,13 @@ class ForkServer:
         self._resp_r, resp_w = os.pipe()
         preload = PRELOAD + (PERSIST_PRELOAD if config.persistence.dir is not None else ())
         try:
-            self.popen = subprocess.Popen([sys.executable, "-m", "leto.control.prefork", str(req_r), str(resp_w),
-                                           ",".join(preload)], env=env, pass_fds=(req_r, resp_w),
-                                          start_new_session=True, preexec_fn=linux.die_with_parent)
+            self.popen = subprocess.Popen(
+                [sys.executable, "-m", "leto.control.prefork", str(req_r), str(resp_w), ",".join(preload)],
+                env=env,
+                pass_fds=(req_r, resp_w),
+                start_new_session=True,
+                preexec_fn=linux.die_with_parent,
+            )
         finally:
             os.close(req_r)
             os.close(resp_w)
@@ -124,7 +129,7 @@ class ForkServer:
         while data:
             if not select.select([], [self._req_w], [], max(0.0, deadline - time.monotonic()))[1]:
                 raise TimeoutError("the fork server takes no request")
-            data = data[os.write(self._req_w, data):]
+            data = data[os.write(self._req_w, data) :]
 
     def _expect(self, tag: str, deadline: float) -> str:
         """The rest of the next line from the server, which must start with `tag`."""
@@ -132,8 +137,9 @@ class ForkServer:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([self._resp_r], [], [], left)[0]:
                 code = self.popen.poll()
-                raise TimeoutError("the fork server did not answer" if code is None else
-                                   f"the fork server {linux.describe_exit(code)}")
+                raise TimeoutError(
+                    "the fork server did not answer" if code is None else f"the fork server {linux.describe_exit(code)}"
+                )
             chunk = os.read(self._resp_r, 4096)
             if not chunk:
                 raise OSError(f"the fork server {linux.describe_exit(self.popen.wait())}")

@@ -3,6 +3,7 @@
 The coordinator knows the processes only from its own commands and the supervisors' reports, and
 acts on them only by commands written to the store (docs/design.md, "Supervisor and coordinator").
 """
+
 from __future__ import annotations
 
 import time
@@ -27,7 +28,7 @@ class ProcView:
     rank: int | None
     node: int
     pid: int = 0
-    code: int | None = None   # the exit status once it exited
+    code: int | None = None  # the exit status once it exited
 
     @property
     def alive(self) -> bool:  # requested, started and not yet exited
@@ -69,8 +70,10 @@ class Processes:
         A recovery names the shadow only once it is forked: asked for while the survivors still
         wait, the fork took ~0.1 s here; run alongside the survivors' join (the membership out first)
         it took 0.4-0.6 s on 2 cores, and the new group waits for the shadow either way."""
-        if not any(p.role == "zygote" and p.node == node and p.alive and self.store.check([keys.warm(p.proc_id)])
-                   for p in self.views.values()):
+        if not any(
+            p.role == "zygote" and p.node == node and p.alive and self.store.check([keys.warm(p.proc_id)])
+            for p in self.views.values()
+        ):
             return None
         view = ProcView(self._new_id("shadow"), "shadow", None, node)
         self.views[view.proc_id] = view

@@ -6,6 +6,7 @@ every poll of a wait (`GenerationWatch.progress`). A worker whose counter has no
 `timeout_s()` = max(floor, factor x median step time) is hung even though it heartbeats
 (docs/design.md, "Progress, not liveness").
 """
+
 from __future__ import annotations
 
 import statistics

@@ -2,6 +2,7 @@
 
 A warm zygote forks a shadow in milliseconds; without one a shadow is started from scratch.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -22,8 +23,12 @@ class Spares:
     def zygotes_wanted(self) -> bool:
         """Zygotes need spares to make, protection to adopt with, and a job that can fork (a
         zygote that finds a CUDA context says so and exits: CUDA does not survive fork)."""
-        return bool(self.cfg.recovery.zygotes and self.cfg.recovery.spares and self.cfg.protection.enabled
-                    and not self.processes.store.check([keys.ZYGOTES_OFF]))
+        return bool(
+            self.cfg.recovery.zygotes
+            and self.cfg.recovery.spares
+            and self.cfg.protection.enabled
+            and not self.processes.store.check([keys.ZYGOTES_OFF])
+        )
 
     def live_nodes(self, down: set[int]) -> list[int]:
         return [n for n in range(self.cfg.training.nodes) if n not in down]
@@ -40,8 +45,11 @@ class Spares:
         """Spares for `lost` ranks off the nodes `down`: the idle shadows, then warm shadows
         forked (milliseconds), then (`--no-spare wait`) cold shadows started on the lightest
         node outside `cold_down`."""
-        spares = [Spare(p.proc_id, p.node) for p in self.processes.views.values()
-                  if p.role == "shadow" and p.alive and p.node not in down]
+        spares = [
+            Spare(p.proc_id, p.node)
+            for p in self.processes.views.values()
+            if p.role == "shadow" and p.alive and p.node not in down
+        ]
         for n in sorted(self.live_nodes(down), key=self.processes.load):
             while len(spares) < lost and (forked := self.fork(n, boost=True)) is not None:
                 spares.append(forked)
@@ -52,9 +60,15 @@ class Spares:
 
     def warm(self, down: set[int]) -> list[Spare]:
         """The idle shadows off the nodes `down` that are ready to join at once."""
-        return [Spare(p.proc_id, p.node) for p in self.processes.views.values()
-                if p.role == "shadow" and p.alive and p.pid and p.node not in down
-                and self.processes.store.check([keys.warm(p.proc_id)])]
+        return [
+            Spare(p.proc_id, p.node)
+            for p in self.processes.views.values()
+            if p.role == "shadow"
+            and p.alive
+            and p.pid
+            and p.node not in down
+            and self.processes.store.check([keys.warm(p.proc_id)])
+        ]
 
     def start(self) -> None:
         """Generation 0's shadows and zygotes."""

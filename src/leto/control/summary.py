@@ -1,4 +1,5 @@
 """A job's `summary.json`: its result, its recoveries, resizes and degradations, its configuration."""
+
 from __future__ import annotations
 
 from dataclasses import asdict
@@ -13,8 +14,16 @@ from leto.protocol.messages import JobResult, Refusals
 from leto.runtime import runlog
 
 
-def write_summary(store: dist.Store, config: JobConfig, run_dir: Path, events: list[dict], wall_s: float,
-                  code: int, extra: dict, refused: Refusals) -> None:
+def write_summary(
+    store: dist.Store,
+    config: JobConfig,
+    run_dir: Path,
+    events: list[dict],
+    wall_s: float,
+    code: int,
+    extra: dict,
+    refused: Refusals,
+) -> None:
     """`summary.json` (atomically and durably; retried a few times on a full disk, else said
     on stderr: the job's exit code stays the job's). `events`: the job's events so far; `extra`:
     fields a caller adds; a malformed result is said through `refused`."""
@@ -26,12 +35,19 @@ def write_summary(store: dist.Store, config: JobConfig, run_dir: Path, events: l
         except BadValue as e:
             refused.refuse(e, value)
     t = config.training
-    summary = {**result, "wall_s": round(wall_s, 3), "workers": t.workers,
-               "spares": config.recovery.spares, "nodes": t.nodes, "exit_code": code,
-               "recoveries": [e for e in events if e["event"] == "recovery"],
-               "resizes": [e for e in events if e["event"] == "resize"],
-               "degraded": [e for e in events if e["event"] == "degraded"],
-               "fatal": next((e["cause"] for e in events if e["event"] == "fatal"), None), **extra,
-               "config": config.to_dict()}
+    summary = {
+        **result,
+        "wall_s": round(wall_s, 3),
+        "workers": t.workers,
+        "spares": config.recovery.spares,
+        "nodes": t.nodes,
+        "exit_code": code,
+        "recoveries": [e for e in events if e["event"] == "recovery"],
+        "resizes": [e for e in events if e["event"] == "resize"],
+        "degraded": [e for e in events if e["event"] == "degraded"],
+        "fatal": next((e["cause"] for e in events if e["event"] == "fatal"), None),
+        **extra,
+        "config": config.to_dict(),
+    }
     runlog.flush()
     runlog.write_summary(run_dir, summary)

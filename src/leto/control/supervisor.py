@@ -7,6 +7,7 @@ talks to the coordinator only through the store: it reads its commands (`keys.co
 writes reports of what happened to its processes (`keys.sup_report`); docs/design.md,
 "Supervisor and coordinator".
 """
+
 from __future__ import annotations
 
 import os
@@ -21,21 +22,31 @@ from typing import TypeVar
 import torch.distributed as dist
 
 from leto.config import ENV_CONFIG, JobConfig
-from leto.errors import BadValue
 from leto.control.latest import Latest
 from leto.control.prefork import ForkServer, forkable, prepare
 from leto.control.progress import ProgressCheck
+from leto.errors import BadValue
 from leto.protection import doorbell, shm
 from leto.protocol import keys
-from leto.protocol.messages import (Command, ForkRequest, JobState, Membership, ProcEvent, Refusals, StepProgress,
-                                    SupervisorReport, parse_beat, parse_pid)
+from leto.protocol.messages import (
+    Command,
+    ForkRequest,
+    JobState,
+    Membership,
+    ProcEvent,
+    Refusals,
+    StepProgress,
+    SupervisorReport,
+    parse_beat,
+    parse_pid,
+)
 from leto.runtime import env as rt
 from leto.runtime import linux, trace
 from leto.runtime.runlog import write_procs
 
 POLL_S = 0.01
 FAILURE_SETTLE_S = 0.005  # after a death: signals sent in one burst (a node's processes) have landed
-DYING_GRACE_S = 0.5       # the longest wait for killed processes to be reaped, to decide one event
+DYING_GRACE_S = 0.5  # the longest wait for killed processes to be reaped, to decide one event
 HEARTBEAT_CHECK_S = 0.1
 _PF_EXITING = 0x4
 M = TypeVar("M", JobState, StepProgress, Membership)
@@ -91,8 +102,14 @@ class Proc:
             self.start = linux.start_time(self.popen.pid)
 
     def record(self) -> dict:
-        return {"role": self.role, "rank": self.rank, "node": self.node, "pid": self.popen.pid, "start": self.start,
-                "id": self.proc_id}
+        return {
+            "role": self.role,
+            "rank": self.rank,
+            "node": self.node,
+            "pid": self.popen.pid,
+            "start": self.start,
+            "id": self.proc_id,
+        }
 
     def event(self, kind: str, code: int | None = None, cause: str = "") -> ProcEvent:
         return ProcEvent(kind, self.proc_id, self.role, self.rank, self.node, self.popen.pid, code, cause)
@@ -101,9 +118,17 @@ class Proc:
 class Supervisor:
     """Supervises the processes of one host of a job."""
 
-    def __init__(self, store: dist.Store, config: JobConfig, store_addr: str, job_id: str,
-                 command_poll_s: float = POLL_S, node: int | None = None,
-                 child_env: dict[str, str] | None = None, host_store: dist.Store | None = None) -> None:
+    def __init__(
+        self,
+        store: dist.Store,
+        config: JobConfig,
+        store_addr: str,
+        job_id: str,
+        command_poll_s: float = POLL_S,
+        node: int | None = None,
+        child_env: dict[str, str] | None = None,
+        host_store: dist.Store | None = None,
+    ) -> None:
         """`command_poll_s`: how often `tick` looks for commands; longer where the coordinator
         has this supervisor serve its commands at once (`serve_commands`), as a fallback.
         `node`: the one node this host is, in a multi-host job (None: every node is here).
@@ -121,13 +146,13 @@ class Supervisor:
         self._last_command_check = 0.0
         self.run_dir = Path(config.run_dir)
         self.procs: list[Proc] = []
-        self.handled: set[str] = set()         # processes whose exit was reported
+        self.handled: set[str] = set()  # processes whose exit was reported
         self.progress = ProgressCheck(config.timeouts.progress_floor_s, config.recovery.progress_factor)
         self.state = JobState(0, False)
-        self.members: set[str] = set()         # the current generation's processes
+        self.members: set[str] = set()  # the current generation's processes
         self.stopped = False
         self._next_command = 0
-        self._forks: dict[str, int] = {}       # zygote -> fork requests sent
+        self._forks: dict[str, int] = {}  # zygote -> fork requests sent
         self._pending_forks: dict[str, tuple[Proc, float, bool]] = {}  # shadow -> (its zygote, deadline, boost)
         self._last_beat_check = 0.0
         self._last_step: tuple[int, float] | None = None
@@ -273,8 +298,16 @@ class Supervisor:
     def _spawn(self, role: str, rank: int | None, node: int, proc_id: str) -> Proc:
         """Start a process of `role`: forked by the host's fork server, or exec'd where it cannot."""
         env = self._child_env()
-        env.update({ENV_CONFIG: self.cfg.to_json(), rt.ENV_STORE: self.store_addr, rt.ENV_JOB_ID: self.job_id,
-                    rt.ENV_ROLE: role, rt.ENV_NODE: str(node), rt.ENV_PROC_ID: proc_id})
+        env.update(
+            {
+                ENV_CONFIG: self.cfg.to_json(),
+                rt.ENV_STORE: self.store_addr,
+                rt.ENV_JOB_ID: self.job_id,
+                rt.ENV_ROLE: role,
+                rt.ENV_NODE: str(node),
+                rt.ENV_PROC_ID: proc_id,
+            }
+        )
         if rank is not None:
             env[rt.ENV_RANK] = str(rank)
         command = ["-m", "leto.protection.keeper"] if role == "keeper" else list(self.cfg.training.command)
@@ -282,17 +315,23 @@ class Supervisor:
         if self._forker is not None and forkable(command):
             pid = self._forker.start(command, env, role, self.cfg.quiet)
             if pid is None:
-                print(f"leto: the fork server failed ({self._forker.broken}); processes are exec'd from now on",
-                      file=sys.stderr)
+                print(
+                    f"leto: the fork server failed ({self._forker.broken}); processes are exec'd from now on",
+                    file=sys.stderr,
+                )
                 self._forker = None
             else:
                 popen = Forked(pid)
         if popen is None:
             # every child dies with this process, even a SIGKILLed one (`prepare`)
             # quiet (benchmarks): the children's own prints go too; their errors still reach stderr
-            popen = subprocess.Popen([sys.executable, *command], env=env, start_new_session=True,
-                                     stdout=subprocess.DEVNULL if self.cfg.quiet else None,
-                                     preexec_fn=lambda: prepare(role))
+            popen = subprocess.Popen(
+                [sys.executable, *command],
+                env=env,
+                start_new_session=True,
+                stdout=subprocess.DEVNULL if self.cfg.quiet else None,
+                preexec_fn=lambda: prepare(role),
+            )
         proc = Proc(role, rank, node, proc_id, popen)
         self.procs.append(proc)
         return proc
@@ -301,8 +340,18 @@ class Supervisor:
         """Ask the node's warm zygote for a shadow named `proc_id`, and go on: `_check_forks`
         reports `started`, or `fork_failed` when it has none ready in time. `boost`: the
         zygote runs at normal priority until then, and the shadow inherits it."""
-        zygote = next((p for p in self.procs if p.role == "zygote" and p.node == node and p.popen.poll() is None
-                       and p.proc_id not in self.handled and self.store.check([keys.warm(p.proc_id)])), None)
+        zygote = next(
+            (
+                p
+                for p in self.procs
+                if p.role == "zygote"
+                and p.node == node
+                and p.popen.poll() is None
+                and p.proc_id not in self.handled
+                and self.store.check([keys.warm(p.proc_id)])
+            ),
+            None,
+        )
         if zygote is None:
             self._report(SupervisorReport(events=(ProcEvent("fork_failed", proc_id, "shadow", None, node),)))
             return
@@ -330,8 +379,7 @@ class Supervisor:
                 self._report(SupervisorReport(events=(proc.event("started"),)))
                 self._procs_stale = True
             else:
-                self._report(SupervisorReport(events=(ProcEvent("fork_failed", proc_id, "shadow", None,
-                                                                zygote.node),)))
+                self._report(SupervisorReport(events=(ProcEvent("fork_failed", proc_id, "shadow", None, zygote.node),)))
             if boost and not any(z is zygote and b for z, _, b in self._pending_forks.values()):
                 linux.idle_priority_of(zygote.popen.pid)
 
@@ -367,14 +415,33 @@ class Supervisor:
         return fields[19]
 
     def _write_procs(self) -> None:
-        records = [{"role": "controller", "rank": None, "node": self.node, "pid": os.getpid(), "start": self._start,
-                    "id": "controller", "job": self.job_id, "store": self.store_addr}]
+        records = [
+            {
+                "role": "controller",
+                "rank": None,
+                "node": self.node,
+                "pid": os.getpid(),
+                "start": self._start,
+                "id": "controller",
+                "job": self.job_id,
+                "store": self.store_addr,
+            }
+        ]
         name = "procs.json" if self.node is None else f"procs-host{self.node}.json"
         if self._forker is not None and self._forker.popen.poll() is None:
-            records.append({"role": "fork-server", "rank": None, "node": self.node, "pid": self._forker.popen.pid,
-                            "start": linux.start_time(self._forker.popen.pid), "id": f"fork-server-{self.node or 0}"})
-        self._procs_stale = not write_procs(self.run_dir, records + [p.record() for p in self.procs
-                                                                     if p.popen.returncode is None], name)
+            records.append(
+                {
+                    "role": "fork-server",
+                    "rank": None,
+                    "node": self.node,
+                    "pid": self._forker.popen.pid,
+                    "start": linux.start_time(self._forker.popen.pid),
+                    "id": f"fork-server-{self.node or 0}",
+                }
+            )
+        self._procs_stale = not write_procs(
+            self.run_dir, records + [p.record() for p in self.procs if p.popen.returncode is None], name
+        )
 
     # ----- exits and hangs
     def _await_dying(self) -> list[ProcEvent]:
@@ -384,7 +451,8 @@ class Supervisor:
         time.sleep(FAILURE_SETTLE_S)
         deadline = time.monotonic() + DYING_GRACE_S
         while time.monotonic() < deadline and any(  # poll() first: it reaps the dead (zombies are dying)
-                _dying(p.popen.pid) for p in self.procs if p.proc_id not in self.handled and p.popen.poll() is None):
+            _dying(p.popen.pid) for p in self.procs if p.proc_id not in self.handled and p.popen.poll() is None
+        ):
             time.sleep(1e-3)
         return self._find_exits(check_beats=False)
 
@@ -467,8 +535,10 @@ class Supervisor:
         stalled = self.progress.stalled_for(p.proc_id, progress, now)
         if stalled is None:
             return None
-        return (f"made no progress for {stalled:.1f}s though its process heartbeats (training thread hung; "
-                f"timeout {self.progress.timeout_s():.1f}s)")
+        return (
+            f"made no progress for {stalled:.1f}s though its process heartbeats (training thread hung; "
+            f"timeout {self.progress.timeout_s():.1f}s)"
+        )
 
     def _beat(self, p: Proc) -> tuple[float, int] | None:
         """The last heartbeat (time, progress), or None (not started yet, or left on purpose).
@@ -501,8 +571,10 @@ def _dying(pid: int) -> bool:
         if fields[0] in ("Z", "X") or int(fields[6]) & _PF_EXITING:
             return True
         with open(f"/proc/{pid}/status") as f:
-            return any(line.startswith(("SigPnd:", "ShdPnd:")) and int(line.split()[1], 16) & (1 << (signal.SIGKILL - 1))
-                       for line in f)
+            return any(
+                line.startswith(("SigPnd:", "ShdPnd:")) and int(line.split()[1], 16) & (1 << (signal.SIGKILL - 1))
+                for line in f
+            )
     except (OSError, ValueError, IndexError):
         return False
 

@@ -1,5 +1,6 @@
 """What a coordinator taking over a running job reads back: the command and report streams in
 order, and the newest valid membership (`Coordinator.restore`)."""
+
 from __future__ import annotations
 
 from collections.abc import Container

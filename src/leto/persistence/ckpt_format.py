@@ -10,6 +10,7 @@ file checksums catch a corrupt file before anything is loaded. Markers are writt
 and durably (`leto.runtime.durable`), after the part's folder entries are synced, so a marker
 that survives a power loss names files that survived it too.
 """
+
 from __future__ import annotations
 
 import os
@@ -75,10 +76,17 @@ def mark_part(ckpt: Path, rank: int, step: int, world_size: int, fingerprint: st
     """Record that rank `rank`'s part is fully written; commit the checkpoint if it was the
     last part. True for exactly one rank: the one that commits it first (it reports and prunes)."""
     fsync_dir(part_dir(ckpt, rank))  # DCP syncs its files, not their names
-    fsync_dir(ckpt.parent)           # the step folder's own name
-    write_json_atomic(part_marker(ckpt, rank), {"step": step, "rank": rank, "world_size": world_size,
-                                                "fingerprint": fingerprint,
-                                                "files": file_digests(part_dir(ckpt, rank))})
+    fsync_dir(ckpt.parent)  # the step folder's own name
+    write_json_atomic(
+        part_marker(ckpt, rank),
+        {
+            "step": step,
+            "rank": rank,
+            "world_size": world_size,
+            "fingerprint": fingerprint,
+            "files": file_digests(part_dir(ckpt, rank)),
+        },
+    )
     if _torn_because(ckpt, step, world_size, fingerprint, need_commit=False) is not None:
         return False
     # the last ranks to finish may both get here: they write the same bytes, atomically, and
@@ -144,7 +152,9 @@ def verify(ck: Checkpoint) -> None:
             raise CheckpointError(f"{folder} records no DCP .metadata file")
         for name, entry in recorded.items():
             if not _plain_name(name) or not _is_size_and_digest(entry):
-                raise CheckpointError(f"{part_marker(ck.path, r)} records {name!r} as {entry!r}: not a file of the part")
+                raise CheckpointError(
+                    f"{part_marker(ck.path, r)} records {name!r} as {entry!r}: not a file of the part"
+                )
             size, digest = entry
             f = folder / name
             if f.is_symlink():
@@ -165,8 +175,13 @@ def _plain_name(name: object) -> bool:
 
 
 def _is_size_and_digest(entry: object) -> bool:
-    return (isinstance(entry, list) and len(entry) == 2 and type(entry[0]) is int and entry[0] >= 0
-            and isinstance(entry[1], str))
+    return (
+        isinstance(entry, list)
+        and len(entry) == 2
+        and type(entry[0]) is int
+        and entry[0] >= 0
+        and isinstance(entry[1], str)
+    )
 
 
 def choose(root: Path, fingerprint: str, warn: Callable[[str], None]) -> Checkpoint:

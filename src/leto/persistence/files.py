@@ -1,4 +1,5 @@
 """Small file helpers shared by persistence and the checkpoint baselines."""
+
 from __future__ import annotations
 
 import json

@@ -1,5 +1,6 @@
 """How often to checkpoint: the Young/Daly interval and K, the interval in steps; used by
 persistence, the baselines and the simulator's checkpoint-restart policy."""
+
 from __future__ import annotations
 
 import math

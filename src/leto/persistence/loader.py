@@ -6,6 +6,7 @@ the new job reads only the parts that overlap its own shard, so with the same wo
 reads exactly its own part (bit for bit, padding included) and after a shrink or grow it cuts
 its shard out of the overlapping ones.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,9 +31,9 @@ class Loaded:
     """What a rank of the new job installs."""
 
     step: int
-    shard: torch.Tensor      # [n_chunks, 3, chunk_elems] in the new job's sharding
-    params: torch.Tensor     # [numel]
-    extra: dict              # the extra state of the same rank of the old job (rank 0's if it had fewer)
+    shard: torch.Tensor  # [n_chunks, 3, chunk_elems] in the new job's sharding
+    params: torch.Tensor  # [numel]
+    extra: dict  # the extra state of the same rank of the old job (rank 0's if it had fewer)
 
 
 def resume_target(job: Job) -> tuple[Path, int] | None:
@@ -43,6 +44,7 @@ def resume_target(job: Job) -> tuple[Path, int] | None:
 
 def _load(path: Path, sd: dict) -> dict:
     from leto.persistence import safe_dcp
+
     try:
         return safe_dcp.load(sd, path)
     except Exception as e:  # noqa: BLE001 - DCP raises several kinds (RuntimeError, OSError, refusals)
@@ -53,6 +55,7 @@ def _shape(path: Path, name: str, dtype: torch.dtype | None = None) -> torch.Siz
     """The size of tensor `name` in the checkpoint part `path` (CheckpointError unless it is a
     tensor, of `dtype` if given)."""
     from leto.persistence import safe_dcp
+
     try:
         md = safe_dcp.metadata(path).state_dict_metadata.get(name)
     except Exception as e:  # noqa: BLE001 - a missing, corrupt or refused .metadata
@@ -85,7 +88,7 @@ def load(path: Path, step: int, rank: int, world_size: int, numel: int, n_chunks
         if old_world == world_size and old_elems == shard_elems:  # the same sharding: the part, bit for bit
             rows.copy_(src)
             break
-        rows[:, a - lo:b - lo] = src[:, a - r * old_elems:b - r * old_elems]
+        rows[:, a - lo : b - lo] = src[:, a - r * old_elems : b - r * old_elems]
     shard = rows.view(_ROWS, n_chunks, chunk_elems).transpose(0, 1).contiguous()
     params = _load(ckpt_format.part_dir(path, 0), {"params": torch.empty(numel)})["params"]
     own = rank if rank < old_world else 0

@@ -12,6 +12,7 @@ given with `--resume`: a recorded folder that leads elsewhere (an absolute path,
 symbolic link) is refused, since the record is a file anyone who can write the run folder
 may have changed.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -23,10 +24,10 @@ import shutil
 import sys
 import time
 from collections.abc import Iterator
-from typing import IO
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import IO
 
 from leto.config import PersistenceConfig
 from leto.console import read_jsonl
@@ -36,8 +37,8 @@ from leto.persistence.interval import parse_duration
 from leto.runtime import linux
 
 RECORD = "persist.json"
-CLAIM = "resume-claim.json"   # which attempt of a multi-host run has been resumed (by its first host)
-DEFAULT_DIR = "checkpoints"   # under RUN_DIR
+CLAIM = "resume-claim.json"  # which attempt of a multi-host run has been resumed (by its first host)
+DEFAULT_DIR = "checkpoints"  # under RUN_DIR
 DEFAULT_MTBF = PersistenceConfig.mtbf  # --mtbf: a failure every few minutes of training (docs/design.md)
 CLAIM_TIMEOUT_S = 60.0  # the longest one host waits for another's claim of a resumed attempt (a few file reads)
 EARLIER_RUN = ("metrics.jsonl", "summary.json")  # what a new job in a used run folder would overwrite
@@ -71,8 +72,15 @@ def check_flags(persist: str, mtbf: str, every: int | None) -> float:
         raise ValueError(f"--mtbf: {e}") from None
 
 
-def fresh(run_dir: Path, command: list[str], settings: PersistenceConfig, *, persist: bool,
-          persist_dir: Path | None = None, flags: dict | None = None) -> Start:
+def fresh(
+    run_dir: Path,
+    command: list[str],
+    settings: PersistenceConfig,
+    *,
+    persist: bool,
+    persist_dir: Path | None = None,
+    flags: dict | None = None,
+) -> Start:
     """A new job: with `persist`, it persists into `persist_dir` (default RUN_DIR/checkpoints),
     which must hold no checkpoints yet, as `settings` (mtbf, every) say; `flags` (the CLI's,
     JSON) are recorded for `--resume`. CheckpointError names the problem."""
@@ -80,8 +88,10 @@ def fresh(run_dir: Path, command: list[str], settings: PersistenceConfig, *, per
         return Start(settings)
     root = (persist_dir or run_dir / DEFAULT_DIR).resolve()
     if ckpt_format.steps_on_disk(root):
-        raise ckpt_format.CheckpointError(f"{root} already holds checkpoints: continue that run with --resume, "
-                                    f"or choose another --persist-dir / --run-dir")
+        raise ckpt_format.CheckpointError(
+            f"{root} already holds checkpoints: continue that run with --resume, "
+            f"or choose another --persist-dir / --run-dir"
+        )
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -99,23 +109,36 @@ def read_record(run_dir: Path) -> dict:
     try:
         record = json.loads(path.read_text())
     except FileNotFoundError:
-        raise ckpt_format.CheckpointError(f"{run_dir} has no {RECORD}: it is not a run that persisted checkpoints "
-                                    f"(was it started with --persist off?)") from None
+        raise ckpt_format.CheckpointError(
+            f"{run_dir} has no {RECORD}: it is not a run that persisted checkpoints "
+            f"(was it started with --persist off?)"
+        ) from None
     except OSError as e:
         raise ckpt_format.CheckpointError(f"cannot read {path}: {e.strerror or e}") from None
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise ckpt_format.CheckpointError(f"{path} is corrupt (not JSON)") from None
-    if (not isinstance(record, dict) or not isinstance(record.get("dir"), str)
-            or not isinstance(record.get("command"), list)
-            or not all(isinstance(a, str) for a in record["command"])
-            or not isinstance(record.get("flags") or {}, dict)):
+    if (
+        not isinstance(record, dict)
+        or not isinstance(record.get("dir"), str)
+        or not isinstance(record.get("command"), list)
+        or not all(isinstance(a, str) for a in record["command"])
+        or not isinstance(record.get("flags") or {}, dict)
+    ):
         raise ckpt_format.CheckpointError(f"{path} is corrupt (it needs a folder `dir` and a `command` list)")
     return record
 
 
-def resume(run_dir: Path, command: list[str], settings: PersistenceConfig, *, persist: bool,
-           attempt: str | None = None, persist_dir: Path | None = None, steps: int | None = None,
-           flags: dict | None = None) -> Start:
+def resume(
+    run_dir: Path,
+    command: list[str],
+    settings: PersistenceConfig,
+    *,
+    persist: bool,
+    attempt: str | None = None,
+    persist_dir: Path | None = None,
+    steps: int | None = None,
+    flags: dict | None = None,
+) -> Start:
     """Resume the run in `run_dir` from its newest complete checkpoint, and with `persist` go on
     persisting as `settings` (mtbf, every) say. CheckpointError names what is wrong with the
     folder. `attempt`: where the hosts of a multi-host job resume it together, the new job's id:
@@ -132,7 +155,8 @@ def resume(run_dir: Path, command: list[str], settings: PersistenceConfig, *, pe
         if record["command"] != command:
             raise ckpt_format.CheckpointError(
                 f"its checkpoints belong to another configuration: recorded `{shlex.join(record['command'])}`, "
-                f"now `{shlex.join(command)}`")
+                f"now `{shlex.join(command)}`"
+            )
         ck = ckpt_format.choose(root, fingerprint(command), lambda msg: print(f"leto: {msg}", file=sys.stderr))
         if not ck.path.resolve().is_relative_to(root):
             raise ckpt_format.CheckpointError(f"{ck.path} leads out of the checkpoint folder {root} (a symbolic link)")
@@ -149,12 +173,19 @@ def resume(run_dir: Path, command: list[str], settings: PersistenceConfig, *, pe
     persistence = replace(settings, start_step=ck.step, resume_from=str(ck.path))
     if persist:
         persistence = replace(persistence, dir=str(root), fingerprint=fingerprint(command))
-    start = Start(persistence, {"resumed_from_step": ck.step,
-                                "steps_lost": None if last is None else max(0, last - ck.step),
-                                "resumed_from": str(ck.path)})
-    print(f"leto: resuming from step {ck.step} ({ck.path})"
-          + (f", {start.summary['steps_lost']} completed step(s) to redo" if last is not None else ""),
-          file=sys.stderr)
+    start = Start(
+        persistence,
+        {
+            "resumed_from_step": ck.step,
+            "steps_lost": None if last is None else max(0, last - ck.step),
+            "resumed_from": str(ck.path),
+        },
+    )
+    print(
+        f"leto: resuming from step {ck.step} ({ck.path})"
+        + (f", {start.summary['steps_lost']} completed step(s) to redo" if last is not None else ""),
+        file=sys.stderr,
+    )
     return start
 
 
@@ -169,7 +200,8 @@ def checkpoint_root(run_dir: Path, recorded: str, given: Path | None) -> Path:
     if not root.is_relative_to(inside):
         raise ckpt_format.CheckpointError(
             f"{RECORD} names the checkpoint folder {recorded!r}, which leads out of the run folder to {root}; "
-            f"resume reads and deletes checkpoints only inside it: give --persist-dir {root} if they are this run's")
+            f"resume reads and deletes checkpoints only inside it: give --persist-dir {root} if they are this run's"
+        )
     return root
 
 
@@ -230,7 +262,9 @@ def _lock(lock: IO[bytes], path: Path, timeout_s: float) -> None:
             return
         except BlockingIOError:
             if time.monotonic() > deadline:
-                raise ckpt_format.CheckpointError(f"{path} stayed locked by another host for {timeout_s:.0f} s") from None
+                raise ckpt_format.CheckpointError(
+                    f"{path} stayed locked by another host for {timeout_s:.0f} s"
+                ) from None
             time.sleep(0.05)
 
 
@@ -304,8 +338,11 @@ def after_failure(run_dir: Path, persist_dir: Path | None, prog: str) -> None:
     if summary is not None and ckpt_format.RESUME_FAILED in str(summary.get("fatal")):
         return  # the checkpoint itself is what failed: naming it again would send the user in a circle
     outside = "" if persist_dir.resolve().is_relative_to(run_dir.resolve()) else f" --persist-dir {persist_dir}"
-    print(f"leto: the newest complete checkpoint is step {ck.step} ({ck.path}); continue from it with "
-          f"`{prog} --resume {run_dir}{outside}` (it continues with the run's flags)", file=sys.stderr)
+    print(
+        f"leto: the newest complete checkpoint is step {ck.step} ({ck.path}); continue from it with "
+        f"`{prog} --resume {run_dir}{outside}` (it continues with the run's flags)",
+        file=sys.stderr,
+    )
     if summary is not None:
         summary["resume_from"] = {"step": ck.step, "path": str(ck.path)}
         write_json_atomic(summary_path, summary)

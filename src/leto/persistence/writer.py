@@ -18,6 +18,7 @@ one write (the whole background write: it runs on the same cores) and the measur
 decided by rank 0 after a calibration checkpoint `CALIBRATE_AFTER` steps after the start and
 published in the store, so every rank (and a shadow that adopts one later) uses the same K.
 """
+
 from __future__ import annotations
 
 import math
@@ -33,9 +34,9 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from leto.config import PersistenceConfig
+from leto.errors import BadValue
 from leto.persistence import ckpt_format
 from leto.persistence.interval import daly_interval_s, parse_duration, steps_between
-from leto.errors import BadValue
 from leto.protocol import keys
 from leto.protocol.messages import PersistSchedule, Refusals
 from leto.runtime import plain, runlog, threads
@@ -43,8 +44,8 @@ from leto.runtime import plain, runlog, threads
 if TYPE_CHECKING:
     from leto.runtime.env import Job
 
-CALIBRATE_AFTER = 5            # steps timed before the calibration checkpoint (the first is not used)
-EXTRA = "extra"                # a part's extra state: the bytes of `leto.runtime.plain`, as a uint8 tensor
+CALIBRATE_AFTER = 5  # steps timed before the calibration checkpoint (the first is not used)
+EXTRA = "extra"  # a part's extra state: the bytes of `leto.runtime.plain`, as a uint8 tensor
 
 # each rank writes a one-process DCP checkpoint on purpose: say so once, not at every save
 warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
@@ -130,13 +131,21 @@ class Persister:
         first = step + max(every, 2)  # every rank reads the schedule before that step (lock-step)
         self.job.store.set(keys.PERSIST_EVERY, PersistSchedule(every, first).to_json())
         self.every, self.first, self.calibrated = every, first, True
-        self._event("persist_interval", every=every, first=first, write_s=round(write_s, 4),
-                    step_s=round(step_s, 5), mtbf_s=self.mtbf_s, interval_s=round(interval_s, 3))
+        self._event(
+            "persist_interval",
+            every=every,
+            first=first,
+            write_s=round(write_s, 4),
+            step_s=round(step_s, 5),
+            mtbf_s=self.mtbf_s,
+            interval_s=round(interval_s, 3),
+        )
 
     def _import_dcp(self) -> None:
         import torch.distributed.checkpoint as dcp
 
         from leto.persistence.safe_dcp import unwrap
+
         self.unwrap = unwrap
         self.stager = self._new_stager()
         self.dcp = dcp
@@ -147,6 +156,7 @@ class Persister:
         allocation); safe because a part is staged only when no write is in flight, and an
         abandoned write keeps its stager to itself."""
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
         return DefaultStager(StagingOptions(False, False, False, False))
 
     def _dcp_ready(self) -> None:
@@ -186,8 +196,12 @@ class Persister:
             w.done.set_exception(e)
             return
         stage_s = time.perf_counter() - w.t0  # the whole cost in the step; the write is in its thread
-        threads.Thread(target=self._write, args=(w, staged, path, rank, trainer.world_size, stage_s),
-                       name=f"leto-persist-{step}", daemon=True).start()
+        threads.Thread(
+            target=self._write,
+            args=(w, staged, path, rank, trainer.world_size, stage_s),
+            name=f"leto-persist-{step}",
+            daemon=True,
+        ).start()
 
     def _write(self, w: _Write, staged: dict, path: Path, rank: int, world: int, stage_s: float) -> None:
         """The write's thread: the part's bytes to disk, then its marker, and maybe the commit."""
@@ -198,8 +212,14 @@ class Persister:
                 return
             if ckpt_format.mark_part(ckpt, rank, w.step, world, self.cfg.fingerprint):
                 ckpt_format.prune(self.root, verified=self.verified)
-                self._event("persist_commit", step=w.step, world_size=world, rank=rank, stage_s=round(stage_s, 6),
-                            write_s=round(time.perf_counter() - w.t0, 4))
+                self._event(
+                    "persist_commit",
+                    step=w.step,
+                    world_size=world,
+                    rank=rank,
+                    stage_s=round(stage_s, 6),
+                    write_s=round(time.perf_counter() - w.t0, 4),
+                )
             w.done.set_result(time.perf_counter() - w.t0)
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is one; handed to the training thread
             if not w.abandoned:
@@ -221,8 +241,12 @@ class Persister:
             self.failed += 1
             self._event("persist_failed", step=w.step, rank=rank, error=error)
             if not self.failing:
-                print(f"leto: rank {rank}: checkpoint of step {w.step} failed ({error}); training goes on, "
-                      f"the previous complete checkpoint stays", file=sys.stderr, flush=True)
+                print(
+                    f"leto: rank {rank}: checkpoint of step {w.step} failed ({error}); training goes on, "
+                    f"the previous complete checkpoint stays",
+                    file=sys.stderr,
+                    flush=True,
+                )
         elif self.failing:
             print(f"leto: rank {rank}: checkpoints are written again (step {w.step})", file=sys.stderr, flush=True)
         self.failing = error is not None
@@ -255,10 +279,13 @@ def part_state(trainer: Persisted, step: int) -> dict:
     Tensors only: what is not a tensor travels as the bytes of `plain.dumps` (decoded without
     running code; DCP itself would pickle it, and unpickle it unrestricted)."""
     extra = bytearray(plain.dumps(trainer.extra_state()))
-    sd: dict = {"state": trainer.state, "step": torch.tensor(step, dtype=torch.int64),
-                EXTRA: torch.frombuffer(extra, dtype=torch.uint8)}
+    sd: dict = {
+        "state": trainer.state,
+        "step": torch.tensor(step, dtype=torch.int64),
+        EXTRA: torch.frombuffer(extra, dtype=torch.uint8),
+    }
     if trainer.rank == 0:
-        sd["params"] = trainer.flat_param[:trainer.numel]
+        sd["params"] = trainer.flat_param[: trainer.numel]
     return sd
 
 

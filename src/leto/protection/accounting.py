@@ -7,6 +7,7 @@ keepers (`tier2_sent`: once per parity block of its stripe). Replicated state (p
 the reduced gradient on gloo) is not moved at all. docs/protection.md ("What each step moves")
 explains why each buffer is or is not there.
 """
+
 from __future__ import annotations
 
 from leto.protection.layout import Layout

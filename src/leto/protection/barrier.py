@@ -1,6 +1,7 @@
 """The keepers' commit barrier: step by step, the keepers agree on what is committed (one
 allreduce over their group once a step is complete here), and at a drain they settle the
 barrier in flight so that every keeper reports the same committed step (docs/protection.md)."""
+
 from __future__ import annotations
 
 import threading
@@ -58,8 +59,7 @@ class CommitBarrier:
                 h[H_DCOMMIT] = step
                 if step == k.layout.base_step:
                     k.store.set(keys.committed(k.gen, k.node), BaseCommitted().to_json())
-                self.next = (KIND_GRAD, step + 1) if k.grads \
-                    else (KIND_DELTA, k.layout.next_protected(step))
+                self.next = (KIND_GRAD, step + 1) if k.grads else (KIND_DELTA, k.layout.next_protected(step))
             else:
                 h[H_GCOMMIT] = step
                 self.next = (KIND_DELTA, step)
@@ -93,8 +93,7 @@ class CommitBarrier:
         if not in_flight:
             return
         deadline = time.monotonic() + timeout_s
-        peers = [keys.barrier_state(k.gen, n) for n in sorted(live_nodes)
-                 if n != k.node and n in k.layout.nodes]
+        peers = [keys.barrier_state(k.gen, n) for n in sorted(live_nodes) if n != k.node and n in k.layout.nodes]
         while not self.done.wait(1e-3):
             if time.monotonic() > deadline or abandoned():
                 return

@@ -1,4 +1,5 @@
 """The worker's side of protection: hand chunks to the node's keeper and wait for commits."""
+
 from __future__ import annotations
 
 import time
@@ -32,9 +33,17 @@ from leto.runtime.env import await_keys
 class Protector:
     """Stages one rank's gradients and state deltas into its keeper's shared memory."""
 
-    def __init__(self, store, layout: Layout, rank: int, job_id: str, timeout_s: float,
-                 abort_check: Callable[[], str | None], device: torch.device = torch.device("cpu"),
-                 staging: HostStaging | None = None) -> None:
+    def __init__(
+        self,
+        store,
+        layout: Layout,
+        rank: int,
+        job_id: str,
+        timeout_s: float,
+        abort_check: Callable[[], str | None],
+        device: torch.device = torch.device("cpu"),
+        staging: HostStaging | None = None,
+    ) -> None:
         self.layout, self.rank, self.timeout_s, self.abort_check = layout, rank, timeout_s, abort_check
         g = layout.geometry
         self.staging = staging or HostStaging(max(g.state_bytes, g.grad_bytes), device)
@@ -69,8 +78,9 @@ class Protector:
             if reason:
                 raise PeerFailure(f"waiting for {what} aborted: {reason}")
             if time.monotonic() > deadline:
-                raise PeerFailure(f"timed out after {self.timeout_s:.0f}s waiting for {what} "
-                                  f"(generation {self.layout.generation})")
+                raise PeerFailure(
+                    f"timed out after {self.timeout_s:.0f}s waiting for {what} (generation {self.layout.generation})"
+                )
             time.sleep(delay)
             delay = min(delay * 2, max(poll, 1e-3))
 
@@ -98,12 +108,17 @@ class Protector:
             before_chunk(c)
             src = self.staging.host(grads[c])
             idx = self._slot()
-            self.data[idx, :src.size] = src
+            self.data[idx, : src.size] = src
             self._publish(idx, KIND_GRAD, step, c, checksum(src), c == grads.shape[0] - 1)
         self.spent["stage_s"] += time.perf_counter() - t0 - (self.spent["wait_s"] - w0)
 
-    def stage_deltas(self, step: int, old: torch.Tensor | None, new: torch.Tensor,
-                     before_chunk: Callable[[int], None] = lambda c: None) -> None:
+    def stage_deltas(
+        self,
+        step: int,
+        old: torch.Tensor | None,
+        new: torch.Tensor,
+        before_chunk: Callable[[int], None] = lambda c: None,
+    ) -> None:
         """Hand over `old XOR new` per chunk (the full chunk when `old` is None) at version `step`."""
         for c in range(new.shape[0]):
             before_chunk(c)
@@ -111,12 +126,13 @@ class Protector:
 
     def stage_delta(self, step: int, c: int, old: torch.Tensor | None, new: torch.Tensor, last: bool) -> None:
         """Hand over chunk `c`'s `old XOR new` (`new` when `old` is None) at version `step`, with
-        the checksum of `new`; `last`: the step's last chunk. Returns once the slot is published; only a wait for a free slot
-        can raise (PeerFailure), and then nothing of this chunk was handed over."""
+        the checksum of `new`; `last`: the step's last chunk. Returns once the slot is published;
+        only a wait for a free slot can raise (PeerFailure), and then nothing of this chunk was
+        handed over."""
         t0, w0 = time.perf_counter(), self.spent["wait_s"]
         nb = self.staging.host(new, 0)
         idx = self._slot()
-        dst = self.data[idx, :nb.size]
+        dst = self.data[idx, : nb.size]
         if old is None:
             dst[...] = nb
         else:

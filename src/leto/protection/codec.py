@@ -333,10 +333,7 @@ class ErasureCode:
             raise ValueError(f"{self!r}.encode needs {self.k} data blocks, got {len(data)}")
         blocks = [_check_block(b, f"data block {i}") for i, b in enumerate(data)]
         outs = self._check_parity_out(out)
-        _check_lengths(
-            [(f"data {i}", b) for i, b in enumerate(blocks)]
-            + [(f"out {j}", o) for j, o in enumerate(outs)]
-        )
+        _check_lengths([(f"data {i}", b) for i, b in enumerate(blocks)] + [(f"out {j}", o) for j, o in enumerate(outs)])
         _check_disjoint(outs, blocks)
         return blocks, outs
 
@@ -435,10 +432,7 @@ class ErasureCode:
 
     def _decode_matrix(self, chosen: tuple[int, ...]) -> list[list[int]]:
         """Inverse of the generator rows `chosen`: data = inverse * blocks."""
-        rows = [
-            [int(i == c) for c in range(self.k)] if i < self.k else self.parity_matrix[i - self.k]
-            for i in chosen
-        ]
+        rows = [[int(i == c) for c in range(self.k)] if i < self.k else self.parity_matrix[i - self.k] for i in chosen]
         return _mat_inv(rows)
 
 

@@ -34,9 +34,7 @@ def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
 
 
-def _code_rates(
-    code: ErasureCode, data: list[np.ndarray], repeats: int, prefix: str
-) -> dict[str, float]:
+def _code_rates(code: ErasureCode, data: list[np.ndarray], repeats: int, prefix: str) -> dict[str, float]:
     """Encode, contribute and worst-case decode rates, per data byte."""
     length = len(data[0])
     total = length * code.k
@@ -71,9 +69,7 @@ def _zfec_encode_gbps(data: list[np.ndarray], k: int, m: int, repeats: int) -> f
     return _gbps(len(data[0]) * k, _median_seconds(lambda: encoder.encode(blocks, wanted), repeats))
 
 
-def measure_codec(
-    nbytes: int = 64 << 20, k: int = 2, m: int = 1, repeats: int = 3
-) -> dict[str, float]:
+def measure_codec(nbytes: int = 64 << 20, k: int = 2, m: int = 1, repeats: int = 3) -> dict[str, float]:
     """Measure memcpy, XOR, erasure coding and checksum throughput in GB/s.
 
     ``nbytes`` of data are split into k equal blocks for the (k, m) code.
@@ -83,9 +79,7 @@ def measure_codec(
     rs2p2_decode_gbps for ReedSolomonCode(2, 2).
     """
     if nbytes < k or repeats < 1:
-        raise ValueError(
-            f"need nbytes >= k and repeats >= 1, got nbytes={nbytes}, k={k}, repeats={repeats}"
-        )
+        raise ValueError(f"need nbytes >= k and repeats >= 1, got nbytes={nbytes}, k={k}, repeats={repeats}")
     rng = np.random.default_rng(0)
     src = rng.integers(0, 256, nbytes, dtype=np.uint8)
     dst = np.empty_like(src)

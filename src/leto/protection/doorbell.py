@@ -8,13 +8,14 @@ yet (a keeper still importing torch) is harmless. A signal that a thread not blo
 (threads started before `install`) is lost to the sleeper, which then wakes at its timeout:
 doorbells cut latency and CPU, correctness never depends on them.
 """
+
 from __future__ import annotations
 
 import os
 import signal
 import threading
 
-DATA = signal.SIGURG      # something to fold: a staged slot, a tier-2 message, a finished barrier
+DATA = signal.SIGURG  # something to fold: a staged slot, a tier-2 message, a finished barrier
 CONTROL = signal.SIGWINCH  # the controller wrote a drain request to the store
 
 

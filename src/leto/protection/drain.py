@@ -1,6 +1,7 @@
 """Draining a keeper: at a membership change it applies what is staged and what live peers
 sent, then reports its region to the recovery (a reported region never changes); and the
 drains it reads from the store (docs/protection.md)."""
+
 from __future__ import annotations
 
 import time
@@ -28,28 +29,46 @@ def report(keeper: Keeper) -> KeeperReport:
     parity = keeper.parity
     r, h = keeper.region, keeper.region.header
     g = int(h[H_GCOMMIT])
-    base = {"node": keeper.node, "generation": keeper.gen, "d_commit": int(h[H_DCOMMIT]),
-            "v1": r["v1"].tolist(), "crc1": r["crc1"].tolist()}
+    base = {
+        "node": keeper.node,
+        "generation": keeper.gen,
+        "d_commit": int(h[H_DCOMMIT]),
+        "v1": r["v1"].tolist(),
+        "crc1": r["crc1"].tolist(),
+    }
     if not keeper.grads:  # the step every delta is folded at (and an interval's pre-images)
         pre = {"crc_pre": r["crc1_pre"].tolist(), "pre_step": r["p1_pre_step"].tolist()} if parity.interval else {}
-        return KeeperReport(**base, **pre, applied=parity.applied_step(),
-                            stripes={si: _stripe_report(keeper, si) for si in parity.stripes})
-    return KeeperReport(**base, g_commit=g, grads_complete=[s for s in (g, g + 1) if parity.grads_complete(s)],
-                        gcrc1=r["gcrc1"].tolist(), g1_step=r["g1_step"].tolist(),
-                        stripes={si: _stripe_report(keeper, si) for si in parity.stripes})
+        return KeeperReport(
+            **base,
+            **pre,
+            applied=parity.applied_step(),
+            stripes={si: _stripe_report(keeper, si) for si in parity.stripes},
+        )
+    return KeeperReport(
+        **base,
+        g_commit=g,
+        grads_complete=[s for s in (g, g + 1) if parity.grads_complete(s)],
+        gcrc1=r["gcrc1"].tolist(),
+        g1_step=r["g1_step"].tolist(),
+        stripes={si: _stripe_report(keeper, si) for si in parity.stripes},
+    )
 
 
 def _stripe_report(keeper: Keeper, si: int) -> StripeReport:
     r = keeper.region
-    pre = {"crc_pre": r[f"crc2_{si}_pre"].tolist(), "pre_step": r[f"p2_{si}_pre_step"].tolist()} \
-        if keeper.layout.tier2_preimages else {}
+    pre = (
+        {"crc_pre": r[f"crc2_{si}_pre"].tolist(), "pre_step": r[f"p2_{si}_pre_step"].tolist()}
+        if keeper.layout.tier2_preimages
+        else {}
+    )
     if keeper.grads:
         return StripeReport(**{k: r[f"{k}_{si}"].tolist() for k in ("v2", "crc2", "gcrc2", "g2_step")}, **pre)
     return StripeReport(r[f"v2_{si}"].tolist(), r[f"crc2_{si}"].tolist(), **pre)
 
 
-def drain(keeper: Keeper, live_nodes: set[int], timeout_s: float,
-          abandoned: Callable[[], bool] = lambda: False) -> KeeperReport:
+def drain(
+    keeper: Keeper, live_nodes: set[int], timeout_s: float, abandoned: Callable[[], bool] = lambda: False
+) -> KeeperReport:
     """Apply everything `keeper` has staged and everything live peers sent, then report. Waits
     for peers end early once `abandoned()`: a later membership change (a peer died meanwhile) makes
     this report moot, and the next drain must not sit out the timeout on a dead peer."""
@@ -64,8 +83,13 @@ def drain(keeper: Keeper, live_nodes: set[int], timeout_s: float,
     for n, link in keeper.links.items():  # let our queued sends leave, then say how many
         if not link.bufs:
             continue
-        while n in live_nodes and not link.idle() and link.error is None and time.monotonic() < deadline \
-                and not abandoned():
+        while (
+            n in live_nodes
+            and not link.idle()
+            and link.error is None
+            and time.monotonic() < deadline
+            and not abandoned()
+        ):
             time.sleep(1e-3)
         keeper.store.set(keys.sent(keeper.gen, keeper.node, n), SentCounts(dict(link.sent)).to_json())
     for n, link in keeper.links.items():  # wait for what live senders sent us
@@ -73,6 +97,7 @@ def drain(keeper: Keeper, live_nodes: set[int], timeout_s: float,
         if n not in live_nodes or n not in keeper.layout.senders_to(keeper.node):
             continue
         left = max(0.0, deadline - time.monotonic())
+
         def stop(link: Link = link) -> str | None:
             return str(link.error) if link.error is not None else "abandoned" if abandoned() else None
 
@@ -84,8 +109,12 @@ def drain(keeper: Keeper, live_nodes: set[int], timeout_s: float,
         except BadValue as e:  # report what arrived: the recovery checks versions and checksums
             _refused.refuse(e, value)
             want = {}
-        while not all(link.received[k] >= v for k, v in want.items()) and link.error is None \
-                and time.monotonic() < deadline and not abandoned():
+        while (
+            not all(link.received[k] >= v for k, v in want.items())
+            and link.error is None
+            and time.monotonic() < deadline
+            and not abandoned()
+        ):
             time.sleep(1e-3)  # what the receiver thread has not folded yet: local, no store
     keeper.region.header[H_STATE] = STATE_DRAINED
     with keeper.lock:

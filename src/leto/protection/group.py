@@ -1,5 +1,6 @@
 """The keepers' gloo group of a generation, and its early formation as soon as the
 generation's membership is out."""
+
 from __future__ import annotations
 
 from datetime import timedelta
@@ -21,8 +22,9 @@ def keeper_group(store: dist.Store, gen: int, nodes: list[int], node: int, timeo
     """The gloo group of generation `gen`'s keepers (one per node of its membership, in node order).
     Every wait on it ends within `timeout_s` (the job's collective timeout): idle links carry
     keepalives (`transport.Link`), and blocked waits of an abandoned generation end by that time too."""
-    return dist.ProcessGroupGloo(dist.PrefixStore(keys.keeper_pg(gen), store), nodes.index(node), len(nodes),
-                                 timedelta(seconds=timeout_s))
+    return dist.ProcessGroupGloo(
+        dist.PrefixStore(keys.keeper_pg(gen), store), nodes.index(node), len(nodes), timedelta(seconds=timeout_s)
+    )
 
 
 class EarlyGroup:
@@ -46,11 +48,14 @@ class EarlyGroup:
     def take(self, layout: Layout) -> dist.ProcessGroup:
         """The group, once built (bounded by the timeout); raises what the rendezvous raised."""
         if layout.nodes != self.nodes:
-            raise RuntimeError(f"generation {self.gen}'s layout names nodes {layout.nodes}, its membership {self.nodes}")
+            raise RuntimeError(
+                f"generation {self.gen}'s layout names nodes {layout.nodes}, its membership {self.nodes}"
+            )
         self._thread.join(self.timeout_s)
         if not self._box:
-            raise RuntimeError(f"the keepers of generation {self.gen} did not form their group "
-                               f"within {self.timeout_s:.0f}s")
+            raise RuntimeError(
+                f"the keepers of generation {self.gen} did not form their group within {self.timeout_s:.0f}s"
+            )
         if isinstance(self._box[0], Exception):
             raise self._box[0]
         return self._box[0]

@@ -7,6 +7,7 @@ is committed (see docs/protection.md). Its parts: `parity.py` (folding), `transp
 tier-2 links), `barrier.py` (the agreement), `drain.py` (drains and reports), `group.py` (the
 keepers' gloo group); this module runs them and is the keeper process's main.
 """
+
 from __future__ import annotations
 
 import os
@@ -63,8 +64,15 @@ class Keeper:
     them into its `Parity` and ships their tier-2 contributions over its `Link`s, and takes the
     `CommitBarrier`'s steps; `drain.drain` reports it."""
 
-    def __init__(self, store: dist.Store, job: str, node: int, layout: Layout, timeout_s: float,
-                 pg: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        store: dist.Store,
+        job: str,
+        node: int,
+        layout: Layout,
+        timeout_s: float,
+        pg: dist.ProcessGroup | None = None,
+    ) -> None:
         self.store, self.job, self.node, self.layout = store, job, node, layout
         self.timeout_s = timeout_s
         self.gen = layout.generation
@@ -92,8 +100,9 @@ class Keeper:
         # peer cut off by a partition may deliver its queued contributions once the link is back,
         # while survivors decode from this region (they read the versions of the report).
         self.reported = False
-        self.links = {n: Link(self, n, send=n in receivers, recv=n in senders)
-                      for n in sorted(senders | receivers) if n != node}
+        self.links = {
+            n: Link(self, n, send=n in receivers, recv=n in senders) for n in sorted(senders | receivers) if n != node
+        }
         self.barrier = CommitBarrier(self)
         self.dirty = True
         h[H_STATE] = STATE_RUNNING
@@ -114,7 +123,7 @@ class Keeper:
                 if h[S_READY] != 1:  # then read the slot: total store order is assumed (shm.py)
                     break
                 kind, step, chunk, crc = int(h[S_KIND]), int(h[S_STEP]), int(h[S_CHUNK]), int(h[S_CRC])
-                payload = data[w, idx, :self.nbytes[kind]]
+                payload = data[w, idx, : self.nbytes[kind]]
                 if not self._ship(kind, step, w, chunk, crc, payload):
                     return progress  # tier-2 send buffers are full; come back later
                 with self.lock:
@@ -134,8 +143,8 @@ class Keeper:
             return False
         for r, link in zip(routes, links):
             rec = link.record(kind)
-            rec[:HDR * 8].view(np.int64)[:] = (kind, step, self.idx, r.stripe, r.p, r.i, crc, self.gen)
-            body = rec[HDR * 8:]
+            rec[: HDR * 8].view(np.int64)[:] = (kind, step, self.idx, r.stripe, r.p, r.i, crc, self.gen)
+            body = rec[HDR * 8 :]
             if r.coef == 1:
                 body[...] = payload
             else:
@@ -165,9 +174,13 @@ class Keeper:
         if self.closed or self.reported or self._link_failure_told or waited_s < 0.9 * self.timeout_s:
             return
         self._link_failure_told = True
-        print(f"leto: keeper of node {self.node}: a tier-2 wait of generation {self.gen} ran out its "
-              f"timeout of {self.timeout_s:g}s ({why.splitlines()[0][:300]}); nothing more commits in "
-              f"this generation", file=sys.stderr, flush=True)
+        print(
+            f"leto: keeper of node {self.node}: a tier-2 wait of generation {self.gen} ran out its "
+            f"timeout of {self.timeout_s:g}s ({why.splitlines()[0][:300]}); nothing more commits in "
+            f"this generation",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def run(self, should_stop: Callable[[], str | None]) -> str:
         """Serve until `should_stop` returns a reason (drain, shutdown). Sleeps between
@@ -207,7 +220,7 @@ def main() -> None:
     check_store_order()
     Heartbeat(os.environ[rt.ENV_STORE], job.proc_id, job.timeout_s)  # the controller fences a keeper that stops
     node = job.node
-    committed: Keeper | None = None   # the last generation whose protection is complete
+    committed: Keeper | None = None  # the last generation whose protection is complete
     gen = 0
     early: EarlyGroup | None = None
     while not job.shutdown_requested():
@@ -227,8 +240,14 @@ def main() -> None:
         if node not in layout.nodes:
             gen += 1
             continue
-        current = Keeper(job.store, job.job_id, node, layout, job.timeout_s,
-                         early.take(layout) if early is not None and early.gen == gen else None)
+        current = Keeper(
+            job.store,
+            job.job_id,
+            node,
+            layout,
+            job.timeout_s,
+            early.take(layout) if early is not None and early.gen == gen else None,
+        )
 
         def should_stop(gen: int = gen) -> str | None:
             if drain_of(job, gen) is not None:

@@ -3,6 +3,7 @@
 The layout is a pure function of the membership (which rank runs on which node), the chunk
 geometry and `--ec k+m`; every worker and keeper computes the same one.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,22 +40,22 @@ class Route:
 
     parity_node: int
     stripe: int
-    j: int          # parity block index within the stripe
-    p: int          # data position of the source node within the stripe
-    i: int          # chunk offset inside the stripe's segment
+    j: int  # parity block index within the stripe
+    p: int  # data position of the source node within the stripe
+    i: int  # chunk offset inside the stripe's segment
     coef: int
 
 
 @dataclass(frozen=True)
 class Layout:
     generation: int
-    base_step: int                      # the step every rank's state is at when it starts
+    base_step: int  # the step every rank's state is at when it starts
     geometry: Geometry
     node_of_rank: tuple[int, ...]
-    ec: tuple[int, int] | None          # requested tier-2 code
+    ec: tuple[int, int] | None  # requested tier-2 code
     ring_slots: int = 8
-    protect_every: int = 1              # --protect-every: only every N-th step's state is protected
-    replicated_grads: bool = False      # every rank holds the whole reduced gradient (gloo's all-reduce):
+    protect_every: int = 1  # --protect-every: only every N-th step's state is protected
+    replicated_grads: bool = False  # every rank holds the whole reduced gradient (gloo's all-reduce):
     #                                     gradients are not staged, a replay takes them from a survivor
 
     @property
@@ -159,18 +160,34 @@ class Layout:
 
     # ----- serialization through the store
     def to_json(self) -> str:
-        return json.dumps({"generation": self.generation, "base_step": self.base_step,
-                           "n_chunks": self.geometry.n_chunks, "chunk_elems": self.geometry.chunk_elems,
-                           "node_of_rank": list(self.node_of_rank), "ec": list(self.ec) if self.ec else None,
-                           "ring_slots": self.ring_slots,
-                           "protect_every": self.protect_every, "replicated_grads": self.replicated_grads})
+        return json.dumps(
+            {
+                "generation": self.generation,
+                "base_step": self.base_step,
+                "n_chunks": self.geometry.n_chunks,
+                "chunk_elems": self.geometry.chunk_elems,
+                "node_of_rank": list(self.node_of_rank),
+                "ec": list(self.ec) if self.ec else None,
+                "ring_slots": self.ring_slots,
+                "protect_every": self.protect_every,
+                "replicated_grads": self.replicated_grads,
+            }
+        )
 
     @staticmethod
     def from_json(text: str | bytes, key: str = "") -> Layout:
         """The layout rank 0 published (`BadValue` naming `key` unless every field checks out)."""
         d = parse(_LayoutWire, text, key)
-        return Layout(d.generation, d.base_step, Geometry(d.n_chunks, d.chunk_elems), d.node_of_rank,
-                      d.ec, d.ring_slots, d.protect_every, d.replicated_grads)
+        return Layout(
+            d.generation,
+            d.base_step,
+            Geometry(d.n_chunks, d.chunk_elems),
+            d.node_of_rank,
+            d.ec,
+            d.ring_slots,
+            d.protect_every,
+            d.replicated_grads,
+        )
 
 
 @dataclass(frozen=True)

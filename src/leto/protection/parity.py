@@ -1,6 +1,7 @@
 """A keeper's parity: chunks folded into its shared-memory region (tier-1 XOR of its node's
 workers, tier-2 contributions of other nodes), the pre-images an interval needs, and which
 steps are complete here (docs/protection.md)."""
+
 from __future__ import annotations
 
 import numpy as np

@@ -100,11 +100,15 @@ def degradation(num_nodes: int, requested: tuple[int, int] | None) -> str | None
         return None
     fitted = fitted_code(num_nodes, requested)
     if fitted is None:
-        return (f"tier 2 is off: {num_nodes} node left, so a node loss is no longer survivable "
-                f"(--ec {requested[0]}+{requested[1]} asked for {requested[1]}); tier 1 still covers one rank per node")
+        return (
+            f"tier 2 is off: {num_nodes} node left, so a node loss is no longer survivable "
+            f"(--ec {requested[0]}+{requested[1]} asked for {requested[1]}); tier 1 still covers one rank per node"
+        )
     if fitted[1] < requested[1]:
-        return (f"tier 2 re-placed as {fitted[0]}+{fitted[1]} over {num_nodes} nodes: it survives {fitted[1]} "
-                f"node loss(es) at once, not {requested[1]} as --ec {requested[0]}+{requested[1]} asked")
+        return (
+            f"tier 2 re-placed as {fitted[0]}+{fitted[1]} over {num_nodes} nodes: it survives {fitted[1]} "
+            f"node loss(es) at once, not {requested[1]} as --ec {requested[0]}+{requested[1]} asked"
+        )
     return None
 
 
@@ -130,10 +134,7 @@ def place_stripes(num_nodes: int, k: int, m: int) -> list[Stripe]:
             if specs
             else "tier 2 needs at least 2 nodes"
         )
-        raise ValueError(
-            f"ec {k}+{m} needs the node count to be a multiple of k+m={n}, "
-            f"got {num_nodes} nodes; {hint}"
-        )
+        raise ValueError(f"ec {k}+{m} needs the node count to be a multiple of k+m={n}, got {num_nodes} nodes; {hint}")
     stripes = []
     for base in range(0, num_nodes, n):
         for j in range(n):
@@ -163,8 +164,7 @@ def segment_bounds(nbytes: int, k: int, *, align: int = 8) -> list[tuple[int, in
     """
     if k < 1 or nbytes < 0 or align < 1:
         raise ValueError(
-            f"segment_bounds needs nbytes >= 0, k >= 1, align >= 1; "
-            f"got nbytes={nbytes}, k={k}, align={align}"
+            f"segment_bounds needs nbytes >= 0, k >= 1, align >= 1; got nbytes={nbytes}, k={k}, align={align}"
         )
     length = _round_up(-(-nbytes // k), align)
     return [(s * length, (s + 1) * length) for s in range(k)]

@@ -4,6 +4,7 @@ Keeper and workers compute the same array offsets from the `Layout`, so a worker
 keeper's region by name and reads tables / writes staging slots in place (no copies beyond the
 one hand-off of the bytes themselves).
 """
+
 from __future__ import annotations
 
 import json
@@ -49,9 +50,12 @@ def check_store_order() -> None:
     """Warn once where the staging protocol's store-order assumption does not hold (above)."""
     machine = platform.machine().lower()
     if machine not in TOTAL_STORE_ORDER:
-        warnings.warn(f"leto: staging slots rely on total store order (x86-64); this machine is {machine}: "
-                      f"a reordered slot is caught by its checksum at decode, not prevented", RuntimeWarning,
-                      stacklevel=2)
+        warnings.warn(
+            f"leto: staging slots rely on total store order (x86-64); this machine is {machine}: "
+            f"a reordered slot is caught by its checksum at decode, not prevented",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 # ----- names. A job's files are "leto-<job>-g<generation>-n<node>" (a keeper's region) and
@@ -60,8 +64,8 @@ def check_store_order() -> None:
 # '_', '.' and '-' only, and a name parses to one job only (its suffix is fixed and anchored at
 # the end), so `job_files` finds exactly one job's files: never those of job "exp-h0" for job "exp".
 _ID = r"[A-Za-z0-9_.-]"
-_JOB_ID = re.compile(f"{_ID}{{1,64}}")         # a multi-host job's --job-id
-_HOST_JOB = re.compile(f"{_ID}{{1,80}}")       # what names one host's files
+_JOB_ID = re.compile(f"{_ID}{{1,64}}")  # a multi-host job's --job-id
+_HOST_JOB = re.compile(f"{_ID}{{1,80}}")  # what names one host's files
 _JOB_FILE = re.compile(f"leto-({_ID}+)-(?:g\\d+-n\\d+|owner)")
 _ONE_HOST_JOB = re.compile(r"(\d+)-\d+")
 
@@ -76,7 +80,7 @@ def check_job_id(job: str, per_host: bool = False) -> str | None:
     id that names one host's files), or None if nothing is."""
     if (_HOST_JOB if per_host else _JOB_ID).fullmatch(job):
         return None
-    return (f"a job id is 1-{80 if per_host else 64} letters, digits, '_', '.' or '-'; got {job[:100]!r}")
+    return f"a job id is 1-{80 if per_host else 64} letters, digits, '_', '.' or '-'; got {job[:100]!r}"
 
 
 def region_name(job: str, generation: int, node: int) -> str:
@@ -124,12 +128,13 @@ def _unlink_own(path: Path) -> bool:
 def _taken(path: Path, what: str) -> NameTaken:
     try:
         st = os.lstat(path)
-        whose = (f"a symbolic link of user {st.st_uid}" if stat.S_ISLNK(st.st_mode)
-                 else f"made by user {st.st_uid}")
+        whose = f"a symbolic link of user {st.st_uid}" if stat.S_ISLNK(st.st_mode) else f"made by user {st.st_uid}"
     except OSError:
         whose = "gone again"
-    return NameTaken(f"leto: {what} {path} exists already ({whose}): another job with this id runs on this host, "
-                     f"or someone else made it; remove it or choose another job id")
+    return NameTaken(
+        f"leto: {what} {path} exists already ({whose}): another job with this id runs on this host, "
+        f"or someone else made it; remove it or choose another job id"
+    )
 
 
 def write_owner(job: str, pid: int) -> None:
@@ -213,29 +218,44 @@ def specs(layout: Layout, node: int) -> list[tuple[str, tuple[int, ...], type]]:
     if interval:
         out += _preimage_specs("p1", "crc1", (w,), g.n_chunks, g.state_bytes)
     elif grads:
-        out += [("g1", (2, g.n_chunks, g.grad_bytes), np.uint8), ("g1_step", (2, g.n_chunks), np.int64),
-                ("g1_count", (2, g.n_chunks), np.int64), ("gcrc1", (w, 2, g.n_chunks), np.int64)]
+        out += [
+            ("g1", (2, g.n_chunks, g.grad_bytes), np.uint8),
+            ("g1_step", (2, g.n_chunks), np.int64),
+            ("g1_count", (2, g.n_chunks), np.int64),
+            ("gcrc1", (w, 2, g.n_chunks), np.int64),
+        ]
     if layout.tier2 is not None:
         k = layout.tier2[0].k
         L = layout.segment_len
         for s, _ in layout.parity_stripes(node):
             i = s.index
-            out += [(f"p2_{i}", (L, g.state_bytes), np.uint8), (f"v2_{i}", (k, L), np.int64),
-                    (f"crc2_{i}", (k, L), np.int64)]
+            out += [
+                (f"p2_{i}", (L, g.state_bytes), np.uint8),
+                (f"v2_{i}", (k, L), np.int64),
+                (f"crc2_{i}", (k, L), np.int64),
+            ]
             if layout.tier2_preimages:
                 out += _preimage_specs(f"p2_{i}", f"crc2_{i}", (k,), L, g.state_bytes)
             if not interval and grads:
-                out += [(f"g2_{i}", (2, L, g.grad_bytes), np.uint8), (f"g2_step_{i}", (2, L), np.int64),
-                        (f"g2_count_{i}", (2, L), np.int64), (f"gcrc2_{i}", (k, 2, L), np.int64)]
+                out += [
+                    (f"g2_{i}", (2, L, g.grad_bytes), np.uint8),
+                    (f"g2_step_{i}", (2, L), np.int64),
+                    (f"g2_count_{i}", (2, L), np.int64),
+                    (f"gcrc2_{i}", (k, 2, L), np.int64),
+                ]
     return out
 
 
-def _preimage_specs(parity: str, crc: str, sources: tuple[int, ...], rows: int,
-                    row_bytes: int) -> list[tuple[str, tuple[int, ...], type]]:
+def _preimage_specs(
+    parity: str, crc: str, sources: tuple[int, ...], rows: int, row_bytes: int
+) -> list[tuple[str, tuple[int, ...], type]]:
     """A parity array's pre-image: its rows at the step all their sources last agreed on, with
     those sources' checksums and that step (`<parity>_pre`, `<crc>_pre`, `<parity>_pre_step`)."""
-    return [(f"{parity}_pre", (rows, row_bytes), np.uint8), (f"{crc}_pre", (*sources, rows), np.int64),
-            (f"{parity}_pre_step", (rows,), np.int64)]
+    return [
+        (f"{parity}_pre", (rows, row_bytes), np.uint8),
+        (f"{crc}_pre", (*sources, rows), np.int64),
+        (f"{parity}_pre_step", (rows,), np.int64),
+    ]
 
 
 class Region:
@@ -263,8 +283,10 @@ class Region:
             st = os.fstat(fd)
             if st.st_uid != os.getuid() or not stat.S_ISREG(st.st_mode) or st.st_size != size:
                 os.close(fd)
-                raise RuntimeError(f"shared region {self.path} is not this job's region of generation "
-                                   f"{layout.generation} (its owner, type or size differ)")
+                raise RuntimeError(
+                    f"shared region {self.path} is not this job's region of generation "
+                    f"{layout.generation} (its owner, type or size differ)"
+                )
         try:
             self._mm = mmap.mmap(fd, size)
         finally:

@@ -6,6 +6,7 @@ the compute stream, and the compute stream never waits for the copy, so the next
 while the host XORs and checksums the bytes (docs/design.md, "The GPU path"). Two buffers, so
 a delta's old and new chunk can be on the host at once.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -32,8 +33,9 @@ class HostStaging:
         self.copy = device.type == "cuda" if copy is None else copy
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         pinned = device.type == "cuda"
-        self.bufs = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned) for _ in range(slots)] \
-            if self.copy else []
+        self.bufs = (
+            [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned) for _ in range(slots)] if self.copy else []
+        )
 
     def host(self, t: torch.Tensor, slot: int = 0) -> np.ndarray:
         """The bytes of contiguous `t` on the host, valid until `slot` is used again."""
@@ -41,9 +43,10 @@ class HostStaging:
             return as_bytes(t)
         src = t.detach().reshape(-1).view(torch.uint8)
         if src.numel() > self.bufs[slot].numel():
-            raise ValueError(f"a chunk of {src.numel()} bytes does not fit the {self.bufs[slot].numel()}-byte "
-                             f"staging buffer")
-        dst = self.bufs[slot][:src.numel()]
+            raise ValueError(
+                f"a chunk of {src.numel()} bytes does not fit the {self.bufs[slot].numel()}-byte staging buffer"
+            )
+        dst = self.bufs[slot][: src.numel()]
         if self.stream is None:
             dst.copy_(src)
             return dst.numpy()

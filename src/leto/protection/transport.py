@@ -1,5 +1,6 @@
 """Tier-2 transport: the batches of contributions keepers send each other over their gloo group,
 one `Link` per peer keeper (docs/protection.md)."""
+
 from __future__ import annotations
 
 import queue
@@ -17,7 +18,7 @@ from leto.runtime import linux, threads
 if TYPE_CHECKING:
     from leto.protection.keeper import Keeper
 
-HDR = 8           # int64 fields in a tier-2 message header
+HDR = 8  # int64 fields in a tier-2 message header
 TAG = {KIND_GRAD: 1, KIND_DELTA: 2}
 SEND_BUFFERS = 2  # tier-2 batches per link and kind (one filling, one in flight)
 BATCH_BYTES = 1 << 20  # largest tier-2 message: memory per protected byte against gloo's cost per message
@@ -27,8 +28,9 @@ KEEPALIVES_PER_TIMEOUT = 4  # an idle tier-2 link carries a keepalive this many 
 def kinds(layout: Layout) -> dict[int, int]:
     """Bytes of one chunk of each kind of data the keepers of this layout take."""
     g = layout.geometry
-    return {KIND_GRAD: g.grad_bytes, KIND_DELTA: g.state_bytes} if layout.protects_grads else \
-        {KIND_DELTA: g.state_bytes}
+    return (
+        {KIND_GRAD: g.grad_bytes, KIND_DELTA: g.state_bytes} if layout.protects_grads else {KIND_DELTA: g.state_bytes}
+    )
 
 
 def records_per_batch(layout: Layout, nbytes: int) -> int:
@@ -65,7 +67,7 @@ class Link:
     def __init__(self, keeper: Keeper, node: int, send: bool, recv: bool) -> None:
         self.keeper, self.node = keeper, node
         self.peer_rank = keeper.layout.nodes.index(node)
-        self.sent = {k: 0 for k in TAG}       # messages
+        self.sent = {k: 0 for k in TAG}  # messages
         self.received = {k: 0 for k in TAG}
         self.free: dict[int, queue.SimpleQueue[int]] = {}
         self.bufs: dict[int, list[torch.Tensor]] = {}
@@ -95,7 +97,7 @@ class Link:
         i, n = self.open[kind]
         rb = self.keeper.record_bytes(kind)
         self.open[kind][1] = n + 1
-        return self.bufs[kind][i].numpy()[8 + n * rb:8 + (n + 1) * rb]
+        return self.bufs[kind][i].numpy()[8 + n * rb : 8 + (n + 1) * rb]
 
     def full(self, kind: int) -> bool:
         return self.open[kind][1] == self.keeper.per_msg[kind]
@@ -165,9 +167,9 @@ class Link:
             with self.keeper.lock:
                 if not self.keeper.reported:  # after its report the region is what recovery reads
                     for r in range(n):
-                        rec = raw[8 + r * rb:8 + (r + 1) * rb]
-                        _, step, _, stripe, p, i, crc, _ = (int(x) for x in rec[:HDR * 8].view(np.int64))
-                        self.keeper.parity.fold_remote(kind, step, stripe, p, i, crc, rec[HDR * 8:HDR * 8 + nbytes])
+                        rec = raw[8 + r * rb : 8 + (r + 1) * rb]
+                        _, step, _, stripe, p, i, crc, _ = (int(x) for x in rec[: HDR * 8].view(np.int64))
+                        self.keeper.parity.fold_remote(kind, step, stripe, p, i, crc, rec[HDR * 8 : HDR * 8 + nbytes])
                     self.keeper.dirty = True
             self.received[kind] += 1
             doorbell.ring_main()

@@ -4,6 +4,7 @@ The values are the strings written to the store, metrics.jsonl and summary.json 
 a member is its string). To add a failure kind: a `FailureKind` member, its `Detection` in
 `DETECTION`, and its action in `recovery/inject.py` (`InProcessInjector._fire`).
 """
+
 from __future__ import annotations
 
 from enum import StrEnum
@@ -12,9 +13,9 @@ from enum import StrEnum
 class FailureKind(StrEnum):
     """A failure `--inject` can cause (`recovery/inject.py`)."""
 
-    KILL = "kill"            # SIGKILL the rank
-    STOP = "stop"            # SIGSTOP the rank: the whole process hangs
-    HANG = "hang"            # the training thread sleeps for ever; the heartbeat thread lives on
+    KILL = "kill"  # SIGKILL the rank
+    STOP = "stop"  # SIGSTOP the rank: the whole process hangs
+    HANG = "hang"  # the training thread sleeps for ever; the heartbeat thread lives on
     NODE_KILL = "node-kill"  # SIGKILL every process of a node
 
     @property
@@ -48,6 +49,6 @@ class ProcEventKind(StrEnum):
     """What a supervisor reports of one of its processes (`messages.ProcEvent`)."""
 
     STARTED = "started"
-    EXITED = "exited"          # with its exit status
-    FENCED = "fenced"          # stopped heartbeating or progressing, and was killed
+    EXITED = "exited"  # with its exit status
+    FENCED = "fenced"  # stopped heartbeating or progressing, and was killed
     FORK_FAILED = "fork_failed"

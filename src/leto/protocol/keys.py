@@ -3,11 +3,11 @@ commands), a supervisor (reports, fork requests) or the job's processes (heartbe
 results); protection keys carry their generation."""
 
 # ----- control: membership, liveness, the job's end
-SHUTDOWN = "control/shutdown"          # set once the job stops: every wait gives up
-RESULT = "control/result"              # rank 0's final digest and loss (JSON)
-FATAL = "control/fatal"                # set by a worker that found the job unrecoverable (the reason)
-ZYGOTES_OFF = "control/zygotes-off"    # why this job cannot use zygotes (set by one)
-PERSIST_EVERY = "persist/every"        # {"every": K, "first": step} once rank 0 has chosen K
+SHUTDOWN = "control/shutdown"  # set once the job stops: every wait gives up
+RESULT = "control/result"  # rank 0's final digest and loss (JSON)
+FATAL = "control/fatal"  # set by a worker that found the job unrecoverable (the reason)
+ZYGOTES_OFF = "control/zygotes-off"  # why this job cannot use zygotes (set by one)
+PERSIST_EVERY = "persist/every"  # {"every": K, "first": step} once rank 0 has chosen K
 
 
 def membership(gen: int) -> str:
@@ -52,18 +52,18 @@ def inject_time(proc_id: str) -> str:
 # ----- control: supervisor <-> coordinator (docs/design.md, "Supervisor and coordinator")
 # Two streams, each a store counter (`store.add`) and one key per entry: the supervisor's reports
 # (process events) and the coordinator's commands (spawn, fork, boost, wake, stop).
-REPORTS = "control/sup/reports"        # counter: reports the supervisor has written
-COMMANDS = "control/coord/commands"    # counter: commands the coordinator has written
-PROC_SEQ = "control/proc-seq"          # counter: numbers the process ids of the job
-JOB_STATE = "control/state"            # `messages.JobState`: the generation and whether it is recovering
-PROGRESS = "control/progress"          # `messages.StepProgress`: rank 0's latest completed step
+REPORTS = "control/sup/reports"  # counter: reports the supervisor has written
+COMMANDS = "control/coord/commands"  # counter: commands the coordinator has written
+PROC_SEQ = "control/proc-seq"  # counter: numbers the process ids of the job
+JOB_STATE = "control/state"  # `messages.JobState`: the generation and whether it is recovering
+PROGRESS = "control/progress"  # `messages.StepProgress`: rank 0's latest completed step
 
 
-EXIT_CODE = "control/exit-code"       # the job's exit code, set by the coordinator when it ends
+EXIT_CODE = "control/exit-code"  # the job's exit code, set by the coordinator when it ends
 
 # ----- control: the hosts of a multi-host job (etcd; docs/deployment.md)
-HOST_SEQ = "control/host-seq"          # counter: numbers the hosts as they join (a host is a node)
-COORDINATOR = "control/coordinator"    # the elected coordinator's node (bound to its host's lease)
+HOST_SEQ = "control/host-seq"  # counter: numbers the hosts as they join (a host is a node)
+COORDINATOR = "control/coordinator"  # the elected coordinator's node (bound to its host's lease)
 
 
 def host(node: int) -> str:

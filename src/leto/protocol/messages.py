@@ -5,6 +5,7 @@ its declared type (numbers finite, ints not bools), pids and counters are positi
 from their known sets. Anything else raises `BadValue` naming the key and what is wrong with it
 (anyone who can reach the store can write any key: a reader never acts on what it did not check).
 """
+
 from __future__ import annotations
 
 import enum
@@ -221,9 +222,16 @@ class Membership:
     cause: str = ""
 
     def to_json(self) -> str:
-        return json.dumps({"generation": self.generation, "node_of_rank": list(self.node_of_rank),
-                           "proc_of_rank": list(self.proc_of_rank), "failed_ranks": list(self.failed_ranks),
-                           "failed_nodes": list(self.failed_nodes), "cause": self.cause})
+        return json.dumps(
+            {
+                "generation": self.generation,
+                "node_of_rank": list(self.node_of_rank),
+                "proc_of_rank": list(self.proc_of_rank),
+                "failed_ranks": list(self.failed_ranks),
+                "failed_nodes": list(self.failed_nodes),
+                "cause": self.cause,
+            }
+        )
 
     @staticmethod
     def from_json(text: str | bytes, key: str = "") -> Membership:
@@ -234,9 +242,12 @@ class Membership:
             return "node_of_rank and proc_of_rank must name the same ranks, at least one"
         if len(set(self.proc_of_rank)) != len(self.proc_of_rank):
             return "a process holds two ranks"
-        return (negative(generation=self.generation, node=min(self.node_of_rank),
-                          failed_rank=min(self.failed_ranks, default=0), failed_node=min(self.failed_nodes, default=0))
-                or next(filter(None, map(_proc_id_problem, self.proc_of_rank)), None))
+        return negative(
+            generation=self.generation,
+            node=min(self.node_of_rank),
+            failed_rank=min(self.failed_ranks, default=0),
+            failed_node=min(self.failed_nodes, default=0),
+        ) or next(filter(None, map(_proc_id_problem, self.proc_of_rank)), None)
 
     def rank_of(self, proc_id: str) -> int | None:
         return self.proc_of_rank.index(proc_id) if proc_id in self.proc_of_rank else None
@@ -251,13 +262,13 @@ class RecoveryRecord:
     failed_ranks: tuple[int, ...]
     failed_nodes: tuple[int, ...]
     cause: str
-    tier: str                      # "tier1", "tier2", "none" (nothing lost: no decode), ...
-    step: int                      # the recovery step every rank's state is at
+    tier: str  # "tier1", "tier2", "none" (nothing lost: no decode), ...
+    step: int  # the recovery step every rank's state is at
     world_size: int
-    restore_s: float               # decode (or rebuild) and install
-    protect_s: float               # re-protecting the new generation (overlaps the next step)
-    join_s: float                  # the whole join, from the membership to the first step
-    decode_start_s: float          # from the membership until the decode began
+    restore_s: float  # decode (or rebuild) and install
+    protect_s: float  # re-protecting the new generation (overlaps the next step)
+    join_s: float  # the whole join, from the membership to the first step
+    decode_start_s: float  # from the membership until the decode began
     resharded: bool = False
     repaired: tuple[str, ...] = ()  # redundancy that failed its checks and what rebuilt it
     rebuilt_from: str = ""
@@ -292,12 +303,12 @@ class ProcEvent:
 
     kind: ProcEventKind
     proc_id: str
-    role: str                # worker | shadow | zygote | keeper
+    role: str  # worker | shadow | zygote | keeper
     rank: int | None
     node: int
     pid: int = 0
     code: int | None = None  # the exit status (exited, fenced)
-    cause: str = ""          # in words: "was killed by SIGKILL", "stopped heartbeating ...; fenced with SIGKILL"
+    cause: str = ""  # in words: "was killed by SIGKILL", "stopped heartbeating ...; fenced with SIGKILL"
 
     def __post_init__(self) -> None:
         try:
@@ -317,12 +328,13 @@ class SupervisorReport:
     one report, so the coordinator decides on them as one failure."""
 
     events: tuple[ProcEvent, ...] = ()
-    signal: int | None = None         # SIGINT or SIGTERM reached the supervisor: stop the job
+    signal: int | None = None  # SIGINT or SIGTERM reached the supervisor: stop the job
     shm_removed: tuple[str, ...] = ()  # dead jobs' /dev/shm segments removed at the start
 
     def to_json(self) -> str:
-        return json.dumps({"events": [asdict(e) for e in self.events], "signal": self.signal,
-                           "shm_removed": list(self.shm_removed)})
+        return json.dumps(
+            {"events": [asdict(e) for e in self.events], "signal": self.signal, "shm_removed": list(self.shm_removed)}
+        )
 
     @staticmethod
     def from_json(text: str | bytes, key: str = "") -> SupervisorReport:
@@ -343,12 +355,12 @@ class Command(_Flat):
     (answered by a `started` or `fork_failed` event), boost a shadow to normal priority, wake the
     keepers (a drain was written), or stop every process (answered by keys.STOPPED)."""
 
-    kind: str                # one of COMMANDS
+    kind: str  # one of COMMANDS
     proc_id: str = ""
     role: str = ""
     rank: int | None = None
     node: int = 0
-    boost: bool = False      # spawn, or fork, at normal priority (a replacement keeper, an adopting shadow)
+    boost: bool = False  # spawn, or fork, at normal priority (a replacement keeper, an adopting shadow)
 
     def __post_init__(self) -> None:
         if self.kind not in COMMANDS:
@@ -402,8 +414,9 @@ class StepProgress(_Flat):
     tokens_per_s: float | None = None
 
     def problem(self) -> str | None:
-        return negative(step=self.step) or (f"step_s {self.step_s} is negative"
-                                             if self.step_s is not None and self.step_s < 0 else None)
+        return negative(step=self.step) or (
+            f"step_s {self.step_s} is negative" if self.step_s is not None and self.step_s < 0 else None
+        )
 
     def record(self) -> dict:
         return asdict(self)

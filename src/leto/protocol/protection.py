@@ -3,6 +3,7 @@ protection keys (`keys.ready`, `keys.committed`, `keys.drain`, `keys.sent`,
 `keys.barrier_state`, `keys.report`), each a dataclass with to/from JSON. The wire format is
 the one the readers have always parsed: an optional field that is None is left out. Every
 reader parses and checks a value as `messages.parse` does (`BadValue` naming the key)."""
+
 from __future__ import annotations
 
 import json
@@ -173,9 +174,12 @@ class KeeperReport:
         return parse(KeeperReport, text, key)
 
     def problem(self) -> str | None:
-        return (negative(node=self.node, generation=self.generation, generation_used=self.generation_used,
-                          stripe=min(self.stripes or [0]))
-                or _tables_problem(self))
+        return negative(
+            node=self.node,
+            generation=self.generation,
+            generation_used=self.generation_used,
+            stripe=min(self.stripes or [0]),
+        ) or _tables_problem(self)
 
 
 def _tables_problem(msg: object) -> str | None:

@@ -4,12 +4,14 @@
 the rank), `stop` (SIGSTOP it: a hang), `hang` (the training thread sleeps for ever while the
 process and its heartbeat thread live on: a deadlock only progress can reveal) or `node-kill`
 (SIGKILL every process of node N: workers, shadows, keeper). Step S is the 1-based step being
-computed; the phase is where in it (default forward): forward, backward, reduce-scatter, grads (staging gradient chunks), update (the chunked
-optimizer update), all-gather, parity (staging the state deltas of the previous step, which happens
-at the start of step S), recovery (while joining the first recovery at or after step S). In the
-chunked phases the failure hits just before chunk C (default: the middle chunk). Each injection
-fires once per job, even if the step is redone after recovery.
+computed; the phase is where in it (default forward): forward, backward, reduce-scatter, grads
+(staging gradient chunks), update (the chunked optimizer update), all-gather, parity (staging
+the state deltas of the previous step, which happens at the start of step S), recovery (while
+joining the first recovery at or after step S). In the chunked phases the failure hits just
+before chunk C (default: the middle chunk). Each injection fires once per job, even if the step
+is redone after recovery.
 """
+
 from __future__ import annotations
 
 import json
@@ -49,7 +51,9 @@ def parse(spec: str, index: int = 0) -> Injection:
     for part in parts[1:]:
         key, sep, value = part.partition("=")
         if not sep or key not in ("rank", "node", "step", "phase", "chunk"):
-            raise ValueError(f"--inject {spec!r}: bad field {part!r}; expected rank=R, node=N, step=S, phase=P, chunk=C")
+            raise ValueError(
+                f"--inject {spec!r}: bad field {part!r}; expected rank=R, node=N, step=S, phase=P, chunk=C"
+            )
         fields[key] = value
     try:
         step = int(fields["step"])
@@ -81,15 +85,24 @@ class InProcessInjector:
         self.store, self.run_dir, self.proc_id = store, run_dir, proc_id
         self.todo = [parse(s, i) for i, s in enumerate(specs)]
 
-    def at(self, phase: str, step: int, rank: int, node_of_rank: tuple[int, ...], chunk: int | None = None,
-           n_chunks: int = 0) -> None:
+    def at(
+        self,
+        phase: str,
+        step: int,
+        rank: int,
+        node_of_rank: tuple[int, ...],
+        chunk: int | None = None,
+        n_chunks: int = 0,
+    ) -> None:
         for inj in self.todo:
             if inj.phase != phase or (inj.step > step if phase == "recovery" else inj.step != step):
                 continue
             if chunk is not None and chunk != (n_chunks // 2 if inj.chunk is None else inj.chunk):
                 continue
             if inj.kind.targets_node:
-                if inj.node is None or rank != min((r for r, n in enumerate(node_of_rank) if n == inj.node), default=-1):
+                if inj.node is None or rank != min(
+                    (r for r, n in enumerate(node_of_rank) if n == inj.node), default=-1
+                ):
                     continue
             elif inj.rank != rank:
                 continue
@@ -112,6 +125,6 @@ class InProcessInjector:
             procs = json.loads((self.run_dir / "procs.json").read_text())
             for p in procs:
                 if p["node"] == inj.node and p["pid"] != os.getpid():
-                    self.store.set(keys.inject_time(p['id']), str(time.time()))
+                    self.store.set(keys.inject_time(p["id"]), str(time.time()))
                     linux.signal_process(p["pid"], p.get("start"), signal.SIGKILL)  # never a reused pid
         os.kill(os.getpid(), signal.SIGKILL)

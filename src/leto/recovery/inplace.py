@@ -6,6 +6,7 @@ recovery step, decode what was lost, install it, rebuild the process group insid
 processes, re-protect and record the recovery. The member and its state are known only through
 `leto.recovery.member` (recovery imports nothing from training).
 """
+
 from __future__ import annotations
 
 import time
@@ -18,8 +19,8 @@ import torch
 from leto.errors import BadValue
 from leto.protection.layout import Layout
 from leto.protocol import keys
-from leto.protocol.protection import Drain, KeeperReport
 from leto.protocol.messages import Membership, RecoveryRecord, Refusals
+from leto.protocol.protection import Drain, KeeperReport
 from leto.recovery.member import Member
 from leto.recovery.rebuild import (
     Rebuilder,
@@ -30,9 +31,9 @@ from leto.recovery.rebuild import (
     make_recipe,
     recovery_step,
 )
+from leto.runtime import trace
 from leto.runtime.comm import Comm, PeerFailure
 from leto.runtime.env import await_keys
-from leto.runtime import trace
 from leto.runtime.membership import read_membership
 
 GradOf = Callable[[int, int], torch.Tensor]  # (lost old rank, chunk) -> its gradient chunk of the recovery step
@@ -45,9 +46,9 @@ class Source:
     """The protection data a generation rebuilds from."""
 
     layout: Layout
-    reports: dict[int, KeeperReport]   # node -> its keeper's drained report
+    reports: dict[int, KeeperReport]  # node -> its keeper's drained report
     roles: Roles
-    me: int | None             # the old rank whose shard this process wrote (None: an adopter)
+    me: int | None  # the old rank whose shard this process wrote (None: an adopter)
 
 
 @dataclass(frozen=True)
@@ -55,8 +56,8 @@ class Point:
     """The recovery step and what rebuilds the state at it."""
 
     membership: RebuildRecipe
-    held: int                  # the latest step whose whole reduced gradient a member holds (-1: none)
-    grad_of: GradOf | None     # lost ranks' gradients of the step, where replicated (not protected)
+    held: int  # the latest step whose whole reduced gradient a member holds (-1: none)
+    grad_of: GradOf | None  # lost ranks' gradients of the step, where replicated (not protected)
 
     @property
     def step(self) -> int:
@@ -99,12 +100,25 @@ def join(m: Member, gen: int) -> RecoveryRecord:
     t_protect = time.time()
     reprotect(m, gen, point.step, shard)
     phases.done("reprotect")
-    return record(m, RecoveryRecord(
-        generation=gen, failed_ranks=src.roles.lost, failed_nodes=membership.failed_nodes, cause=membership.cause,
-        tier=point.membership.tier, step=point.step, world_size=m.world_size, restore_s=round(restore_s, 4),
-        protect_s=round(time.time() - t_protect, 4), join_s=round(time.time() - t0, 4),
-        decode_start_s=round(t_decode - t0, 4), resharded=src.roles.reshard, repaired=tuple(repaired),
-        phases_s=phases.spent))
+    return record(
+        m,
+        RecoveryRecord(
+            generation=gen,
+            failed_ranks=src.roles.lost,
+            failed_nodes=membership.failed_nodes,
+            cause=membership.cause,
+            tier=point.membership.tier,
+            step=point.step,
+            world_size=m.world_size,
+            restore_s=round(restore_s, 4),
+            protect_s=round(time.time() - t_protect, 4),
+            join_s=round(time.time() - t0, 4),
+            decode_start_s=round(t_decode - t0, 4),
+            resharded=src.roles.reshard,
+            repaired=tuple(repaired),
+            phases_s=phases.spent,
+        ),
+    )
 
 
 class _Phases:
@@ -172,8 +186,10 @@ def protection_source(m: Member, membership: Membership, reports: dict[int, Keep
     if me is None and not roles.reshard and m.sharded.geometry != layout.geometry:
         m.sharded.allocate(layout.world_size)  # a shadow built for another world size adopts a rank
     if me is not None and m.sharded.geometry != layout.geometry:
-        raise RecoveryError(f"rank {m.rank} holds its shard in geometry {m.sharded.geometry}, the protection data "
-                            f"of generation {used_gen} has {layout.geometry}")
+        raise RecoveryError(
+            f"rank {m.rank} holds its shard in geometry {m.sharded.geometry}, the protection data "
+            f"of generation {used_gen} has {layout.geometry}"
+        )
     return Source(layout, reports, roles, me)
 
 
@@ -197,33 +213,48 @@ def bring_to_step(m: Member, gen: int, src: Source, recipe: RebuildRecipe, held:
 
     def lost_grad(r: int, c: int) -> torch.Tensor:  # lost rank r's gradient chunk c of step T
         lo = (r * g.n_chunks + c) * g.chunk_elems
-        return grads[lo:lo + g.chunk_elems]
+        return grads[lo : lo + g.chunk_elems]
 
     if src.me is not None:
         m.sharded.bring_to(T)
     return Point(recipe, held, lost_grad if grads is not None else None)
 
 
-def decode(m: Member, gen: int, membership: Membership, src: Source, point: Point) -> tuple[Rebuilder, Point, list[str]]:
+def decode(
+    m: Member, gen: int, membership: Membership, src: Source, point: Point
+) -> tuple[Rebuilder, Point, list[str]]:
     """Rebuild the lost ranks' chunks at the recovery step; tier-1 data that fails its checks
     is rebuilt again from tier 2. Returns the rebuilder holding them, the recipe that succeeded
     and what was repaired; raises when no redundancy is left for corrupt data."""
     layout, recipe, repaired = src.layout, point.membership, []
     while True:
-        rb = Rebuilder(layout, recipe, src.reports, m.rank, m.job.job_id, m.sharded.chunk_at, m.sharded.grad_at,
-                       m.comm, lambda name, members: _subgroup(m, gen, name, members))
+        rb = Rebuilder(
+            layout,
+            recipe,
+            src.reports,
+            m.rank,
+            m.job.job_id,
+            m.sharded.chunk_at,
+            m.sharded.grad_at,
+            m.comm,
+            lambda name, members: _subgroup(m, gen, name, members),
+        )
         rb.run()
         bad = _agree_on_corruption(m, layout, rb.corrupt)
         if not bad["tier1"] and not bad["tier2"]:
             return rb, replace(point, membership=recipe), repaired + rb.notes
         if bad["tier2"] or set(bad["tier1"]) <= set(recipe.force_tier2) or layout.tier2 is None:
-            what = ", ".join([f"tier-1 data of node {n}" for n in bad["tier1"]] +
-                             [f"tier-2 stripe {s}" for s in bad["tier2"]])
-            raise RecoveryError(f"decoded state failed its checksums or version checks ({what}) and no other redundancy "
-                                f"is left: stopping rather than continue on corrupt state")
+            what = ", ".join(
+                [f"tier-1 data of node {n}" for n in bad["tier1"]] + [f"tier-2 stripe {s}" for s in bad["tier2"]]
+            )
+            raise RecoveryError(
+                f"decoded state failed its checksums or version checks ({what}) and no other redundancy "
+                f"is left: stopping rather than continue on corrupt state"
+            )
         repaired += [f"tier-1 data of node {n} failed its checksums; rebuilt from tier 2" for n in bad["tier1"]]
-        recipe = make_recipe(layout, membership, src.reports, src.roles, frozenset(bad["tier1"]) | recipe.force_tier2,
-                          point.held)
+        recipe = make_recipe(
+            layout, membership, src.reports, src.roles, frozenset(bad["tier1"]) | recipe.force_tier2, point.held
+        )
 
 
 def install(m: Member, gen: int, src: Source, rb: Rebuilder, point: Point) -> torch.Tensor | None:
@@ -305,11 +336,23 @@ def _rejoin_intact(m: Member, gen: int, membership: Membership, t0: float) -> Re
     restore_s = time.time() - t_restore
     t_protect = time.time()
     m.protect(gen, T, wait=False)
-    return record(m, RecoveryRecord(
-        generation=gen, failed_ranks=(), failed_nodes=membership.failed_nodes, cause=membership.cause, tier="none", step=T,
-        world_size=m.world_size, restore_s=round(restore_s, 4), protect_s=round(time.time() - t_protect, 4),
-        join_s=round(time.time() - t0, 4), decode_start_s=round(t_restore - t0, 4),
-        rebuilt_from="the workers' own state (no keeper data)"))
+    return record(
+        m,
+        RecoveryRecord(
+            generation=gen,
+            failed_ranks=(),
+            failed_nodes=membership.failed_nodes,
+            cause=membership.cause,
+            tier="none",
+            step=T,
+            world_size=m.world_size,
+            restore_s=round(restore_s, 4),
+            protect_s=round(time.time() - t_protect, 4),
+            join_s=round(time.time() - t0, 4),
+            decode_start_s=round(t_restore - t0, 4),
+            rebuilt_from="the workers' own state (no keeper data)",
+        ),
+    )
 
 
 def _agree_on_own_step(m: Member, membership: Membership) -> int:
@@ -319,14 +362,21 @@ def _agree_on_own_step(m: Member, membership: Membership) -> int:
     settled = _settled_generation(m)
     layout = read_message(m.job.store, Layout.from_json, keys.layout(settled)) if settled >= 0 else None
     reach = set() if s.inplace else s.reachable_steps()
-    fits = (layout is not None and not s.resharding and s.geometry == layout.geometry
-            and read_membership(m.job.store, settled).proc_of_rank == membership.proc_of_rank and (s.inplace or bool(reach)))
+    fits = (
+        layout is not None
+        and not s.resharding
+        and s.geometry == layout.geometry
+        and read_membership(m.job.store, settled).proc_of_rank == membership.proc_of_rank
+        and (s.inplace or bool(reach))
+    )
     low = -1 if not fits else min(s.chunk_step) if s.inplace else min(reach)
     agree = torch.tensor([settled, -settled, 1 if fits else 0, low], dtype=torch.int64)
     m.comm.all_reduce(agree, torch.distributed.ReduceOp.MIN)
     if int(agree[0]) != -int(agree[1]) or int(agree[2]) != 1:
-        raise RecoveryError("no keeper holds committed protection data, and not every member holds its own state "
-                            "in one generation: nothing to rebuild from")
+        raise RecoveryError(
+            "no keeper holds committed protection data, and not every member holds its own state "
+            "in one generation: nothing to rebuild from"
+        )
     if not s.inplace:
         return _common_step(m, int(agree[3]), reach)
     # the replicated-gradient rule of `recovery_step`, from the members' own chunk versions
@@ -346,7 +396,9 @@ def _common_step(m: Member, low: int, reach: set[int]) -> int:
     return low + int(bits.item()).bit_length() - 1
 
 
-def _reshard(m: Member, src: Source, rb: Rebuilder, T: int, grad_of: GradOf | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _reshard(
+    m: Member, src: Source, rb: Rebuilder, T: int, grad_of: GradOf | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Every shard of the old layout at step T, exchanged through one BXOR all-reduce (each is
     held by exactly one process; XOR with zeros keeps every bit, -0.0 included), then cut into
     this rank's shard of the new world size. Returns (new shard, all parameters)."""
@@ -382,10 +434,21 @@ def _agree_on_corruption(m: Member, layout: Layout, corrupt: set[tuple[str, int]
     for kind, idx in corrupt:
         flags[layout.nodes.index(idx) if kind == "tier1" else len(layout.nodes) + idx] = 1
     m.comm.all_reduce(flags, torch.distributed.ReduceOp.MAX)
-    return {"tier1": [layout.nodes[i] for i in range(len(layout.nodes)) if flags[i]],
-            "tier2": [i for i in range(n_stripes) if flags[len(layout.nodes) + i]]}
+    return {
+        "tier1": [layout.nodes[i] for i in range(len(layout.nodes)) if flags[i]],
+        "tier2": [i for i in range(n_stripes) if flags[len(layout.nodes) + i]],
+    }
 
 
 def _subgroup(m: Member, gen: int, name: str, members: tuple[int, ...]) -> Comm:
-    return Comm(m.job.store, gen, members.index(m.rank), len(members), m.job.timeout_s, m.watch.reason,
-                m.job.device, name=name, backend=m.comm.backend)
+    return Comm(
+        m.job.store,
+        gen,
+        members.index(m.rank),
+        len(members),
+        m.job.timeout_s,
+        m.watch.reason,
+        m.job.device,
+        name=name,
+        backend=m.comm.backend,
+    )

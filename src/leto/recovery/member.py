@@ -3,6 +3,7 @@
 Implemented by `leto.training.member.RankMember` and `leto.training.shard.ShardedState`;
 recovery sits below training and knows them only through these protocols.
 """
+
 from __future__ import annotations
 
 from typing import Protocol
@@ -20,10 +21,10 @@ class Shard(Protocol):
     """A rank's sharded state: parameters, its optimizer shard at `step`, its gradients."""
 
     numel: int
-    step: int                 # optimizer steps applied
-    inplace: bool             # one shard updated in place (a step per chunk in `chunk_step`)
+    step: int  # optimizer steps applied
+    inplace: bool  # one shard updated in place (a step per chunk in `chunk_step`)
     chunk_step: list[int]
-    grad_step: int | None     # the step whose whole reduced gradient is held (replicated gradients)
+    grad_step: int | None  # the step whose whole reduced gradient is held (replicated gradients)
 
     @property
     def geometry(self) -> Geometry: ...
@@ -35,16 +36,17 @@ class Shard(Protocol):
     def grad_at(self, step: int, c: int) -> torch.Tensor: ...
     def state_at(self, step: int) -> torch.Tensor: ...
     def reachable_steps(self) -> set[int]: ...
-    def update_chunk(self, old: torch.Tensor, grad: torch.Tensor, dst: torch.Tensor, step: int,
-                     offset: int) -> None: ...
+    def update_chunk(
+        self, old: torch.Tensor, grad: torch.Tensor, dst: torch.Tensor, step: int, offset: int
+    ) -> None: ...
     def bring_to(self, step: int) -> None: ...
     def install(self, shard: torch.Tensor, step: int, rank: int) -> None: ...
     def cut(self, full: torch.Tensor, shards: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]: ...
-    def stage_reshard(self, generation: int, shards: int, rank: int, shard: torch.Tensor, params: torch.Tensor,
-                      step: int) -> None: ...
+    def stage_reshard(
+        self, generation: int, shards: int, rank: int, shard: torch.Tensor, params: torch.Tensor, step: int
+    ) -> None: ...
     def settle_reshard(self, committed: int) -> None: ...
-    def receive_grads(self, comm: Comm, geometry: Geometry, shards: int, step: int,
-                      source: int) -> torch.Tensor: ...
+    def receive_grads(self, comm: Comm, geometry: Geometry, shards: int, step: int, source: int) -> torch.Tensor: ...
     def gather_params(self, comm: Comm) -> None: ...
 
 
@@ -54,7 +56,7 @@ class Member(Protocol):
     job: Job
     watch: GenerationWatch | None
     comm: Comm | None
-    recoveries: list[RecoveryRecord]   # the generations it joined, oldest first
+    recoveries: list[RecoveryRecord]  # the generations it joined, oldest first
 
     @property
     def sharded(self) -> Shard: ...
@@ -66,12 +68,15 @@ class Member(Protocol):
     def enter(self, generation: int, membership: Membership) -> None:
         """Become `membership`'s member: its rank and world size, a new process group (the old one
         parked); the process stops if the membership does not name it (it was declared lost)."""
+
     def fault(self, phase: str, step: int) -> None:
         """A fault injection point (tests)."""
+
     def restore_rank_state(self, step: int, lineage: list[str]) -> None:
         """Module buffers and registered state as at the end of `step` (a collective)."""
+
     def publish_layout(self, generation: int, base_step: int, state_chunks: int) -> None:
         """Rank 0: publish `generation`'s protection layout (its keepers set up from it)."""
-    def protect(self, generation: int, base_step: int, state: torch.Tensor | None = None,
-                wait: bool = True) -> None:
+
+    def protect(self, generation: int, base_step: int, state: torch.Tensor | None = None, wait: bool = True) -> None:
         """Start `generation`'s protection from the state at `base_step`."""

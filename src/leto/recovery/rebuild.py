@@ -5,6 +5,7 @@ layout, the keepers' drained reports, the new membership) and joins the same seq
 all-reduces: each contributes the blocks it holds, scaled by its decode coefficient, and the
 adopter of a lost rank keeps the result. See docs/protection.md ("Recovery point").
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -41,8 +42,9 @@ def recovery_step(reports: dict[int, KeeperReport], layout: Layout, held: int = 
     if not layout.protects_grads:  # replicated gradients ("Recovery point")
         applied = min(r.applied for r in reports.values())
         if held < applied and held != -1 or held > applied + 1:
-            raise RecoveryError(f"inconsistent recovery point: gradients of step {held} held, every delta of "
-                                f"step {applied} applied")
+            raise RecoveryError(
+                f"inconsistent recovery point: gradients of step {held} held, every delta of step {applied} applied"
+            )
         return max(held, applied)
     c = max(r.g_commit for r in reports.values())
     if all(c + 1 in r.grads_complete for r in reports.values()):
@@ -68,23 +70,27 @@ class Roles:
     """Who is who between the generation that wrote the protection data (old ranks, the layout's
     numbering) and the new generation (new ranks, the process group's numbering)."""
 
-    old_rank_of: dict[int, int]   # new rank -> the old rank it wrote (survivors only)
-    holder: dict[int, int]        # old rank -> new rank that holds its state after the rebuild
-    lost: tuple[int, ...]         # old ranks whose writer is gone
-    reshard: bool                 # the new generation shards the state differently
+    old_rank_of: dict[int, int]  # new rank -> the old rank it wrote (survivors only)
+    holder: dict[int, int]  # old rank -> new rank that holds its state after the rebuild
+    lost: tuple[int, ...]  # old ranks whose writer is gone
+    reshard: bool  # the new generation shards the state differently
 
 
 def assign_roles(writers: Membership, new: Membership) -> Roles:
     """Survivors keep their own shard; a newcomer at a lost rank's number adopts it (same world
     size: no resharding). Otherwise (shrink, grow) the lost shards are decoded by survivors (one
     on the same node preferred: node-local tier-1 traffic) and the whole state is resharded."""
-    old_rank_of = {q: writers.proc_of_rank.index(p) for q, p in enumerate(new.proc_of_rank)
-                   if p in writers.proc_of_rank}
+    old_rank_of = {
+        q: writers.proc_of_rank.index(p) for q, p in enumerate(new.proc_of_rank) if p in writers.proc_of_rank
+    }
     holder = {r: q for q, r in old_rank_of.items()}
     lost = tuple(r for r in range(len(writers.proc_of_rank)) if r not in holder)
     newcomers = [q for q in range(len(new.proc_of_rank)) if q not in old_rank_of]
-    identity = len(new.proc_of_rank) == len(writers.proc_of_rank) and set(newcomers) == set(lost) \
+    identity = (
+        len(new.proc_of_rank) == len(writers.proc_of_rank)
+        and set(newcomers) == set(lost)
         and all(old_rank_of.get(q, q) == q for q in range(len(new.proc_of_rank)))
+    )
     if identity:
         holder.update({r: r for r in lost})
         return Roles(old_rank_of, holder, lost, False)
@@ -100,18 +106,18 @@ def assign_roles(writers: Membership, new: Membership) -> Roles:
 @dataclass(frozen=True)
 class Tier1Job:
     node: int
-    lost_rank: int             # old rank
-    members: tuple[int, ...]   # new-generation ranks in the decode group (sorted)
-    reader: int                # member that reads the keeper's shared memory
-    holder: int                # member that keeps the decoded state
+    lost_rank: int  # old rank
+    members: tuple[int, ...]  # new-generation ranks in the decode group (sorted)
+    reader: int  # member that reads the keeper's shared memory
+    holder: int  # member that keeps the decoded state
 
 
 @dataclass(frozen=True)
 class Tier2Job:
     stripe: Stripe
-    chosen: tuple[int, ...]                # block indices used
-    coeffs: dict[int, list[int]]           # missing data block -> coefficient per chosen block
-    readers: dict[int, int]                # parity block index -> new-generation rank that reads it
+    chosen: tuple[int, ...]  # block indices used
+    coeffs: dict[int, list[int]]  # missing data block -> coefficient per chosen block
+    readers: dict[int, int]  # parity block index -> new-generation rank that reads it
 
 
 @dataclass
@@ -131,8 +137,14 @@ class RebuildRecipe:
         return "tier2" if self.tier2 else ("tier1" if self.tier1 else "none")
 
 
-def make_recipe(layout: Layout, new: Membership, reports: dict[int, KeeperReport], roles: Roles,
-              force_tier2: frozenset[int] = frozenset(), held: int = -1) -> RebuildRecipe:
+def make_recipe(
+    layout: Layout,
+    new: Membership,
+    reports: dict[int, KeeperReport],
+    roles: Roles,
+    force_tier2: frozenset[int] = frozenset(),
+    held: int = -1,
+) -> RebuildRecipe:
     """Which tier rebuilds which lost rank, and who contributes. Nodes in `force_tier2` are
     rebuilt from tier 2 (their tier-1 data failed its checksums); `held` as in `recovery_step`."""
     step = recovery_step(reports, layout, held)
@@ -152,12 +164,15 @@ def make_recipe(layout: Layout, new: Membership, reports: dict[int, KeeperReport
     return RebuildRecipe(step, roles, tier1, tier2, force_tier2)
 
 
-def _tier2_jobs(layout: Layout, new: Membership, reports: dict[int, KeeperReport], lost_nodes: set[int],
-                lost: tuple[int, ...]) -> list[Tier2Job]:
+def _tier2_jobs(
+    layout: Layout, new: Membership, reports: dict[int, KeeperReport], lost_nodes: set[int], lost: tuple[int, ...]
+) -> list[Tier2Job]:
     if layout.tier2 is None:
         names = ", ".join(f"node {n}" for n in sorted(lost_nodes))
-        raise RecoveryError(f"lost {names} (ranks {list(lost)}) beyond what tier 1 can repair, and tier 2 "
-                            f"is off ({'--ec none' if layout.ec is None else 'too few nodes for --ec'})")
+        raise RecoveryError(
+            f"lost {names} (ranks {list(lost)}) beyond what tier 1 can repair, and tier 2 "
+            f"is off ({'--ec none' if layout.ec is None else 'too few nodes for --ec'})"
+        )
     code, stripes = layout.tier2
     L = layout.segment_len
     jobs = []
@@ -184,8 +199,10 @@ def _tier2_jobs(layout: Layout, new: Membership, reports: dict[int, KeeperReport
             chosen, coeffs = code.recovery_coefficients(present)
         except UnrecoverableError as e:
             lost_idx = {layout.nodes.index(n) for n in lost_nodes | dead_keepers}
-            raise RecoveryError(f"unrecoverable: {lost_summary(stripes, lost_idx)} ({e}; keepers reporting: "
-                                f"{sorted(reports)}, parity readers: {readers})") from e
+            raise RecoveryError(
+                f"unrecoverable: {lost_summary(stripes, lost_idx)} ({e}; keepers reporting: "
+                f"{sorted(reports)}, parity readers: {readers})"
+            ) from e
         jobs.append(Tier2Job(s, tuple(chosen), coeffs, {b: readers[b] for b in chosen if b >= code.k}))
     return jobs
 
@@ -209,21 +226,30 @@ def torn_offsets(layout: Layout, s: Stripe, reports: dict[int, StripeReport]) ->
 class Rebuilder:
     """Runs a `RebuildRecipe` in one process of the new generation."""
 
-    def __init__(self, layout: Layout, recipe: RebuildRecipe, reports: dict[int, KeeperReport], rank: int, job_id: str,
-                 chunk: Callable[[int, int], torch.Tensor], grad: Callable[[int, int], torch.Tensor],
-                 comm: Comm, subgroup: Callable[[str, tuple[int, ...]], Comm]) -> None:
+    def __init__(
+        self,
+        layout: Layout,
+        recipe: RebuildRecipe,
+        reports: dict[int, KeeperReport],
+        rank: int,
+        job_id: str,
+        chunk: Callable[[int, int], torch.Tensor],
+        grad: Callable[[int, int], torch.Tensor],
+        comm: Comm,
+        subgroup: Callable[[str, tuple[int, ...]], Comm],
+    ) -> None:
         self.layout, self.recipe, self.reports, self.rank, self.job_id = layout, recipe, reports, rank, job_id
-        self.chunk, self.grad = chunk, grad   # (version step, chunk index) -> this rank's own data
+        self.chunk, self.grad = chunk, grad  # (version step, chunk index) -> this rank's own data
         self.comm, self.subgroup = comm, subgroup
         self.regions: dict[int, Region] = {}
-        self.me = recipe.roles.old_rank_of.get(rank)   # the old rank this process wrote, if any
+        self.me = recipe.roles.old_rank_of.get(rank)  # the old rank this process wrote, if any
         g = layout.geometry
         # (old rank, chunk) -> decoded bytes, kept by the holder of that lost rank
         self.result_state: dict[tuple[int, int], np.ndarray] = {}
         self.result_version: dict[tuple[int, int], int] = {}
         self.result_grad: dict[tuple[int, int], np.ndarray] = {}
-        self.corrupt: set[tuple[str, int]] = set()   # ("tier1", node) / ("tier2", stripe) that failed checksums
-        self.notes: list[str] = []                    # what was decoded another way (torn tier-2 rows)
+        self.corrupt: set[tuple[str, int]] = set()  # ("tier1", node) / ("tier2", stripe) that failed checksums
+        self.notes: list[str] = []  # what was decoded another way (torn tier-2 rows)
         self.interval = layout.protect_every > 1  # state only, all at the recovery step; no replay
         # gradients of the recovery step are decoded only to replay chunks one step behind; at a
         # generation's base (a failure right after a recovery) no gradients of it were staged
@@ -251,8 +277,14 @@ class Rebuilder:
         rep = self.reports[job.node]
         w_lost = lay.local_index(job.lost_rank)
         b = T % 2
-        pre = [self._from_preimage([v[c] for v in rep.v1], rep.pre_step[c], f"node {job.node} chunk {c}")
-               for c in range(n)] if self.interval else [False] * n
+        pre = (
+            [
+                self._from_preimage([v[c] for v in rep.v1], rep.pre_step[c], f"node {job.node} chunk {c}")
+                for c in range(n)
+            ]
+            if self.interval
+            else [False] * n
+        )
         buf = torch.zeros(n, self.sb + self.gb, dtype=torch.uint8)
         acc = buf.numpy()
         if self.rank == job.reader:
@@ -261,18 +293,18 @@ class Rebuilder:
                 for c in range(n):
                     acc[c] ^= region["p1_pre" if pre[c] else "p1"][c]
             else:
-                acc[:, :self.sb] ^= region["p1"]
+                acc[:, : self.sb] ^= region["p1"]
             if self.grads:
                 if any(s != T for s in region["g1_step"][b]):
                     raise RecoveryError(f"tier-1 gradients of step {T} on node {job.node} are incomplete")
-                acc[:, self.sb:] ^= region["g1"][b]
+                acc[:, self.sb :] ^= region["g1"][b]
         if self.me is not None and lay.node_of_rank[self.me] == job.node:
             w = lay.local_index(self.me)
             for c in range(n):
                 v = T if self.interval else rep.v1[w][c]
-                xor_into(acc[c, :self.sb], as_bytes(self.chunk(v, c)))
+                xor_into(acc[c, : self.sb], as_bytes(self.chunk(v, c)))
                 if self.grads:
-                    xor_into(acc[c, self.sb:], as_bytes(self.grad(T, c)))
+                    xor_into(acc[c, self.sb :], as_bytes(self.grad(T, c)))
         comm = self.subgroup(f"t1n{job.node}", job.members)
         comm.all_reduce(buf, dist.ReduceOp.BXOR)
         if self.rank == job.holder:
@@ -282,7 +314,7 @@ class Rebuilder:
                 else:
                     version, crc = rep.v1[w_lost][c], rep.crc1[w_lost][c]
                     gcrc = rep.gcrc1[w_lost][b][c] if self.grads else 0
-                if not self._keep(job.lost_rank, c, acc[c, :self.sb], version, crc, acc[c, self.sb:], gcrc):
+                if not self._keep(job.lost_rank, c, acc[c, : self.sb], version, crc, acc[c, self.sb :], gcrc):
                     self.corrupt.add(("tier1", job.node))
 
     # ----- tier 2: Reed-Solomon stripe decode over the whole new group
@@ -290,8 +322,11 @@ class Rebuilder:
         lay, T = self.layout, self.recipe.step
         L, k = lay.segment_len, lay.tier2[0].k
         s, b = job.stripe, T % 2
-        reps = {k + j: self.reports[lay.nodes[pn]].stripes[s.index]
-                for j, pn in enumerate(s.parity_nodes) if k + j in job.readers}
+        reps = {
+            k + j: self.reports[lay.nodes[pn]].stripes[s.index]
+            for j, pn in enumerate(s.parity_nodes)
+            if k + j in job.readers
+        }
         first = next(iter(reps))
         rep = reps[first]
         # the step each offset is decoded at, and which offsets each parity block reads from its
@@ -301,8 +336,10 @@ class Rebuilder:
         at = {i: T for i in range(L)} if self.interval else {i: T - 1 for i in torn} if lay.tier2_preimages else {}
         pre = {blk: self._stripe_preimage(s, r, at) for blk, r in reps.items()}
         if torn and lay.tier2_preimages:
-            self.notes.append(f"tier-2 stripe {s.index} offsets {sorted(torn)}: parity rows torn by the loss; "
-                              f"decoded at step {T - 1} from their pre-images and replayed")
+            self.notes.append(
+                f"tier-2 stripe {s.index} offsets {sorted(torn)}: parity rows torn by the loss; "
+                f"decoded at step {T - 1} from their pre-images and replayed"
+            )
         missing = sorted(job.coeffs)
         buf = torch.zeros(len(missing), L, self.sb + self.gb, dtype=torch.uint8)
         acc = buf.numpy()
@@ -318,21 +355,24 @@ class Rebuilder:
                     data = as_bytes(self.chunk(v, src[1]))
                     grad = as_bytes(self.grad(T, src[1])) if self.grads else None
                     for mi, e in enumerate(missing):
-                        scale_into(acc[mi, i, :self.sb], job.coeffs[e][bi], data)
+                        scale_into(acc[mi, i, : self.sb], job.coeffs[e][bi], data)
                         if grad is not None:
-                            scale_into(acc[mi, i, self.sb:], job.coeffs[e][bi], grad)
+                            scale_into(acc[mi, i, self.sb :], job.coeffs[e][bi], grad)
             elif job.readers[blk] == self.rank:
                 j = blk - k
                 region = self._region(lay.nodes[s.parity_nodes[j]])
                 p2 = region[f"p2_{s.index}"]
-                rows = [region[f"p2_{s.index}_pre"][i] if pre[blk][i] else p2[i] for i in range(L)] \
-                    if any(pre[blk]) else p2
+                rows = (
+                    [region[f"p2_{s.index}_pre"][i] if pre[blk][i] else p2[i] for i in range(L)]
+                    if any(pre[blk])
+                    else p2
+                )
                 g2 = region[f"g2_{s.index}"][b] if self.grads else None
                 for mi, e in enumerate(missing):
                     for i in range(L):
-                        scale_into(acc[mi, i, :self.sb], job.coeffs[e][bi], rows[i])
+                        scale_into(acc[mi, i, : self.sb], job.coeffs[e][bi], rows[i])
                         if g2 is not None:
-                            scale_into(acc[mi, i, self.sb:], job.coeffs[e][bi], g2[i])
+                            scale_into(acc[mi, i, self.sb :], job.coeffs[e][bi], g2[i])
         self.comm.all_reduce(buf, dist.ReduceOp.BXOR)
         for mi, e in enumerate(missing):
             node = lay.nodes[s.data_nodes[e]]
@@ -350,7 +390,7 @@ class Rebuilder:
                 else:
                     version, crc = rep.v2[e][i], rep.crc2[e][i]
                     gcrc = rep.gcrc2[e][b][i] if self.grads else 0
-                if not self._keep(src[0], src[1], acc[mi, i, :self.sb], version, crc, acc[mi, i, self.sb:], gcrc):
+                if not self._keep(src[0], src[1], acc[mi, i, : self.sb], version, crc, acc[mi, i, self.sb :], gcrc):
                     self.corrupt.add(("tier2", s.index))
 
     # ----- protection interval: every parity row at the recovery step, current or pre-image
@@ -363,8 +403,9 @@ class Rebuilder:
             return False
         if pre_step == T and min(versions) >= T:
             return True
-        raise RecoveryError(f"{where}: no parity at step {T} (sources at steps "
-                            f"{sorted(set(versions))}, pre-image at step {pre_step})")
+        raise RecoveryError(
+            f"{where}: no parity at step {T} (sources at steps {sorted(set(versions))}, pre-image at step {pre_step})"
+        )
 
     def _stripe_preimage(self, s: Stripe, rep: StripeReport, at: dict[int, int]) -> list[bool]:
         """Per offset of stripe `s`: whether this parity row is read from its pre-image to be at
@@ -375,8 +416,11 @@ class Rebuilder:
             if i not in at:
                 out.append(False)
                 continue
-            versions = [rep.v2[p][i] for p, dn in enumerate(s.data_nodes)
-                        if lay.source_of(lay.nodes[dn], s.segment_of(dn) * L + i) is not None]
+            versions = [
+                rep.v2[p][i]
+                for p, dn in enumerate(s.data_nodes)
+                if lay.source_of(lay.nodes[dn], s.segment_of(dn) * L + i) is not None
+            ]
             out.append(self._from_preimage(versions, rep.pre_step[i], f"stripe {s.index} offset {i}", at[i]))
         return out
 
@@ -393,8 +437,14 @@ class Rebuilder:
             self.result_grad[r, c] = grad.copy()
         return True
 
-    def shard_at(self, r: int, n_chunks: int, chunk_elems: int, update: Callable,
-                 grad_of: Callable[[int, int], torch.Tensor] | None = None) -> torch.Tensor:
+    def shard_at(
+        self,
+        r: int,
+        n_chunks: int,
+        chunk_elems: int,
+        update: Callable,
+        grad_of: Callable[[int, int], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """Lost rank `r`'s decoded shard at the recovery step ([n_chunks, 3, chunk_elems]),
         replaying the interrupted update of chunks still one step behind (with the decoded
         gradient chunk, or `grad_of(r, c)` where gradients are replicated, not protected)."""

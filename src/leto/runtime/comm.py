@@ -5,6 +5,7 @@ check, so a worker blocked on a dead peer can be released by the control plane i
 sitting out the backend's timeout (gloo cannot abort an in-flight operation, so the abandoned
 group is left to time out in the background and never used again).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -42,9 +43,18 @@ def reduction_replicates(backend: str) -> bool:
 class Comm:
     """Collectives of one membership generation over a torch.distributed backend."""
 
-    def __init__(self, store: dist.Store, generation: int, rank: int, world_size: int,
-                 timeout_s: float, abort_check: Callable[[], str | None] = lambda: None,
-                 device: torch.device | None = None, name: str = "world", backend: str | None = None) -> None:
+    def __init__(
+        self,
+        store: dist.Store,
+        generation: int,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        abort_check: Callable[[], str | None] = lambda: None,
+        device: torch.device | None = None,
+        name: str = "world",
+        backend: str | None = None,
+    ) -> None:
         self.rank, self.world_size, self.generation = rank, world_size, generation
         self.timeout_s = timeout_s
         self.abort_check = abort_check
@@ -111,7 +121,7 @@ class Comm:
             return
         self.all_reduce(inp)
         n = out.numel()
-        out.copy_(inp[self.rank * n:(self.rank + 1) * n])
+        out.copy_(inp[self.rank * n : (self.rank + 1) * n])
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """out = the concatenation of every rank's `inp`."""

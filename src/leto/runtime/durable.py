@@ -5,6 +5,7 @@ The bytes go to a temporary file in the same folder, which is fsynced, renamed o
 and then the folder is fsynced so the rename itself survives a power loss. Any OSError (ENOSPC,
 EIO, ...) propagates after the temporary file is removed; the target is left as it was.
 """
+
 from __future__ import annotations
 
 import os
@@ -32,7 +33,7 @@ def write_atomic(path: Path | str, data: bytes, sync: bool = True) -> None:
         try:
             view = memoryview(data)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
             if sync:
                 os.fsync(fd)
         finally:

@@ -1,4 +1,5 @@
 """`leto.init()`: how a worker or shadow process joins the job that `leto run` started."""
+
 from __future__ import annotations
 
 import os
@@ -18,12 +19,12 @@ from leto.runtime import etcd_store, linux
 
 # The job's configuration reaches a child whole, in `config.ENV_CONFIG`; these variables say
 # where the running job is and, per process, who this process is.
-ENV_STORE = "LETO_STORE"          # host:port of the job's TCPStore (known once it is up), or etcd://...
-ENV_JOB_ID = "LETO_JOB_ID"        # names the job's shared-memory files (known once the store is up)
-ENV_ROLE = "LETO_ROLE"            # worker | shadow | zygote | keeper
-ENV_RANK = "LETO_RANK"            # worker rank (absent for shadows)
+ENV_STORE = "LETO_STORE"  # host:port of the job's TCPStore (known once it is up), or etcd://...
+ENV_JOB_ID = "LETO_JOB_ID"  # names the job's shared-memory files (known once the store is up)
+ENV_ROLE = "LETO_ROLE"  # worker | shadow | zygote | keeper
+ENV_RANK = "LETO_RANK"  # worker rank (absent for shadows)
 ENV_NODE = "LETO_NODE"
-ENV_PROC_ID = "LETO_PROC_ID"      # the coordinator's id for this process (unique in the job)
+ENV_PROC_ID = "LETO_PROC_ID"  # the coordinator's id for this process (unique in the job)
 ENV_HOST_STORE = "LETO_HOST_STORE"  # host:port of the host's own TCPStore, for heartbeats (multi-host jobs)
 LOOPBACK = "127.0.0.1"
 
@@ -34,8 +35,8 @@ class Job:
 
     config: JobConfig
     role: str
-    rank: int | None          # None for a shadow until it adopts a rank
-    world_size: int           # ranks of the current generation
+    rank: int | None  # None for a shadow until it adopts a rank
+    world_size: int  # ranks of the current generation
     node: int
     store: dist.Store
     proc_id: str
@@ -66,8 +67,7 @@ def connect(addr: str, timeout_s: float) -> dist.Store:
     if addr.startswith(etcd_store.SCHEME):
         return etcd_store.EtcdStore.from_url(addr, timeout_s)
     host, port = addr.rsplit(":", 1)
-    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
 def loopback_store(timeout_s: float) -> dist.TCPStore:
@@ -77,8 +77,14 @@ def loopback_store(timeout_s: float) -> dist.TCPStore:
     port = sock.getsockname()[1]
     fd = sock.detach()  # the store owns it from here on
     try:
-        return dist.TCPStore(LOOPBACK, port, is_master=True, wait_for_workers=False,
-                             timeout=timedelta(seconds=timeout_s), master_listen_fd=fd)
+        return dist.TCPStore(
+            LOOPBACK,
+            port,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=timeout_s),
+            master_listen_fd=fd,
+        )
     except BaseException:
         os.close(fd)
         raise
@@ -93,8 +99,13 @@ def network_env(addr: str) -> dict[str, str]:
     return {"GLOO_SOCKET_IFNAME": iface, "NCCL_SOCKET_IFNAME": f"={iface}"}  # "=": this name exactly
 
 
-def await_keys(store: dist.Store, names: list[str], timeout_s: float,
-               stop: Callable[[], str | None] = lambda: None, every_s: float = 0.05) -> str | None:
+def await_keys(
+    store: dist.Store,
+    names: list[str],
+    timeout_s: float,
+    stop: Callable[[], str | None] = lambda: None,
+    every_s: float = 0.05,
+) -> str | None:
     """Wait until every key in `names` exists; None once they do, else why not (`stop`'s reason,
     checked every `every_s`, or the timeout). The store pushes the keys (a TCPStore wait, an etcd
     watch): a poll would be a request each time, and in etcd one costs milliseconds of CPU."""
@@ -133,8 +144,16 @@ def init(device: str | None = None) -> Job:
     cfg = JobConfig.from_json(text) if text else JobConfig()
     addr = os.environ.get(ENV_STORE)
     if addr is None:  # no keepers, nothing to inject into
-        return Job(config=solo(cfg), role="worker", rank=0, world_size=1, node=0, store=dist.HashStore(),
-                   proc_id="solo", device=dev)
+        return Job(
+            config=solo(cfg),
+            role="worker",
+            rank=0,
+            world_size=1,
+            node=0,
+            store=dist.HashStore(),
+            proc_id="solo",
+            device=dev,
+        )
     store = connect(addr, cfg.timeouts.collective_s)
     role = os.environ[ENV_ROLE]
     rank = int(os.environ[ENV_RANK]) if role == "worker" else None
@@ -142,13 +161,23 @@ def init(device: str | None = None) -> Job:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank or 0)) % torch.cuda.device_count())
         _deterministic()
         _nccl_never_kills()
-    return Job(config=cfg, role=role, rank=rank, world_size=cfg.training.workers, node=int(os.environ[ENV_NODE]),
-               store=store, proc_id=os.environ[ENV_PROC_ID], device=dev, job_id=os.environ.get(ENV_JOB_ID, "solo"),
-               run_dir=Path(cfg.run_dir))
+    return Job(
+        config=cfg,
+        role=role,
+        rank=rank,
+        world_size=cfg.training.workers,
+        node=int(os.environ[ENV_NODE]),
+        store=store,
+        proc_id=os.environ[ENV_PROC_ID],
+        device=dev,
+        job_id=os.environ.get(ENV_JOB_ID, "solo"),
+        run_dir=Path(cfg.run_dir),
+    )
 
 
 def solo(config: JobConfig) -> JobConfig:
     """The configuration of a process that trains outside Leto's supervision (no keepers, no
     injections): `leto.init()` without `leto run`, and the baselines' workers."""
-    return replace(config, protection=replace(config.protection, enabled=False),
-                   recovery=replace(config.recovery, inject=()))
+    return replace(
+        config, protection=replace(config.protection, enabled=False), recovery=replace(config.recovery, inject=())
+    )

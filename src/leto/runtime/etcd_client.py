@@ -1,6 +1,7 @@
 """Requests to etcd: its v3 JSON gateway through `etcd3gw`'s client (docs/design.md, "Multi-host"),
 to the first endpoint that answers, trying the next ones when one does not (a host's own etcd
 member is put first); watches; and transactions under the process's fence."""
+
 from __future__ import annotations
 
 import base64
@@ -19,7 +20,7 @@ SCHEME = "etcd://"
 # (the kernel answers) but never replies: this is how long it can hold a request before the next
 # endpoint is tried. etcd itself gives up on a write without a quorum after ~5 s.
 REQUEST_TIMEOUT_S = 1.0
-SHUN_S = 5.0              # an endpoint that failed is tried after the others for this long
+SHUN_S = 5.0  # an endpoint that failed is tried after the others for this long
 
 
 class StoreUnavailable(dist.DistStoreError):
@@ -31,7 +32,7 @@ def parse_endpoints(url: str) -> list[tuple[str, int]]:
     if not url.startswith(SCHEME):
         raise ValueError(f"{url!r}: an etcd rendezvous address starts with {SCHEME}")
     out = []
-    for part in url[len(SCHEME):].split("/", 1)[0].split(","):
+    for part in url[len(SCHEME) :].split("/", 1)[0].split(","):
         host, _, port = part.strip().rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"{url!r}: {part!r} is not HOST:PORT")
@@ -53,7 +54,8 @@ def _read_timed_out(e: requests.RequestException) -> bool:
     """Whether a streamed response went quiet for its read timeout: requests raises that as a
     ConnectionError around urllib3's ReadTimeoutError once the body is streaming."""
     return isinstance(e, requests.exceptions.ReadTimeout) or any(
-        isinstance(a, urllib3.exceptions.ReadTimeoutError) for a in e.args)
+        isinstance(a, urllib3.exceptions.ReadTimeoutError) for a in e.args
+    )
 
 
 class EtcdError(dist.DistStoreError):
@@ -62,7 +64,6 @@ class EtcdError(dist.DistStoreError):
 
 class Fenced(dist.DistStoreError):
     """A write refused because this process's host lost its lease: the job has moved on without it."""
-
 
 
 class EtcdClient:
@@ -74,8 +75,14 @@ class EtcdClient:
     that makes every retry give up at once with its reason (a supervisor whose host lost its
     lease stops waiting for etcd)."""
 
-    def __init__(self, endpoints: Sequence[tuple[str, int]], namespace: str, timeout_s: float,
-                 fence: tuple[str, int] | None = None, abort: Callable[[], str | None] | None = None) -> None:
+    def __init__(
+        self,
+        endpoints: Sequence[tuple[str, int]],
+        namespace: str,
+        timeout_s: float,
+        fence: tuple[str, int] | None = None,
+        abort: Callable[[], str | None] | None = None,
+    ) -> None:
         self.abort = abort
         if not endpoints:
             raise ValueError("an etcd store needs at least one endpoint")
@@ -92,8 +99,13 @@ class EtcdClient:
         """This store's address for a child process; `first`: the endpoint it tries first."""
         eps = ([first] if first else []) + [e for e in self.endpoints if e != first]
         fence = fence or self.fence
-        return (SCHEME + ",".join(f"{h}:{p}" for h, p in eps) + "/" + self.namespace
-                + (f"?fence={fence[0]}@{fence[1]}" if fence else ""))
+        return (
+            SCHEME
+            + ",".join(f"{h}:{p}" for h, p in eps)
+            + "/"
+            + self.namespace
+            + (f"?fence={fence[0]}@{fence[1]}" if fence else "")
+        )
 
     def _order(self) -> list[int]:
         """The endpoints to try, in order: the given order (this host's own member first), but
@@ -118,14 +130,14 @@ class EtcdClient:
                 try:
                     return client.post(client.get_url(path), json=body)
                 except (gw.ConnectionFailedError, gw.ConnectionTimeoutError, gw.InternalServerError) as e:
-                    errors.append(f"{client.host}:{client.port}: {type(e).__name__} "
-                                  f"{(e.detail_text or str(e))[:200]}")
+                    errors.append(f"{client.host}:{client.port}: {type(e).__name__} {(e.detail_text or str(e))[:200]}")
                     self._failed(i)
                 except gw.Etcd3Exception as e:  # an answer that refuses the request, not a failed endpoint
                     raise EtcdError(f"etcd refused {path}: {(e.detail_text or str(e))[:300]}") from e
                 if time.monotonic() >= deadline:
-                    raise StoreUnavailable("etcd unreachable or without quorum ("
-                                           + "; ".join(errors[-len(self.endpoints):]) + ")")
+                    raise StoreUnavailable(
+                        "etcd unreachable or without quorum (" + "; ".join(errors[-len(self.endpoints) :]) + ")"
+                    )
             time.sleep(0.05)  # every endpoint failed once: do not spin
 
     def _range(self, key: str) -> dict | None:
@@ -150,8 +162,9 @@ class EtcdClient:
         client = self._clients[first]
         answered = False
         try:
-            with client.session.post(client.get_url("watch"), json=body, stream=True,
-                                     timeout=(REQUEST_TIMEOUT_S, quiet_s)) as resp:
+            with client.session.post(
+                client.get_url("watch"), json=body, stream=True, timeout=(REQUEST_TIMEOUT_S, quiet_s)
+            ) as resp:
                 for line in resp.iter_lines():
                     if line:
                         answered = True
@@ -165,12 +178,29 @@ class EtcdClient:
     def _write(self, ops: list[dict], compare: list[dict] | None = None, deadline: float | None = None) -> dict:
         """One transaction of `ops` under `compare` and this process's fence; raises `Fenced`
         when the fence fails. The response's `succeeded` says whether `compare` held."""
-        fence = [] if self.fence is None else [{"key": b64(self.prefix + self.fence[0]), "target": "CREATE",
-                                                "result": "EQUAL", "create_revision": str(self.fence[1])}]
+        fence = (
+            []
+            if self.fence is None
+            else [
+                {
+                    "key": b64(self.prefix + self.fence[0]),
+                    "target": "CREATE",
+                    "result": "EQUAL",
+                    "create_revision": str(self.fence[1]),
+                }
+            ]
+        )
         if not fence:
             return self.request("kv/txn", {"compare": compare or [], "success": ops}, deadline)
-        result = self.request("kv/txn", {"compare": fence + (compare or []), "success": ops,
-                                         "failure": [{"request_range": {"key": fence[0]["key"]}}]}, deadline)
+        result = self.request(
+            "kv/txn",
+            {
+                "compare": fence + (compare or []),
+                "success": ops,
+                "failure": [{"request_range": {"key": fence[0]["key"]}}],
+            },
+            deadline,
+        )
         if not result.get("succeeded"):
             kvs = result["responses"][0]["response_range"].get("kvs") or []
             if not kvs or int(kvs[0].get("create_revision", 0)) != self.fence[1]:
@@ -182,6 +212,8 @@ class EtcdClient:
         full = self.prefix + prefix
         result = self.request("kv/range", {"key": b64(full), "range_end": prefix_end(full)}, deadline)
         n = len(self.prefix)
-        found = {base64.b64decode(kv["key"]).decode()[n:]: base64.b64decode(kv.get("value", ""))
-                 for kv in result.get("kvs") or []}
+        found = {
+            base64.b64decode(kv["key"]).decode()[n:]: base64.b64decode(kv.get("value", ""))
+            for kv in result.get("kvs") or []
+        }
         return found, int(result["header"]["revision"])

@@ -1,5 +1,6 @@
 """etcd's own operations, for the control plane: leases, lease-bound keys, fencing a host out
 of the job, and moving etcd's Raft leader."""
+
 from __future__ import annotations
 
 import base64
@@ -33,6 +34,7 @@ class EtcdControl(EtcdClient):
     def lead_from(self, endpoint: tuple[str, int]) -> bool:
         """Make the member serving `endpoint` etcd's Raft leader (etcd's MoveLeader, asked of
         whichever member leads now); False if it leads already."""
+
         def post(client: etcd3gw.Etcd3Client, path: str, body: dict) -> dict:
             client.timeout = REQUEST_TIMEOUT_S
             return client.post(client.get_url(path), json=body)
@@ -67,8 +69,10 @@ class EtcdControl(EtcdClient):
         coordinator whose requests reach etcd only once the link is back) gets `Fenced` and
         removes no one: only a host still in the job judges the others."""
         full = b64(self.prefix + key)
-        self._write([{"request_delete_range": {"key": full}}],
-                    [{"key": full, "target": "LEASE", "result": "EQUAL", "lease": str(lease)}])
+        self._write(
+            [{"request_delete_range": {"key": full}}],
+            [{"key": full, "target": "LEASE", "result": "EQUAL", "lease": str(lease)}],
+        )
         self.revoke(lease)
 
     def create(self, key: str, value: str | bytes, lease: int | None = None) -> int | None:
@@ -76,8 +80,9 @@ class EtcdControl(EtcdClient):
         if it existed."""
         full = b64(self.prefix + key)
         put = {"key": full, "value": b64(value), **({"lease": lease} if lease else {})}
-        result = self._write([{"request_put": put}],
-                             [{"key": full, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}])
+        result = self._write(
+            [{"request_put": put}], [{"key": full, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}]
+        )
         return int(result["header"]["revision"]) if result.get("succeeded") else None
 
     def entry(self, key: str) -> tuple[bytes, int, int] | None:

@@ -1,6 +1,7 @@
 """A local copy of the keys under a prefix of etcd, kept current by one watch: a store that
 polls (a supervisor's and the coordinator's: commands, reports, the job's state, the host
 records, every 10-100 ms) reads from it, so that a poll costs no request."""
+
 from __future__ import annotations
 
 import base64
@@ -14,8 +15,8 @@ import torch.distributed as dist
 from leto.runtime import threads
 from leto.runtime.etcd_client import EtcdClient, EtcdError, StoreUnavailable, b64, prefix_end
 
-FOLLOW_S = 1.0            # a mirror's watch that brings nothing this long is made again (it proves the member answers)
-FRESH_S = 2.5             # a mirror not heard from for this long is not read: reads go to etcd
+FOLLOW_S = 1.0  # a mirror's watch that brings nothing this long is made again (it proves the member answers)
+FRESH_S = 2.5  # a mirror not heard from for this long is not read: reads go to etcd
 
 
 class Mirror:
@@ -32,8 +33,8 @@ class Mirror:
         self._store = EtcdClient(store.endpoints, store.namespace, store.timeout_s)  # its own connections
         self._full = store.prefix + prefix
         self._kv: dict[str, tuple[bytes | None, int]] = {}  # key -> (value or None if deleted, mod revision)
-        self._revision = 0    # everything up to this revision is applied
-        self._heard = 0.0     # monotonic time the watch was last heard from
+        self._revision = 0  # everything up to this revision is applied
+        self._heard = 0.0  # monotonic time the watch was last heard from
         self._synced = False
         self._changed = threading.Condition()
         self._stop = threading.Event()
@@ -106,8 +107,10 @@ class Mirror:
         revisions the watch needs)."""
         result = self._store.request("kv/range", {"key": b64(self._full), "range_end": prefix_end(self._full)})
         n = len(self._store.prefix)
-        kvs = {base64.b64decode(kv["key"]).decode()[n:]: (base64.b64decode(kv.get("value", "")),
-                                                          int(kv["mod_revision"])) for kv in result.get("kvs") or []}
+        kvs = {
+            base64.b64decode(kv["key"]).decode()[n:]: (base64.b64decode(kv.get("value", "")), int(kv["mod_revision"]))
+            for kv in result.get("kvs") or []
+        }
         with self._changed:
             self._kv = kvs
             self._revision = int(result["header"]["revision"])
@@ -116,8 +119,13 @@ class Mirror:
 
     def _follow(self) -> None:
         """One watch from the next revision, until it is quiet for FOLLOW_S."""
-        body = {"create_request": {"key": b64(self._full), "range_end": prefix_end(self._full),
-                                   "start_revision": str(self._revision + 1)}}
+        body = {
+            "create_request": {
+                "key": b64(self._full),
+                "range_end": prefix_end(self._full),
+                "start_revision": str(self._revision + 1),
+            }
+        }
         n = len(self._store.prefix)
         for result in self._store.watch_stream(body, FOLLOW_S, shun_silent=True):
             if self._stop.is_set():

@@ -17,6 +17,7 @@ A store that polls (a supervisor's and the coordinator's: commands, reports, the
 the host records, every 10-100 ms) reads from a `Mirror` instead (`etcd_mirror.py`): a local
 copy of the keys under a prefix, kept current by one watch, so that a poll costs no request.
 """
+
 from __future__ import annotations
 
 import base64
@@ -29,23 +30,30 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from leto.protocol import keys as job_keys
-from leto.runtime.etcd_client import SCHEME, EtcdError, Fenced, StoreUnavailable, b64, prefix_end, parse_endpoints
+from leto.runtime.etcd_client import SCHEME, EtcdError, Fenced, StoreUnavailable, b64, parse_endpoints, prefix_end
 from leto.runtime.etcd_control import EtcdControl
 from leto.runtime.etcd_mirror import Mirror
 
 __all__ = ["SCHEME", "EtcdError", "EtcdStore", "Fenced", "StoreUnavailable", "parse_endpoints"]
 
-WATCH_S = 1.0             # the longest single watch of a wait: then the keys (and `abort`) are checked again
-POLL_MIN_S = 0.002        # the longest random pause before an `add` retries a conflict
+WATCH_S = 1.0  # the longest single watch of a wait: then the keys (and `abort`) are checked again
+POLL_MIN_S = 0.002  # the longest random pause before an `add` retries a conflict
 
 
 class EtcdStore(EtcdControl, dist.Store):
     """Keys under `/leto/<namespace>/` of an etcd cluster, as a torch.distributed Store; every
     write is fenced (`EtcdClient`)."""
 
-    def __init__(self, endpoints: Sequence[tuple[str, int]], namespace: str, timeout_s: float,
-                 fence: tuple[str, int] | None = None, abort: Callable[[], str | None] | None = None,
-                 mirror: str | None = None, write_once: Sequence[str] = job_keys.RENDEZVOUS) -> None:
+    def __init__(
+        self,
+        endpoints: Sequence[tuple[str, int]],
+        namespace: str,
+        timeout_s: float,
+        fence: tuple[str, int] | None = None,
+        abort: Callable[[], str | None] | None = None,
+        mirror: str | None = None,
+        write_once: Sequence[str] = job_keys.RENDEZVOUS,
+    ) -> None:
         """`abort`: a check that makes every retry give up at once with its reason (a
         supervisor whose host lost its lease stops waiting for etcd). `mirror`: reads of keys
         under this prefix come from a `Mirror` (a store that polls them). `write_once`: prefixes
@@ -60,19 +68,31 @@ class EtcdStore(EtcdControl, dist.Store):
     @classmethod
     def from_url(cls, url: str, timeout_s: float) -> EtcdStore:
         """`etcd://H1:P1,H2:P2/NAMESPACE[?fence=KEY@REVISION]`, as `url` writes it."""
-        rest, _, query = url[len(SCHEME):].partition("?")
+        rest, _, query = url[len(SCHEME) :].partition("?")
         namespace = rest.split("/", 1)[1] if "/" in rest else "default"
         fence = None
         if query.startswith("fence="):
-            key, _, rev = query[len("fence="):].rpartition("@")
+            key, _, rev = query[len("fence=") :].rpartition("@")
             fence = (key, int(rev))
         return cls(parse_endpoints(url), namespace, timeout_s, fence)
 
-    def client(self, fence: tuple[str, int] | None = None, abort: Callable[[], str | None] | None = None,
-               timeout_s: float | None = None, mirror: str | None = None) -> EtcdStore:
+    def client(
+        self,
+        fence: tuple[str, int] | None = None,
+        abort: Callable[[], str | None] | None = None,
+        timeout_s: float | None = None,
+        mirror: str | None = None,
+    ) -> EtcdStore:
         """Another client of the same store (its own connections: one per thread or role)."""
-        return EtcdStore(self.endpoints, self.namespace, self.timeout_s if timeout_s is None else timeout_s,
-                         fence, abort, mirror, self.write_once)
+        return EtcdStore(
+            self.endpoints,
+            self.namespace,
+            self.timeout_s if timeout_s is None else timeout_s,
+            fence,
+            abort,
+            mirror,
+            self.write_once,
+        )
 
     def close(self) -> None:
         """Stop the mirror's watch, if it has one."""
@@ -110,7 +130,7 @@ class EtcdStore(EtcdControl, dist.Store):
         with self._once_lock:
             if key in self._once:
                 return self._once[key]
-        folder = key[:key.rfind("/") + 1]
+        folder = key[: key.rfind("/") + 1]
         deadline = time.monotonic() + timeout_s
         while True:
             found, revision = self._read_under(folder, max(deadline, time.monotonic() + 1))
@@ -175,10 +195,14 @@ class EtcdStore(EtcdControl, dist.Store):
         while True:
             kv = self._range(key)
             current = int(base64.b64decode(kv["value"])) if kv and kv.get("value") else 0
-            compare = ({"key": full, "target": "MOD", "result": "EQUAL", "mod_revision": kv["mod_revision"]} if kv
-                       else {"key": full, "target": "CREATE", "result": "EQUAL", "create_revision": "0"})
-            result = self._write([{"request_put": {"key": full, "value": b64(str(current + value))}}],
-                                 [compare], deadline)
+            compare = (
+                {"key": full, "target": "MOD", "result": "EQUAL", "mod_revision": kv["mod_revision"]}
+                if kv
+                else {"key": full, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
+            )
+            result = self._write(
+                [{"request_put": {"key": full, "value": b64(str(current + value))}}], [compare], deadline
+            )
             if result.get("succeeded"):
                 return current + value
             if time.monotonic() >= deadline:
@@ -189,8 +213,11 @@ class EtcdStore(EtcdControl, dist.Store):
         self._forget(key)
         full = b64(self.prefix + key)
         expect = expected.encode() if isinstance(expected, str) else expected
-        compare = ({"key": full, "target": "VALUE", "result": "EQUAL", "value": b64(expect)} if expect
-                   else {"key": full, "target": "CREATE", "result": "EQUAL", "create_revision": "0"})
+        compare = (
+            {"key": full, "target": "VALUE", "result": "EQUAL", "value": b64(expect)}
+            if expect
+            else {"key": full, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
+        )
         if self._write([{"request_put": {"key": full, "value": b64(desired)}}], [compare]).get("succeeded"):
             return desired.encode() if isinstance(desired, str) else desired
         kv = self._range(key)
@@ -223,8 +250,9 @@ class EtcdStore(EtcdControl, dist.Store):
         self._await(keys, timeout_s)
 
     def num_keys(self) -> int:
-        result = self.request("kv/range", {"key": b64(self.prefix), "range_end": prefix_end(self.prefix),
-                                         "count_only": True})
+        result = self.request(
+            "kv/range", {"key": b64(self.prefix), "range_end": prefix_end(self.prefix), "count_only": True}
+        )
         return int(result.get("count", 0))
 
     def set_timeout(self, timeout: timedelta) -> None:

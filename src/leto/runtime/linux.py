@@ -1,12 +1,13 @@
 """The few Linux process controls Leto needs (prctl through libc, /proc)."""
+
 from __future__ import annotations
 
 import ctypes
 import fcntl
 import os
+import signal
 import socket
 import struct
-import signal
 import time
 
 _PR_SET_PDEATHSIG = 1
@@ -105,7 +106,6 @@ def describe_exit(code: int) -> str:
         except ValueError:
             return f"was killed by signal {-code}"
     return f"exited with code {code}"
-
 
 
 def source_address(host: str, port: int) -> str:

@@ -1,5 +1,6 @@
 """The worker's side of membership: heartbeats, reading a generation's membership, and the watch
 that notices the next generation."""
+
 from __future__ import annotations
 
 import os
@@ -16,8 +17,8 @@ from leto.runtime import threads
 from leto.runtime.env import ENV_HOST_STORE, connect
 
 CHECK_EVERY_S = 0.1  # how often a process heartbeats
-WATCH_S = 1.0        # the longest single wait for the next generation in etcd (it returns at once when it comes;
-                     # each wait there is a new watch)
+WATCH_S = 1.0  # the longest single wait for the next generation in etcd (it returns at once when it comes;
+# each wait there is a new watch)
 
 
 def beat(store: dist.Store, proc_id: str, progress: int = 0) -> None:

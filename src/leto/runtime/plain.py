@@ -7,6 +7,7 @@ or a file cannot name a function to call. `check` refuses, on the sending side a
 to the offending value, anything but the plain types below: sets too (their order of iteration
 differs between processes, so they would not restore bit for bit).
 """
+
 from __future__ import annotations
 
 import io

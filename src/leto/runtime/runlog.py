@@ -14,6 +14,7 @@ again (`write_procs` returns False). `summary.json` is written atomically and du
 again a few times before the one line that says it could not be. Any other error (a path that
 is a folder, a missing run directory) is raised: it is no disk's doing.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -34,7 +35,7 @@ PROCS = "procs.json"
 SUMMARY = "summary.json"
 DISK_ERRORS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG})
 BACKLOG_MAX = 10_000  # records one process keeps while it cannot append (~3 MB of step records)
-RETRY_S = 1.0         # a file that could not be written is tried again at most this often
+RETRY_S = 1.0  # a file that could not be written is tried again at most this often
 
 
 def is_disk_error(e: BaseException) -> bool:
@@ -101,9 +102,17 @@ class _Appender(_Trouble):
     def _flush(self, final: bool) -> None:
         if self.since is None:
             return
-        gap = {"event": "log_gap", "file": self.path.name, "cause": self.cause, "since": round(self.since, 4),
-               "until": round(time.time(), 4), "late": len(self.backlog), "lost": self.lost, "pid": os.getpid(),
-               "time": time.time()}
+        gap = {
+            "event": "log_gap",
+            "file": self.path.name,
+            "cause": self.cause,
+            "since": round(self.since, 4),
+            "until": round(time.time(), 4),
+            "late": len(self.backlog),
+            "lost": self.lost,
+            "pid": os.getpid(),
+            "time": time.time(),
+        }
         lines = [json.dumps(gap) + "\n", *self.backlog]
         cause = os.strerror(errno.ENOSPC)
         try:
@@ -116,8 +125,7 @@ class _Appender(_Trouble):
             self.backlog.clear()
             self.since, self.lost = None, 0
             atexit.unregister(self.flush)
-            say(f"leto: {self.path} is written again: {gap['late']} records written late, {gap['lost']} lost",
-                err=True)
+            say(f"leto: {self.path} is written again: {gap['late']} records written late, {gap['lost']} lost", err=True)
             return
         if whole:  # the gap event is out: what is left is a new gap
             for _ in range(whole - 1):
@@ -125,8 +133,11 @@ class _Appender(_Trouble):
             self.lost = 0
         self.next_try = time.monotonic() + RETRY_S
         if final:
-            say(f"leto: {len(self.backlog) + self.lost} records for {self.path} could not be written ({cause}) "
-                f"and are lost", err=True)
+            say(
+                f"leto: {len(self.backlog) + self.lost} records for {self.path} could not be written ({cause}) "
+                f"and are lost",
+                err=True,
+            )
 
     def _write(self, lines: list[str]) -> int:
         """Append `lines` in one write; how many of them were written whole (a full disk may
@@ -212,8 +223,11 @@ def write_summary(run_dir: Path, summary: dict, tries: int = 3) -> bool:
             if not is_disk_error(e):
                 raise
             if i == tries - 1:
-                say(f"leto: could not write {run_dir / SUMMARY} ({e.strerror or e}); the job ended with exit "
-                    f"code {summary.get('exit_code')}, digest {summary.get('digest')}", err=True)
+                say(
+                    f"leto: could not write {run_dir / SUMMARY} ({e.strerror or e}); the job ended with exit "
+                    f"code {summary.get('exit_code')}, digest {summary.get('digest')}",
+                    err=True,
+                )
                 return False
             time.sleep(RETRY_S)
     return False

@@ -11,6 +11,7 @@ by its supervisor at once and recovered from like any other failure. Errors a th
 Tests make one chosen thread raise with `FAIL_ENV` (see `_planned_failure`): a real exception
 in a real thread of a real job, delivered between two of its Python instructions.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -54,6 +55,7 @@ def start(target: Callable[..., object], name: str, *args: object) -> Thread:
 def fail(name: str, error: BaseException) -> None:
     """End this process: thread `name` cannot go on because of `error`."""
     from leto.runtime import env  # here: env imports etcd_store, whose thread runs under this module
+
     role = os.environ.get(env.ENV_ROLE, "controller")
     who = f"{role} {os.environ[env.ENV_PROC_ID]}" if os.environ.get(env.ENV_PROC_ID) else role
     detail = str(error).replace("\n", " ")[:500]
@@ -73,6 +75,7 @@ def _planned_failure(thread: threading.Thread) -> None:
     if not spec:
         return
     from leto.runtime import env
+
     failure = json.loads(spec)
     if not thread.name.startswith(failure["thread"]):
         return
@@ -91,7 +94,6 @@ def _planned_failure(thread: threading.Thread) -> None:
         except FileExistsError:
             return
         if thread.ident is not None and thread.is_alive():
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident),
-                                                       ctypes.py_object(InjectedFailure))
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(InjectedFailure))
 
     threading.Thread(target=fire, name=f"{thread.name}-failure", daemon=True).start()

@@ -6,6 +6,7 @@ line is one `write` to a file opened with O_APPEND, so lines of concurrent proce
 interleave. Off (the default) a mark costs one dictionary lookup. `scripts/trace-timeline.py`
 prints a merged timeline relative to a chosen event.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,7 +25,13 @@ def mark(what: str, **fields: object) -> None:
     global _fd
     if _fd is None:
         _fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    line = {"t": round(time.time(), 6), "pid": os.getpid(), "role": os.environ.get("LETO_ROLE", "supervisor"),
-            "proc": os.environ.get("LETO_PROC_ID", ""), "node": os.environ.get("LETO_NODE", ""), "what": what,
-            **fields}
+    line = {
+        "t": round(time.time(), 6),
+        "pid": os.getpid(),
+        "role": os.environ.get("LETO_ROLE", "supervisor"),
+        "proc": os.environ.get("LETO_PROC_ID", ""),
+        "node": os.environ.get("LETO_NODE", ""),
+        "what": what,
+        **fields,
+    }
     os.write(_fd, (json.dumps(line, default=str) + "\n").encode())

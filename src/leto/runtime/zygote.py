@@ -9,6 +9,7 @@ of a warm process costs milliseconds and shares its memory until written. One zy
 The fork is double: the zygote's child forks the shadow and exits at once, so the shadow is
 reparented to the controller (a child subreaper), which supervises it like any child.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,6 +29,7 @@ def serve(job: rt.Job) -> bool:
     """Serve fork requests until the job shuts down (False); returns True in a forked child,
     which is now a shadow with its own identity and store connection."""
     import torch
+
     if torch.cuda.is_initialized():  # a CUDA context does not survive fork: no zygotes in this job
         job.store.set(keys.ZYGOTES_OFF, "the job's processes use CUDA, which cannot be forked")
         return False
@@ -46,8 +48,10 @@ def serve(job: rt.Job) -> bool:
             print(f"leto: zygote {job.proc_id} ignored a malformed value of {e}", file=sys.stderr)
             continue
         if request.node != job.node:
-            print(f"leto: zygote {job.proc_id} of node {job.node} ignored {key}: it asks for node {request.node}",
-                  file=sys.stderr)
+            print(
+                f"leto: zygote {job.proc_id} of node {job.node} ignored {key}: it asks for node {request.node}",
+                file=sys.stderr,
+            )
             continue
         trace.mark("zygote_request", shadow=request.proc_id)
         if _fork(job, request):

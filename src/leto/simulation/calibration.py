@@ -15,6 +15,7 @@ from typing import Any
 
 from .units import GB
 
+
 class CalibrationError(ValueError):
     """A calibration file is missing, unreadable, or has a bad key or value."""
 
@@ -69,8 +70,7 @@ class Calibration:
     def warmup_s(self) -> float:
         """Model build + first step after a restart, beyond group-ready, load and one step."""
         step = self.bench_step_s or 0.0
-        return max(0.0, self.restart_first_step_s - self.restart_group_ready_s
-                   - self.ckpt_load_s - step)
+        return max(0.0, self.restart_first_step_s - self.restart_group_ready_s - self.ckpt_load_s - step)
 
     @property
     def ckpt_write_bps(self) -> float:
@@ -120,11 +120,12 @@ class Calibration:
 
 
 _META = ("sources", "notes", "details")
-_REQUIRED = tuple(f.name for f in dataclasses.fields(Calibration)
-                  if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-                  and f.name not in _META)
-_OPTIONAL = tuple(f.name for f in dataclasses.fields(Calibration)
-                  if f.default is None)
+_REQUIRED = tuple(
+    f.name
+    for f in dataclasses.fields(Calibration)
+    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in _META
+)
+_OPTIONAL = tuple(f.name for f in dataclasses.fields(Calibration) if f.default is None)
 
 
 def _number(value: Any, where: str, *, positive: bool = False) -> float:
@@ -149,26 +150,53 @@ def _read_json(path: Path) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise CalibrationError(
-            f"calibration file {str(path)!r} is not valid JSON (line {e.lineno}: {e.msg})"
-        ) from None
+        raise CalibrationError(f"calibration file {str(path)!r} is not valid JSON (line {e.lineno}: {e.msg})") from None
 
 
-_POSITIVE = {"restart_first_step_s", "ckpt_bytes", "ckpt_save_s", "ckpt_load_s", "memcpy_gbps",
-             "allreduce_gbps", "bench_step_s", "bench_state_bytes", "encode_gbps", "d2h_gbps"}
+_POSITIVE = {
+    "restart_first_step_s",
+    "ckpt_bytes",
+    "ckpt_save_s",
+    "ckpt_load_s",
+    "memcpy_gbps",
+    "allreduce_gbps",
+    "bench_step_s",
+    "bench_state_bytes",
+    "encode_gbps",
+    "d2h_gbps",
+}
 
 CALIBRATION_UNITS = {
-    "process_start_s": "s", "restart_new_procs_s": "s", "restart_group_ready_s": "s",
-    "restart_first_step_s": "s", "ckpt_bytes": "bytes", "ckpt_save_s": "s", "ckpt_load_s": "s",
-    "memcpy_gbps": "GB/s", "allreduce_gbps": "GB/s", "torchft_commit_s": "s",
-    "torchft_heartbeat_s": "s", "leto_exit_detect_s": "s", "leto_lost_steps": "steps",
+    "process_start_s": "s",
+    "restart_new_procs_s": "s",
+    "restart_group_ready_s": "s",
+    "restart_first_step_s": "s",
+    "ckpt_bytes": "bytes",
+    "ckpt_save_s": "s",
+    "ckpt_load_s": "s",
+    "memcpy_gbps": "GB/s",
+    "allreduce_gbps": "GB/s",
+    "torchft_commit_s": "s",
+    "torchft_heartbeat_s": "s",
+    "leto_exit_detect_s": "s",
+    "leto_lost_steps": "steps",
     "protect_cpu_s_per_byte": "CPU s/byte moved",
     "protect_moved_per_state_byte": "bytes moved/byte of optimizer state/step",
     "protect_tier2_per_state_byte": "tier-2 bytes/parity node/byte of optimizer state/step",
-    "d2h_gbps": "GB/s", "bench_step_s": "s", "bench_state_bytes": "bytes", "encode_gbps": "GB/s",
-    "protect_s_per_step": "s", "memory_overhead": "bytes/byte", "leto_restore_s": "s",
-    "leto_rebuild_s": "s", "cr_detect_s": "s", "cr_restart_s": "s", "cr_restore_s": "s",
-    "mr_detect_s": "s", "mr_restart_s": "s", "mr_restore_s": "s",
+    "d2h_gbps": "GB/s",
+    "bench_step_s": "s",
+    "bench_state_bytes": "bytes",
+    "encode_gbps": "GB/s",
+    "protect_s_per_step": "s",
+    "memory_overhead": "bytes/byte",
+    "leto_restore_s": "s",
+    "leto_rebuild_s": "s",
+    "cr_detect_s": "s",
+    "cr_restart_s": "s",
+    "cr_restore_s": "s",
+    "mr_detect_s": "s",
+    "mr_restart_s": "s",
+    "mr_restore_s": "s",
 }
 """Unit of every calibration field (for the JSON listing of inputs)."""
 
@@ -196,11 +224,9 @@ def _measurements(doc: Mapping[str, Any], name: str) -> dict[str, tuple[float, s
             raise CalibrationError(f"{name}: unknown measurement {key!r}")
         if not isinstance(entry, Mapping) or "value" not in entry or "source" not in entry:
             raise CalibrationError(f"{name}: measurement {key!r} needs 'value' and 'source'")
-        value = _number(entry["value"], f"{name}: measurements.{key}.value",
-                        positive=key in _POSITIVE)
+        value = _number(entry["value"], f"{name}: measurements.{key}.value", positive=key in _POSITIVE)
         out[key] = (value, f"{name}: measurements.{key}: {entry['source']}")
     return out
-
 
 
 def _mapping(obj: Any, where: str, what: str) -> Mapping[str, Any]:
@@ -220,49 +246,55 @@ def _parity_count(ec: Any, name: str, notes: list[str]) -> int | None:
     k, sep, m = text.partition("+")
     if sep and k.isdigit() and m.isdigit() and int(m) > 0:
         return int(m)
-    notes.append(f"{name}: ec {ec!r} is not of the form k+m: the bench's tier-2 parity count "
-                 f"is taken as 1")
+    notes.append(f"{name}: ec {ec!r} is not of the form k+m: the bench's tier-2 parity count is taken as 1")
     return 1
 
 
-def _bytes_per_element(obj: Any, where: str,
-                       notes: list[str]) -> tuple[float, float | None, bool | None]:
+def _bytes_per_element(obj: Any, where: str, notes: list[str]) -> tuple[float, float | None, bool | None]:
     """(staged, tier2_sent, gradients staged?) per protected element per step from the bench's
     accounting; the last is None when the accounting has no per-buffer rows to tell."""
-    bpe = _mapping(obj, f"{where}bytes_per_element_per_step",
-                   "{buffer: {staged, checksummed, tier2_sent}}")
+    bpe = _mapping(obj, f"{where}bytes_per_element_per_step", "{buffer: {staged, checksummed, tier2_sent}}")
     buffers = [str(k) for k in bpe if k != "total"]
     grads = any(b.lower().startswith("grad") for b in buffers) if buffers else None
     total = bpe.get("total")
     if total is not None:
-        t = _mapping(total, f"{where}bytes_per_element_per_step.total",
-                     "bytes per element {staged, checksummed, tier2_sent}")
+        t = _mapping(
+            total, f"{where}bytes_per_element_per_step.total", "bytes per element {staged, checksummed, tier2_sent}"
+        )
         if t.get("staged") is None:
             raise CalibrationError(f"{where}bytes_per_element_per_step.total: no 'staged' figure")
         staged = _number(t["staged"], f"{where}bytes_per_element_per_step.total.staged")
         tier2 = t.get("tier2_sent")
-        return staged, (None if tier2 is None else
-                        _number(tier2, f"{where}bytes_per_element_per_step.total.tier2_sent")), grads
+        return (
+            staged,
+            (None if tier2 is None else _number(tier2, f"{where}bytes_per_element_per_step.total.tier2_sent")),
+            grads,
+        )
     staged_sum, tier2_sum, seen_staged, seen_tier2 = 0.0, 0.0, False, False
     for buf, entry in bpe.items():
-        e = _mapping(entry, f"{where}bytes_per_element_per_step.{buf}",
-                     "bytes per element {staged, checksummed, tier2_sent}")
+        e = _mapping(
+            entry, f"{where}bytes_per_element_per_step.{buf}", "bytes per element {staged, checksummed, tier2_sent}"
+        )
         if e.get("staged") is not None:
             staged_sum += _number(e["staged"], f"{where}bytes_per_element_per_step.{buf}.staged")
             seen_staged = True
         if e.get("tier2_sent") is not None:
-            tier2_sum += _number(e["tier2_sent"],
-                                 f"{where}bytes_per_element_per_step.{buf}.tier2_sent")
+            tier2_sum += _number(e["tier2_sent"], f"{where}bytes_per_element_per_step.{buf}.tier2_sent")
             seen_tier2 = True
     if not seen_staged:
-        raise CalibrationError(f"{where}bytes_per_element_per_step: no 'total' and no buffer "
-                               f"with a 'staged' figure")
+        raise CalibrationError(f"{where}bytes_per_element_per_step: no 'total' and no buffer with a 'staged' figure")
     notes.append(f"{where}bytes_per_element_per_step has no 'total': summed over its buffers")
     return staged_sum, (tier2_sum if seen_tier2 else None), grads
 
 
-def _cpu_figure(entry: Mapping[str, Any], where: str, label: str, notes: list[str],
-                top: dict[str, Any] | None, key: str = "default job") -> dict[str, Any] | None:
+def _cpu_figure(
+    entry: Mapping[str, Any],
+    where: str,
+    label: str,
+    notes: list[str],
+    top: dict[str, Any] | None,
+    key: str = "default job",
+) -> dict[str, Any] | None:
     """Protection CPU per byte moved of one bench run (the default job or a curve entry).
 
     `top` is the default job's figure, used for what a curve entry leaves out. Returns None
@@ -274,8 +306,7 @@ def _cpu_figure(entry: Mapping[str, Any], where: str, label: str, notes: list[st
         return None
     on = _mapping(on, f"{where}cpu_s_per_step_on", "CPU seconds per step by role")
     if on.get("keeper") is None:
-        notes.append(f"{where}cpu_s_per_step_on has no 'keeper': {label} gives no protection "
-                     f"CPU figure")
+        notes.append(f"{where}cpu_s_per_step_on has no 'keeper': {label} gives no protection CPU figure")
         return None
     keeper = _number(on["keeper"], f"{where}cpu_s_per_step_on.keeper")
     off = entry.get("cpu_s_per_step_off")
@@ -285,81 +316,98 @@ def _cpu_figure(entry: Mapping[str, Any], where: str, label: str, notes: list[st
     w_off = off.get("worker") if off is not None else None
     # protected elements (all ranks)
     if entry.get("protected_elements") is not None:
-        elements = _number(entry["protected_elements"], f"{where}protected_elements",
-                           positive=True)
+        elements = _number(entry["protected_elements"], f"{where}protected_elements", positive=True)
         elements_from = "protected_elements"
     elif entry.get("protected_bytes") is not None:
-        elements = _number(entry["protected_bytes"], f"{where}protected_bytes",
-                           positive=True) / BENCH_STATE_BYTES_PER_ELEMENT
+        elements = (
+            _number(entry["protected_bytes"], f"{where}protected_bytes", positive=True) / BENCH_STATE_BYTES_PER_ELEMENT
+        )
         elements_from = f"protected_bytes / {BENCH_STATE_BYTES_PER_ELEMENT}"
-        notes.append(f"{where}no protected_elements: protected_bytes / "
-                     f"{BENCH_STATE_BYTES_PER_ELEMENT} (fp32 master, exp_avg, exp_avg_sq)")
+        notes.append(
+            f"{where}no protected_elements: protected_bytes / "
+            f"{BENCH_STATE_BYTES_PER_ELEMENT} (fp32 master, exp_avg, exp_avg_sq)"
+        )
     elif top is not None and entry.get("model") == top["model"]:
         elements, elements_from = top["elements"], "the default job's (same model)"
         notes.append(f"{where}no protected_elements: the default job's ({top['model']})")
     else:
-        notes.append(f"{where}no protected_elements or protected_bytes for model "
-                     f"{entry.get('model')!r}: {label} not used")
+        notes.append(
+            f"{where}no protected_elements or protected_bytes for model {entry.get('model')!r}: {label} not used"
+        )
         return None
     # bytes moved per element
     if entry.get("bytes_per_element_per_step") is not None:
-        staged, tier2, grads = _bytes_per_element(entry["bytes_per_element_per_step"], where,
-                                                  notes)
+        staged, tier2, grads = _bytes_per_element(entry["bytes_per_element_per_step"], where, notes)
         moved_from, moved_assumed = "bytes_per_element_per_step.total.staged", False
     elif top is not None:
-        staged, tier2, grads = (top["moved_per_element"], top["tier2_per_element"],
-                                top["grads_staged"])
+        staged, tier2, grads = (top["moved_per_element"], top["tier2_per_element"], top["grads_staged"])
         moved_from, moved_assumed = "the default job's bytes per element", top["moved_assumed"]
-        notes.append(f"{where}no bytes_per_element_per_step: the default job's "
-                     f"({staged:g} B per element)")
+        notes.append(f"{where}no bytes_per_element_per_step: the default job's ({staged:g} B per element)")
     else:
         staged, tier2, grads = DEFAULT_MOVED_PER_ELEMENT, None, True
         moved_from = f"{DEFAULT_MOVED_PER_ELEMENT:g} B per element (assumed)"
         moved_assumed = True
-        notes.append(f"{where}no bytes_per_element_per_step: {DEFAULT_MOVED_PER_ELEMENT:g} B "
-                     f"moved per protected element a step assumed (12 B of optimizer-state "
-                     f"deltas + 4 B of gradient, docs/protection.md as of 2026-11-30)")
+        notes.append(
+            f"{where}no bytes_per_element_per_step: {DEFAULT_MOVED_PER_ELEMENT:g} B "
+            f"moved per protected element a step assumed (12 B of optimizer-state "
+            f"deltas + 4 B of gradient, docs/protection.md as of 2026-11-30)"
+        )
     moved = elements * staged
     if moved <= 0:
-        raise CalibrationError(f"{where}no bytes moved per step ({elements_from} x "
-                               f"{moved_from} = 0): no protection CPU per byte")
+        raise CalibrationError(
+            f"{where}no bytes moved per step ({elements_from} x {moved_from} = 0): no protection CPU per byte"
+        )
     # extra worker CPU with protection on
     if w_on is not None and w_off is not None:
-        extra = (_number(w_on, f"{where}cpu_s_per_step_on.worker")
-                 - _number(w_off, f"{where}cpu_s_per_step_off.worker"))
+        extra = _number(w_on, f"{where}cpu_s_per_step_on.worker") - _number(w_off, f"{where}cpu_s_per_step_off.worker")
         if extra < 0:
-            notes.append(f"{where}workers used less CPU with protection on ({extra:+.5f} s a "
-                         f"step, noise): their extra counted as 0")
+            notes.append(
+                f"{where}workers used less CPU with protection on ({extra:+.5f} s a "
+                f"step, noise): their extra counted as 0"
+            )
             extra = 0.0
         extra_from = "cpu_s_per_step_on.worker - cpu_s_per_step_off.worker"
     elif top is not None:
         extra = top["worker_extra_s_per_byte"] * moved
         extra_from = "the default job's extra worker CPU per byte"
-        notes.append(f"{where}no worker CPU with protection off: {label} takes the default "
-                     f"job's extra worker CPU per byte moved")
+        notes.append(
+            f"{where}no worker CPU with protection off: {label} takes the default job's extra worker CPU per byte moved"
+        )
     else:
         extra, extra_from = 0.0, "not measured (0)"
-        notes.append(f"{where}no worker CPU with protection {'off' if w_on is not None else 'on'}:"
-                     f" only the keepers' CPU counted (an underestimate)")
+        notes.append(
+            f"{where}no worker CPU with protection {'off' if w_on is not None else 'on'}:"
+            f" only the keepers' CPU counted (an underestimate)"
+        )
     cpu = keeper + extra
-    return {"label": key, "model": entry.get("model"), "rows": entry.get("rows"),
-            "elements": elements, "moved_per_element": staged, "moved_assumed": moved_assumed,
-            "tier2_per_element": tier2, "grads_staged": grads,
-            "bytes_per_step": moved, "keeper_cpu_s_per_step": keeper,
-            "worker_extra_cpu_s_per_step": extra, "worker_extra_s_per_byte": extra / moved,
-            "cpu_s_per_step": cpu, "cpu_s_per_byte": cpu / moved,
-            "formula": f"(cpu_s_per_step_on.keeper [{keeper:.5g}] + {extra_from} "
-                       f"[{extra:.5g}]) / ({elements_from} [{elements:.6g}] x {moved_from} "
-                       f"[{staged:g}])"}
+    return {
+        "label": key,
+        "model": entry.get("model"),
+        "rows": entry.get("rows"),
+        "elements": elements,
+        "moved_per_element": staged,
+        "moved_assumed": moved_assumed,
+        "tier2_per_element": tier2,
+        "grads_staged": grads,
+        "bytes_per_step": moved,
+        "keeper_cpu_s_per_step": keeper,
+        "worker_extra_cpu_s_per_step": extra,
+        "worker_extra_s_per_byte": extra / moved,
+        "cpu_s_per_step": cpu,
+        "cpu_s_per_byte": cpu / moved,
+        "formula": f"(cpu_s_per_step_on.keeper [{keeper:.5g}] + {extra_from} "
+        f"[{extra:.5g}]) / ({elements_from} [{elements:.6g}] x {moved_from} "
+        f"[{staged:g}])",
+    }
 
 
-def _protection_from_overhead(doc: Mapping[str, Any], name: str, notes: list[str],
-                              details: dict[str, Any]) -> dict[str, tuple[float, str]]:
+def _protection_from_overhead(
+    doc: Mapping[str, Any], name: str, notes: list[str], details: dict[str, Any]
+) -> dict[str, tuple[float, str]]:
     """Leto's protection cost figures from `leto bench overhead --json` (docs/simulation.md)."""
     out: dict[str, tuple[float, str]] = {}
     if doc.get("d2h_gbps") is not None:
-        out["d2h_gbps"] = (_number(doc["d2h_gbps"], f"{name}: d2h_gbps", positive=True),
-                           f"{name}: d2h_gbps")
+        out["d2h_gbps"] = (_number(doc["d2h_gbps"], f"{name}: d2h_gbps", positive=True), f"{name}: d2h_gbps")
     top = _cpu_figure(doc, f"{name}: ", "the default job", notes, None)
     if top is not None:
         top["where"] = ""
@@ -377,17 +425,18 @@ def _protection_from_overhead(doc: Mapping[str, Any], name: str, notes: list[str
                 fig["where"] = f"curve[{i}]."
                 candidates.append(fig)
     if not candidates:
-        notes.append(f"{name}: no protection CPU figure in this file (it needs "
-                     f"cpu_s_per_step_on.keeper and protected_elements or protected_bytes): the "
-                     f"shipped protection figures are kept")
+        notes.append(
+            f"{name}: no protection CPU figure in this file (it needs "
+            f"cpu_s_per_step_on.keeper and protected_elements or protected_bytes): the "
+            f"shipped protection figures are kept"
+        )
         return out
     m_bench = _parity_count(doc.get("ec"), name, notes)
     # the run moving the most bytes a step amortises per-step fixed costs best (a cluster shard
     # is far larger than any bench model); ties: the most rows (most compute per byte)
     best = max(candidates, key=lambda f: (f["bytes_per_step"], f["rows"] or 0))
     where = f"{name}: {best['where'].rstrip('.')}:" if best["where"] else f"{name}:"
-    details["protection_figures"] = [{k: v for k, v in f.items() if k != "where"}
-                                     for f in candidates]
+    details["protection_figures"] = [{k: v for k, v in f.items() if k != "where"} for f in candidates]
     details["protection_chosen"] = best["label"]
     out["protect_cpu_s_per_byte"] = (best["cpu_s_per_byte"], f"{where} {best['formula']}")
     # the bench's path vs the cluster's: on gloo every rank holds the reduced gradient, so the
@@ -395,50 +444,61 @@ def _protection_from_overhead(doc: Mapping[str, Any], name: str, notes: list[str
     # which protection then covers (docs/protection.md): its 4 B an element are added at scale
     staged = best["moved_per_element"]
     if best["grads_staged"] is False:
-        grad, grad_text = GRAD_BYTES_PER_ELEMENT, (
-            f" + {GRAD_BYTES_PER_ELEMENT:g} B of gradient shard (staged on the NCCL path, not on "
-            f"the bench's gloo path)")
-        notes.append(f"{where} no gradient buffer in bytes_per_element_per_step (the bench's "
-                     f"gloo path, where every rank holds the reduced gradient): the cluster's "
-                     f"NCCL path stages each rank's gradient shard too, "
-                     f"+{GRAD_BYTES_PER_ELEMENT:g} B an element at scale")
+        grad, grad_text = (
+            GRAD_BYTES_PER_ELEMENT,
+            (
+                f" + {GRAD_BYTES_PER_ELEMENT:g} B of gradient shard (staged on the NCCL path, not on "
+                f"the bench's gloo path)"
+            ),
+        )
+        notes.append(
+            f"{where} no gradient buffer in bytes_per_element_per_step (the bench's "
+            f"gloo path, where every rank holds the reduced gradient): the cluster's "
+            f"NCCL path stages each rank's gradient shard too, "
+            f"+{GRAD_BYTES_PER_ELEMENT:g} B an element at scale"
+        )
     else:
         grad, grad_text = 0.0, ""
         if best["grads_staged"] is None:
-            notes.append(f"{where} bytes_per_element_per_step has only a 'total': taken as what "
-                         f"the cluster's NCCL path stages (gradients included)")
-    assumed = "ASSUMED (the file has no bytes_per_element_per_step): " if best["moved_assumed"] \
-        else ""
+            notes.append(
+                f"{where} bytes_per_element_per_step has only a 'total': taken as what "
+                f"the cluster's NCCL path stages (gradients included)"
+            )
+    assumed = "ASSUMED (the file has no bytes_per_element_per_step): " if best["moved_assumed"] else ""
     out["protect_moved_per_state_byte"] = (
         (staged + grad) / BENCH_STATE_BYTES_PER_ELEMENT,
         f"{where} {assumed}(bytes moved per element [{staged:g}]{grad_text}) / "
-        f"{BENCH_STATE_BYTES_PER_ELEMENT} B of optimizer state per element")
+        f"{BENCH_STATE_BYTES_PER_ELEMENT} B of optimizer state per element",
+    )
     tier2 = best["tier2_per_element"]
     if tier2 is not None and m_bench is not None and tier2 > 0:
         out["protect_tier2_per_state_byte"] = (
             (tier2 / m_bench + grad) / BENCH_STATE_BYTES_PER_ELEMENT,
             f"{where} (bytes_per_element_per_step.total.tier2_sent [{tier2:g}] / parity nodes "
-            f"[{m_bench}]{grad_text}) / {BENCH_STATE_BYTES_PER_ELEMENT}")
+            f"[{m_bench}]{grad_text}) / {BENCH_STATE_BYTES_PER_ELEMENT}",
+        )
     else:
-        why = ("no tier-2 bytes in the accounting" if tier2 is None else
-               "the bench ran without tier 2")
-        notes.append(f"{where} {why}: every byte moved is taken to go once to each tier-2 "
-                     f"parity node (as the 1+1 mirror of 2026-11-30: 6.8 MB each way for "
-                     f"13.6 MB moved)")
+        why = "no tier-2 bytes in the accounting" if tier2 is None else "the bench ran without tier 2"
+        notes.append(
+            f"{where} {why}: every byte moved is taken to go once to each tier-2 "
+            f"parity node (as the 1+1 mirror of 2026-11-30: 6.8 MB each way for "
+            f"13.6 MB moved)"
+        )
         out["protect_tier2_per_state_byte"] = (
             (staged + grad) / BENCH_STATE_BYTES_PER_ELEMENT,
             f"{where} ASSUMED ({why}): each byte moved sent once per parity node: (bytes "
-            f"moved per element [{staged:g}]{grad_text}) / {BENCH_STATE_BYTES_PER_ELEMENT}")
+            f"moved per element [{staged:g}]{grad_text}) / {BENCH_STATE_BYTES_PER_ELEMENT}",
+        )
     return out
 
 
-def _section(doc: Mapping[str, Any], section: str, name: str, notes: list[str],
-             details: dict[str, Any]) -> dict[str, tuple[float, str]]:
+def _section(
+    doc: Mapping[str, Any], section: str, name: str, notes: list[str], details: dict[str, Any]
+) -> dict[str, tuple[float, str]]:
     """Map one `leto bench` JSON section onto calibration fields."""
     out: dict[str, tuple[float, str]] = {}
 
-    def take(key: str, target: str, obj: Mapping[str, Any] = doc, prefix: str = "",
-             positive: bool = False) -> None:
+    def take(key: str, target: str, obj: Mapping[str, Any] = doc, prefix: str = "", positive: bool = False) -> None:
         if key in obj and obj[key] is not None:
             where = f"{name}: {prefix}{key}"
             out[target] = (_number(obj[key], where, positive=positive), where)
@@ -456,18 +516,15 @@ def _section(doc: Mapping[str, Any], section: str, name: str, notes: list[str],
             d = _number(on, f"{name}: step_s_on") - _number(off, f"{name}: step_s_off")
             out["protect_s_per_step"] = (max(0.0, d), f"{name}: step_s_on - step_s_off")
         elif ratio is not None and off is not None:
-            d = ((_number(ratio, f"{name}: overhead_ratio") - 1.0)
-                 * _number(off, f"{name}: step_s_off"))
-            out["protect_s_per_step"] = (max(0.0, d),
-                                         f"{name}: (overhead_ratio - 1) x step_s_off")
+            d = (_number(ratio, f"{name}: overhead_ratio") - 1.0) * _number(off, f"{name}: step_s_off")
+            out["protect_s_per_step"] = (max(0.0, d), f"{name}: (overhead_ratio - 1) x step_s_off")
         out.update(_protection_from_overhead(doc, name, notes, details))
     elif section == "recovery":
         take("state_bytes_per_rank", "bench_state_bytes", positive=True)
         systems = doc.get("systems")
         if not isinstance(systems, Mapping):
             raise CalibrationError(f"{name}: 'systems' must be an object of per-system results")
-        for sysname, prefix in (("leto", "leto"), ("checkpoint-restart", "cr"),
-                                ("memory-restart", "mr")):
+        for sysname, prefix in (("leto", "leto"), ("checkpoint-restart", "cr"), ("memory-restart", "mr")):
             s = systems.get(sysname)
             if s is None:
                 continue
@@ -479,16 +536,18 @@ def _section(doc: Mapping[str, Any], section: str, name: str, notes: list[str],
             rec = s.get("recovery_s")
             if det is not None:
                 v = _number(det, f"{name}: {p}detect_s")
-                out["leto_exit_detect_s" if prefix == "leto" else f"{prefix}_detect_s"] = (
-                    v, f"{name}: {p}detect_s")
+                out["leto_exit_detect_s" if prefix == "leto" else f"{prefix}_detect_s"] = (v, f"{name}: {p}detect_s")
             if rest is not None:
-                out[f"{prefix}_restore_s"] = (_number(rest, f"{name}: {p}restore_s"),
-                                              f"{name}: {p}restore_s")
+                out[f"{prefix}_restore_s"] = (_number(rest, f"{name}: {p}restore_s"), f"{name}: {p}restore_s")
             target = "leto_rebuild_s" if prefix == "leto" else f"{prefix}_restart_s"
-            rebuild = (s.get("breakdown") or {}).get("restart / rebuild") if isinstance(s.get("breakdown"), Mapping) \
-                else None
+            rebuild = (
+                (s.get("breakdown") or {}).get("restart / rebuild") if isinstance(s.get("breakdown"), Mapping) else None
+            )
             if rebuild is not None:  # without recomputed steps (charged as lost work) and slow steps after
-                out[target] = (max(0.0, _number(rebuild, f"{name}: {p}breakdown")), f"{name}: {p}breakdown[restart / rebuild]")
+                out[target] = (
+                    max(0.0, _number(rebuild, f"{name}: {p}breakdown")),
+                    f"{name}: {p}breakdown[restart / rebuild]",
+                )
             elif rec is not None:
                 fixed = _number(rec, f"{name}: {p}recovery_s")
                 fixed -= float(det or 0.0) + float(rest or 0.0)
@@ -508,8 +567,9 @@ def _detect_section(doc: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _parse(doc: Any, name: str, notes: list[str] | None = None,
-           details: dict[str, Any] | None = None) -> dict[str, tuple[float, str]]:
+def _parse(
+    doc: Any, name: str, notes: list[str] | None = None, details: dict[str, Any] | None = None
+) -> dict[str, tuple[float, str]]:
     notes = [] if notes is None else notes
     details = {} if details is None else details
     if not isinstance(doc, Mapping):
@@ -521,8 +581,7 @@ def _parse(doc: Any, name: str, notes: list[str] | None = None,
     if merged:
         for section in ("throughput", "overhead", "recovery"):
             if section in merged:
-                values.update(_section(doc[section], section, f"{name} [{section}]", notes,
-                                       details))
+                values.update(_section(doc[section], section, f"{name} [{section}]", notes, details))
         return values
     detected = _detect_section(doc)
     if detected is None:
@@ -530,7 +589,8 @@ def _parse(doc: Any, name: str, notes: list[str] | None = None,
         raise CalibrationError(
             f"{name}: not a calibration: expected output of 'leto bench throughput|overhead|"
             f"recovery --json', a dict with keys throughput/overhead/recovery, or "
-            f"'measurements'; found keys: {keys}")
+            f"'measurements'; found keys: {keys}"
+        )
     return _section(doc, detected, name, notes, details)
 
 

@@ -14,6 +14,8 @@ from typing import NoReturn
 
 from leto.errors import UsageError
 
+from .assumptions import Assumptions, assumption_fields, with_overrides
+from .calibration import CalibrationError, load_calibration
 from .engine import (
     LOSS_KEYS,
     POLICIES,
@@ -25,8 +27,6 @@ from .engine import (
     sweep,
     sweep_sizes,
 )
-from .assumptions import Assumptions, assumption_fields, with_overrides
-from .calibration import CalibrationError, load_calibration
 from .failures import LLAMA3_MTBF_GPU_HOURS
 
 PROG = "leto simulate"
@@ -72,33 +72,59 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog=PROG,
         description="Project the productivity of a synchronous training job on a large cluster "
-                    "under checkpoint-restart, memory-restart and Leto, from measured component "
-                    "costs and published failure data (docs/simulation.md).")
+        "under checkpoint-restart, memory-restart and Leto, from measured component "
+        "costs and published failure data (docs/simulation.md).",
+    )
     p.add_argument("--gpus", type=_positive_int, default=131072, help="GPUs in the job (131072)")
     p.add_argument("--gpus-per-node", type=_positive_int, default=8, help="GPUs per node (8)")
     p.add_argument("--days", type=_positive_float, default=30.0, help="simulated wall time (30)")
-    p.add_argument("--mtbf-gpu-hours", type=_positive_float, default=LLAMA3_MTBF_GPU_HOURS,
-                   help="per-GPU mean time between job interruptions; 'inf' = no failures "
-                        f"(Llama 3: {LLAMA3_MTBF_GPU_HOURS:,.0f})")
-    p.add_argument("--spares", type=_nonneg_int, default=None,
-                   help="spare nodes (default: ceil(spare_fraction x nodes), at least 1)")
-    p.add_argument("--repair-hours", type=_positive_float, default=None,
-                   help="hours until a lost node returns to the spare pool (24)")
-    p.add_argument("--policy", action="append", default=None, metavar="POLICY",
-                   help=f"policy to simulate, repeatable or comma-separated: {', '.join(POLICIES)}"
-                        " (default: all)")
-    p.add_argument("--calibration", metavar="BENCH.json",
-                   help="'leto bench throughput|overhead|recovery --json' output (or a dict "
-                        "merging them) overriding the shipped calibration")
+    p.add_argument(
+        "--mtbf-gpu-hours",
+        type=_positive_float,
+        default=LLAMA3_MTBF_GPU_HOURS,
+        help="per-GPU mean time between job interruptions; 'inf' = no failures "
+        f"(Llama 3: {LLAMA3_MTBF_GPU_HOURS:,.0f})",
+    )
+    p.add_argument(
+        "--spares",
+        type=_nonneg_int,
+        default=None,
+        help="spare nodes (default: ceil(spare_fraction x nodes), at least 1)",
+    )
+    p.add_argument(
+        "--repair-hours",
+        type=_positive_float,
+        default=None,
+        help="hours until a lost node returns to the spare pool (24)",
+    )
+    p.add_argument(
+        "--policy",
+        action="append",
+        default=None,
+        metavar="POLICY",
+        help=f"policy to simulate, repeatable or comma-separated: {', '.join(POLICIES)} (default: all)",
+    )
+    p.add_argument(
+        "--calibration",
+        metavar="BENCH.json",
+        help="'leto bench throughput|overhead|recovery --json' output (or a dict "
+        "merging them) overriding the shipped calibration",
+    )
     p.add_argument("--seed", type=_nonneg_int, default=0, help="random seed (0)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override an assumption, e.g. --set params=70e9 (see --list-assumptions)")
-    p.add_argument("--list-assumptions", action="store_true",
-                   help="print every assumption with its value, unit and source, then exit")
-    p.add_argument("--sweep", action="store_true",
-                   help="also simulate 1,024 .. 131,072 GPUs (powers of two)")
-    p.add_argument("--plot", metavar="OUT.png",
-                   help="write productivity vs cluster size (1k..131k GPUs) to OUT.png")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override an assumption, e.g. --set params=70e9 (see --list-assumptions)",
+    )
+    p.add_argument(
+        "--list-assumptions",
+        action="store_true",
+        help="print every assumption with its value, unit and source, then exit",
+    )
+    p.add_argument("--sweep", action="store_true", help="also simulate 1,024 .. 131,072 GPUs (powers of two)")
+    p.add_argument("--plot", metavar="OUT.png", help="write productivity vs cluster size (1k..131k GPUs) to OUT.png")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
 
@@ -152,8 +178,7 @@ def format_table(res: SimulationResult, runtime_s: float) -> str:
     """Human-readable report of one simulation."""
     sc = res.scenario
     lines = [
-        f"{PROG}: {sc.gpus:,} GPUs ({sc.nodes:,} nodes x {sc.gpus_per_node}), {sc.days:g} days, "
-        f"seed {sc.seed}",
+        f"{PROG}: {sc.gpus:,} GPUs ({sc.nodes:,} nodes x {sc.gpus_per_node}), {sc.days:g} days, seed {sc.seed}",
         f"failures: {res.failures:,} ({res.node_losing_failures:,} lose the node); per-GPU MTBF "
         f"{sc.mtbf_gpu_hours:,.0f} h -> job MTBF {sc.job_mtbf_s / 60:,.1f} min; spares "
         f"{sc.spare_nodes:,}, repair {sc.assumptions.repair_hours:g} h",
@@ -161,20 +186,21 @@ def format_table(res: SimulationResult, runtime_s: float) -> str:
         "lost wall time by cause (fractions of wall time):",
     ]
     heads = ["policy", "productivity", *LOSS_KEYS, "dominant loss"]
-    rows = [[p, _pct(r.productivity), *(_pct(r.lost[k]) for k in LOSS_KEYS), r.dominant_loss]
-            for p, r in res.results.items()]
+    rows = [
+        [p, _pct(r.productivity), *(_pct(r.lost[k]) for k in LOSS_KEYS), r.dominant_loss]
+        for p, r in res.results.items()
+    ]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(heads)]
-    lines.append("  ".join(h.rjust(w) if i else h.ljust(w)
-                           for i, (h, w) in enumerate(zip(heads, widths, strict=True))))
+    lines.append("  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(heads, widths, strict=True))))
     for row in rows:
-        lines.append("  ".join(c.rjust(w) if i else c.ljust(w)
-                               for i, (c, w) in enumerate(zip(row, widths, strict=True))))
+        lines.append(
+            "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+        )
     cr = res.results.get("checkpoint-restart")
     if cr is not None:
         for p, r in res.results.items():
             if p != "checkpoint-restart":
-                lines.append(f"{p} vs checkpoint-restart: "
-                             f"{100 * (r.productivity - cr.productivity):+.2f} points")
+                lines.append(f"{p} vs checkpoint-restart: {100 * (r.productivity - cr.productivity):+.2f} points")
     lines.append("")
     lines.append("per-event costs at this size (s):")
     for p, r in res.results.items():
@@ -184,8 +210,7 @@ def format_table(res: SimulationResult, runtime_s: float) -> str:
     return "\n".join(lines)
 
 
-def write_plot(path: Path, points: list[SweepPoint], sc: Scenario,
-               policies: Sequence[str]) -> None:
+def write_plot(path: Path, points: list[SweepPoint], sc: Scenario, policies: Sequence[str]) -> None:
     """Productivity against cluster size, one line per policy."""
     import matplotlib
 
@@ -201,8 +226,10 @@ def write_plot(path: Path, points: list[SweepPoint], sc: Scenario,
     ax.set_xticklabels([f"{s // 1024}k" if s % 1024 == 0 else str(s) for s in sizes])
     ax.set_xlabel("GPUs in the job")
     ax.set_ylabel("productivity (% of wall time)")
-    ax.set_title(f"Projected productivity, {sc.days:g} days, per-GPU MTBF "
-                 f"{sc.mtbf_gpu_hours:,.0f} h, seed {sc.seed}", fontsize=10)
+    ax.set_title(
+        f"Projected productivity, {sc.days:g} days, per-GPU MTBF {sc.mtbf_gpu_hours:,.0f} h, seed {sc.seed}",
+        fontsize=10,
+    )
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -214,8 +241,7 @@ def _list_assumptions() -> str:
     a = Assumptions()
     lines = []
     for name, f in assumption_fields().items():
-        lines.append(f"{name} = {getattr(a, name)!r} [{f.metadata['unit']}]: "
-                     f"{f.metadata['source']}")
+        lines.append(f"{name} = {getattr(a, name)!r} [{f.metadata['unit']}]: {f.metadata['source']}")
     return "\n".join(lines)
 
 
@@ -236,9 +262,15 @@ def _run(argv: Sequence[str] | None) -> int:
         calibration = load_calibration(args.calibration)
     except CalibrationError as e:
         raise UsageError(str(e)) from None
-    sc = Scenario(gpus=args.gpus, gpus_per_node=args.gpus_per_node, days=args.days,
-                  mtbf_gpu_hours=args.mtbf_gpu_hours, spares=args.spares, seed=args.seed,
-                  assumptions=assumptions)
+    sc = Scenario(
+        gpus=args.gpus,
+        gpus_per_node=args.gpus_per_node,
+        days=args.days,
+        mtbf_gpu_hours=args.mtbf_gpu_hours,
+        spares=args.spares,
+        seed=args.seed,
+        assumptions=assumptions,
+    )
     try:
         sc.validate()
     except ValueError as e:
@@ -277,11 +309,13 @@ def _run(argv: Sequence[str] | None) -> int:
                 print(f"  {note}")
         if series:
             print("\nproductivity vs cluster size (mean of independent runs):")
-            print("  " + "gpus".rjust(8) + "runs".rjust(6)
-                  + "".join(p.rjust(20) for p in policies))
+            print("  " + "gpus".rjust(8) + "runs".rjust(6) + "".join(p.rjust(20) for p in policies))
             for pt in series:
-                print("  " + f"{pt.gpus:8d}{pt.replicas:6d}" + "".join(
-                    _pct(pt.productivity[p]).rjust(20) for p in policies))
+                print(
+                    "  "
+                    + f"{pt.gpus:8d}{pt.replicas:6d}"
+                    + "".join(_pct(pt.productivity[p]).rjust(20) for p in policies)
+                )
         if plot is not None:
             print(f"plot written to {plot}")
     return 0

@@ -100,12 +100,12 @@ class Scenario:
         if self.gpus % replica:
             raise ValueError(
                 f"--gpus {self.gpus} is not a multiple of tp*pp = {replica} (one model replica; "
-                f"change with --set tp=... --set pp=...)")
+                f"change with --set tp=... --set pp=...)"
+            )
         if not (math.isfinite(self.days) and self.days > 0):
             raise ValueError(f"--days must be a positive number, got {self.days!r}")
         if math.isnan(self.mtbf_gpu_hours) or self.mtbf_gpu_hours <= 0:
-            raise ValueError(
-                f"--mtbf-gpu-hours must be > 0 (inf = no failures), got {self.mtbf_gpu_hours!r}")
+            raise ValueError(f"--mtbf-gpu-hours must be > 0 (inf = no failures), got {self.mtbf_gpu_hours!r}")
         if self.spares is not None and (not isinstance(self.spares, int) or self.spares < 0):
             raise ValueError(f"--spares must be an integer >= 0, got {self.spares!r}")
         if not isinstance(self.seed, int) or self.seed < 0:
@@ -114,12 +114,14 @@ class Scenario:
             raise ValueError(
                 f"no host cores left for protection: host_cores_per_node "
                 f"{a.host_cores_per_node} - gpus per node {g} x train_cores_per_gpu "
-                f"{a.train_cores_per_gpu:g} <= 0 (change with --set)")
+                f"{a.train_cores_per_gpu:g} <= 0 (change with --set)"
+            )
         expected = self.horizon_s / self.job_mtbf_s
         if expected > MAX_EXPECTED_FAILURES:
             raise ValueError(
                 f"about {expected:.3g} failures expected; more than {MAX_EXPECTED_FAILURES:.0e} "
-                f"is too many to simulate, shorten --days")
+                f"is too many to simulate, shorten --days"
+            )
 
     @property
     def nodes(self) -> int:
@@ -242,12 +244,17 @@ def leto_protection(sc: Scenario, cal: Calibration) -> dict[str, float]:
     od = a.d2h_overlap
     background = host + tier2 + od * d2h
     exposed = _exposed(a, background, step)
-    return {"protect_per_step_s": (1.0 - od) * d2h + exposed,
-            "protect_bytes_moved_per_gpu": moved, "protect_host_cpu_s_per_node": cpu_node,
-            "protect_free_cores_per_node": cores, "protect_host_s": host,
-            "protect_d2h_s": d2h, "protect_tier2_s": tier2,
-            "protect_hidden_window_s": a.protect_overlap * step,
-            "protect_exposed_background_s": exposed}
+    return {
+        "protect_per_step_s": (1.0 - od) * d2h + exposed,
+        "protect_bytes_moved_per_gpu": moved,
+        "protect_host_cpu_s_per_node": cpu_node,
+        "protect_free_cores_per_node": cores,
+        "protect_host_s": host,
+        "protect_d2h_s": d2h,
+        "protect_tier2_s": tier2,
+        "protect_hidden_window_s": a.protect_overlap * step,
+        "protect_exposed_background_s": exposed,
+    }
 
 
 def build_costs(policy: str, sc: Scenario, cal: Calibration) -> PolicyCosts:
@@ -264,17 +271,25 @@ def build_costs(policy: str, sc: Scenario, cal: Calibration) -> PolicyCosts:
         init = comm_init_s(a, n)
         restart = cal.cr_restart_fixed_s + init + load
         return PolicyCosts(
-            policy, tau, delta,
+            policy,
+            tau,
+            delta,
             (cal.cr_detect_s or 0.0, a.baseline_node_detect_s, a.baseline_hang_detect_s),
-            restart, restart,
-            components={"checkpoint_s": delta, "interval_s": tau, "restart_fixed_s":
-                        cal.cr_restart_fixed_s, "comm_init_s": init, "load_s": load,
-                        "restart_s": restart})
+            restart,
+            restart,
+            components={
+                "checkpoint_s": delta,
+                "interval_s": tau,
+                "restart_fixed_s": cal.cr_restart_fixed_s,
+                "comm_init_s": init,
+                "load_s": load,
+                "restart_s": restart,
+            },
+        )
     if policy == "memory-restart":
         b = checkpoint_bytes_per_gpu(a, n)
         copy, od = b / d2h_bps(a, cal), a.d2h_overlap  # the same GPU-to-host copy as Leto's
-        protect = (1.0 - od) * copy + _exposed(a, od * copy + (a.gemini_replicas - 1) * b / net,
-                                               step)
+        protect = (1.0 - od) * copy + _exposed(a, od * copy + (a.gemini_replicas - 1) * b / net, step)
         if cal.mr_restore_s and cal.bench_state_bytes:
             local = b * cal.mr_restore_s / cal.bench_state_bytes
         else:
@@ -283,12 +298,21 @@ def build_costs(policy: str, sc: Scenario, cal: Calibration) -> PolicyCosts:
         init = comm_init_s(a, n)
         fixed = cal.mr_restart_fixed_s
         return PolicyCosts(
-            policy, step, protect,
+            policy,
+            step,
+            protect,
             (cal.mr_detect_s or 0.0, a.baseline_node_detect_s, a.baseline_hang_detect_s),
-            fixed + init + local, fixed + init + remote,
-            components={"protect_per_step_s": protect, "restart_fixed_s": fixed,
-                        "comm_init_s": init, "load_local_s": local, "load_peer_s": remote,
-                        "restart_s": fixed + init + local})
+            fixed + init + local,
+            fixed + init + remote,
+            components={
+                "protect_per_step_s": protect,
+                "restart_fixed_s": fixed,
+                "comm_init_s": init,
+                "load_local_s": local,
+                "load_peer_s": remote,
+                "restart_s": fixed + init + local,
+            },
+        )
     if policy == "leto":
         b = optimizer_bytes_per_gpu(a, n)
         w = weight_bytes_per_gpu(a)
@@ -304,7 +328,9 @@ def build_costs(policy: str, sc: Scenario, cal: Calibration) -> PolicyCosts:
         protect = prot["protect_per_step_s"]
         redo = max(0.0, cal.leto_lost_steps - 1.0) * (step + protect)
         return PolicyCosts(
-            policy, step, protect,
+            policy,
+            step,
+            protect,
             (cal.leto_exit_detect_s, a.heartbeat_s, a.heartbeat_s),
             rebuild + tier1 + h2d + weights,
             rebuild + tier2 + h2d + weights,
@@ -314,22 +340,28 @@ def build_costs(policy: str, sc: Scenario, cal: Calibration) -> PolicyCosts:
             redo_s=redo,
             shrink_nodes=_shrink_nodes(a, sc.gpus_per_node),
             shrink_gpus=_shrink_nodes(a, sc.gpus_per_node) * sc.gpus_per_node,
-            components={**prot, "rebuild_s": rebuild,
-                        "tier1_decode_s": tier1, "tier2_decode_s": tier2,
-                        "weights_from_peer_s": weights, "h2d_s": h2d,
-                        "recover_process_s": rebuild + tier1 + h2d + weights,
-                        "recover_node_s": rebuild + tier2 + h2d + weights})
+            components={
+                **prot,
+                "rebuild_s": rebuild,
+                "tier1_decode_s": tier1,
+                "tier2_decode_s": tier2,
+                "weights_from_peer_s": weights,
+                "h2d_s": h2d,
+                "recover_process_s": rebuild + tier1 + h2d + weights,
+                "recover_node_s": rebuild + tier2 + h2d + weights,
+            },
+        )
     raise ValueError(f"unknown policy {policy!r} (choose from {', '.join(POLICIES)})")
 
 
-RECORDED_ONLY = frozenset({"process_start_s", "restart_new_procs_s", "allreduce_gbps",
-                           "encode_gbps", "protect_s_per_step", "memory_overhead"})
+RECORDED_ONLY = frozenset(
+    {"process_start_s", "restart_new_procs_s", "allreduce_gbps", "encode_gbps", "protect_s_per_step", "memory_overhead"}
+)
 """Calibration figures kept for reference that no cost law uses (docs/simulation.md)."""
 
 
 def _kind(source: str) -> str:
-    return "assumed" if ("PLACEHOLDER" in source or "ASSUMED" in source
-                         or "ASSUMPTION" in source) else "measured"
+    return "assumed" if ("PLACEHOLDER" in source or "ASSUMED" in source or "ASSUMPTION" in source) else "measured"
 
 
 def input_figures(sc: Scenario, cal: Calibration) -> dict[str, dict[str, object]]:
@@ -341,15 +373,22 @@ def input_figures(sc: Scenario, cal: Calibration) -> dict[str, dict[str, object]
     a = sc.assumptions
     out: dict[str, dict[str, object]] = {
         "mtbf_gpu_hours": {
-            "value": sc.mtbf_gpu_hours, "unit": "GPU-hours", "kind": "assumed",
-            "source": ("Llama 3 405B: 54 d x 24 h x 16,384 GPUs / 419 unexpected interruptions "
-                       "(Dubey et al. 2024, Sec. 3.3.4)" if sc.mtbf_gpu_hours
-                       == LLAMA3_MTBF_GPU_HOURS else "--mtbf-gpu-hours")},
+            "value": sc.mtbf_gpu_hours,
+            "unit": "GPU-hours",
+            "kind": "assumed",
+            "source": (
+                "Llama 3 405B: 54 d x 24 h x 16,384 GPUs / 419 unexpected interruptions (Dubey et al. 2024, Sec. 3.3.4)"
+                if sc.mtbf_gpu_hours == LLAMA3_MTBF_GPU_HOURS
+                else "--mtbf-gpu-hours"
+            ),
+        },
         "failure_mix_node_lost": {
-            "value": failure_mix(sc.failure_classes)["node_lost"], "unit": "of failures",
+            "value": failure_mix(sc.failure_classes)["node_lost"],
+            "unit": "of failures",
             "kind": "assumed",
             "source": "Llama 3 Table 5 counts (Dubey et al. 2024) with this simulator's "
-                      "node-lost classification (docs/simulation.md)"},
+            "node-lost classification (docs/simulation.md)",
+        },
     }
     defaults = Assumptions()
     for name, f in assumption_fields().items():
@@ -357,30 +396,36 @@ def input_figures(sc: Scenario, cal: Calibration) -> dict[str, dict[str, object]
         source = str(f.metadata["source"])
         if value != getattr(defaults, name):
             source = f"--set {name}={value!r} (default {getattr(defaults, name)!r}: {source})"
-        out[name] = {"value": value, "unit": f.metadata["unit"], "kind": "assumed",
-                     "source": source}
+        out[name] = {"value": value, "unit": f.metadata["unit"], "kind": "assumed", "source": source}
     for name, source in sorted(cal.sources.items()):
         out[f"calibration.{name}"] = {
-            "value": getattr(cal, name), "unit": CALIBRATION_UNITS.get(name, ""),
-            "kind": _kind(source), "used": name not in RECORDED_ONLY, "source": source}
+            "value": getattr(cal, name),
+            "unit": CALIBRATION_UNITS.get(name, ""),
+            "kind": _kind(source),
+            "used": name not in RECORDED_ONLY,
+            "source": source,
+        }
     if cal.d2h_gbps is None:
         out["calibration.d2h_gbps"] = {
-            "value": a.pcie_gbps, "unit": "GB/s", "kind": "assumed",
+            "value": a.pcie_gbps,
+            "unit": "GB/s",
+            "kind": "assumed",
             "source": "no GPU run has measured it ('leto bench overhead' on a GPU host writes "
-                      "d2h_gbps): the PCIe link rate pcie_gbps, an upper bound (pinned copies "
-                      "reach less)"}
+            "d2h_gbps): the PCIe link rate pcie_gbps, an upper bound (pinned copies "
+            "reach less)",
+        }
     return out
 
 
 # --------------------------------------------------------------------------- event loop
 
 
-def _run(pc: PolicyCosts, fs: FailureStream, horizon: float, spares: int, repair_s: float,
-         gpus: int) -> tuple[dict[str, float], dict[str, int]]:
+def _run(
+    pc: PolicyCosts, fs: FailureStream, horizon: float, spares: int, repair_s: float, gpus: int
+) -> tuple[dict[str, float], dict[str, int]]:
     """Walk failures and spare returns; return time per category and event counts."""
     acc = dict.fromkeys(("useful", *LOSS_KEYS), 0.0)
-    counts = {"failures": 0, "node_losses": 0, "shrinks": 0, "grows": 0, "waits": 0,
-              "max_dropped_replicas": 0}
+    counts = {"failures": 0, "node_losses": 0, "shrinks": 0, "grows": 0, "waits": 0, "max_dropped_replicas": 0}
     times: list[float] = fs.times.tolist()
     lost: list[bool] = fs.node_lost.tolist()
     det: list[int] = fs.detection.tolist()
@@ -421,8 +466,12 @@ def _run(pc: PolicyCosts, fs: FailureStream, horizon: float, spares: int, repair
         nonlocal charged
         rs = max(det_end, fill_t) if missing == 0 else inf
         lo_t = charged
-        for lo, hi, key in ((d_start, det_end, "detection"), (det_end, rs, "waiting_for_spares"),
-                            (rs, rs + rec, "recovery"), (rs + rec, rs + rec + redo, "lost_work")):
+        for lo, hi, key in (
+            (d_start, det_end, "detection"),
+            (det_end, rs, "waiting_for_spares"),
+            (rs, rs + rec, "recovery"),
+            (rs + rec, rs + rec + redo, "lost_work"),
+        ):
             span = min(hi, t) - max(lo, lo_t)
             if span > 0:
                 acc[key] += span
@@ -550,13 +599,14 @@ class SimulationResult:
         cr = self.results.get("checkpoint-restart")
         if cr is not None:
             doc["gap_vs_checkpoint_restart"] = {
-                p: r.productivity - cr.productivity for p, r in self.results.items()
-                if p != "checkpoint-restart"}
+                p: r.productivity - cr.productivity for p, r in self.results.items() if p != "checkpoint-restart"
+            }
         return doc
 
 
-def simulate(sc: Scenario, policies: Sequence[str] = POLICIES,
-             calibration: Calibration | None = None) -> SimulationResult:
+def simulate(
+    sc: Scenario, policies: Sequence[str] = POLICIES, calibration: Calibration | None = None
+) -> SimulationResult:
     """Simulate `policies` on one shared failure stream of `sc`."""
     sc.validate()
     for p in policies:
@@ -598,9 +648,14 @@ class SweepPoint:
     lost: dict[str, dict[str, float]]
 
 
-def sweep(sc: Scenario, sizes: Iterable[int], policies: Sequence[str] = POLICIES,
-          calibration: Calibration | None = None, min_failures: int = 2000,
-          max_replicas: int = 64) -> list[SweepPoint]:
+def sweep(
+    sc: Scenario,
+    sizes: Iterable[int],
+    policies: Sequence[str] = POLICIES,
+    calibration: Calibration | None = None,
+    min_failures: int = 2000,
+    max_replicas: int = 64,
+) -> list[SweepPoint]:
     """Simulate `sc` at each cluster size (spares per the scenario's rule).
 
     Small clusters see few failures in `sc.days`; each size is repeated with independent
@@ -612,13 +667,10 @@ def sweep(sc: Scenario, sizes: Iterable[int], policies: Sequence[str] = POLICIES
         base = dataclasses.replace(sc, gpus=n)
         expected = base.horizon_s / base.job_mtbf_s
         reps = max(1, min(max_replicas, math.ceil(min_failures / max(expected, 1e-12))))
-        runs = [simulate(dataclasses.replace(base, replica=r), policies, cal)
-                for r in range(reps)]
+        runs = [simulate(dataclasses.replace(base, replica=r), policies, cal) for r in range(reps)]
         prod = {p: sum(r.results[p].productivity for r in runs) / reps for p in policies}
-        lost = {p: {k: sum(r.results[p].lost[k] for r in runs) / reps for k in LOSS_KEYS}
-                for p in policies}
-        points.append(SweepPoint(n, base.spare_nodes, reps,
-                                 sum(r.failures for r in runs) / reps, prod, lost))
+        lost = {p: {k: sum(r.results[p].lost[k] for r in runs) / reps for k in LOSS_KEYS} for p in policies}
+        points.append(SweepPoint(n, base.spare_nodes, reps, sum(r.failures for r in runs) / reps, prod, lost))
     return points
 
 
@@ -639,6 +691,8 @@ def closed_form_checkpoint_restart(sc: Scenario, calibration: Calibration | None
         return 1.0
     lam = 1.0 / sc.job_mtbf_s
     total = sum(c.count for c in sc.failure_classes)
-    mgf = sum(c.count / total * math.exp(-lam * (pc.detect_s[DETECTION_CLASSES.index(
-        c.detection)] + pc.recover_s)) for c in sc.failure_classes)
+    mgf = sum(
+        c.count / total * math.exp(-lam * (pc.detect_s[DETECTION_CLASSES.index(c.detection)] + pc.recover_s))
+        for c in sc.failure_classes
+    )
     return lam * pc.work_s * mgf / math.expm1(lam * (pc.work_s + pc.commit_s))

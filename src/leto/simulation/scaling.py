@@ -7,6 +7,7 @@ from .assumptions import Assumptions
 from .calibration import Calibration
 from .units import GB
 
+
 def step_time_s(a: Assumptions) -> float:
     """Training step time: 6 x params x tokens per GPU / achieved FLOP/s per GPU."""
     return 6.0 * a.params * a.tokens_per_gpu_step / (a.achieved_tflops_per_gpu * 1e12)

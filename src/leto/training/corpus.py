@@ -6,6 +6,7 @@ them into the data directory without installing anything system-wide, dumps the 
 stores it as byte-level tokens. Training only reads the prepared file; nothing is downloaded
 at run time.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -86,8 +87,12 @@ def prepare(directory: Path | None = None, force: bool = False) -> Path:
     tmp_target = target.with_suffix(".tmp")
     tmp_target.write_bytes(data)
     os.replace(tmp_target, target)
-    meta = {"source": "Debian packages " + ", ".join(PACKAGES), "bytes": len(data),
-            "sha256": hashlib.sha256(data).hexdigest(), "tokenizer": "bytes (vocab 256)"}
+    meta = {
+        "source": "Debian packages " + ", ".join(PACKAGES),
+        "bytes": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "tokenizer": "bytes (vocab 256)",
+    }
     (out / META_FILE).write_text(json.dumps(meta, indent=1))
     return target
 

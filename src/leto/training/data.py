@@ -1,4 +1,5 @@
 """A deterministic, resumable sampler: the batch of (seed, step, rank, world size) is a pure function."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -36,7 +37,7 @@ class Sampler:
     def batch(self, step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor, float]:
         """(inputs, targets, weight): `weight` is this rank's share of the global batch."""
         rows = split_rows(self.global_rows, world_size, rank)
-        offs = self.offsets(step)[rows.start:rows.stop]
-        window = np.stack([np.asarray(self.tokens[o:o + self.block_size + 1]) for o in offs])
+        offs = self.offsets(step)[rows.start : rows.stop]
+        window = np.stack([np.asarray(self.tokens[o : o + self.block_size + 1]) for o in offs])
         t = torch.from_numpy(window.astype(np.int64))
         return t[:, :-1], t[:, 1:], len(rows) / self.global_rows

@@ -1,4 +1,5 @@
 """Parameters on one flat buffer, and the state digest: shared by the trainer and the baselines."""
+
 from __future__ import annotations
 
 import hashlib
@@ -16,8 +17,8 @@ def flatten(params: list[torch.Tensor], size: int, device: torch.device | str = 
     offset = 0
     for p in params:
         n = p.numel()
-        flat[offset:offset + n].copy_(p.data.view(-1))
-        p.data = flat[offset:offset + n].view_as(p)
+        flat[offset : offset + n].copy_(p.data.view(-1))
+        p.data = flat[offset : offset + n].view_as(p)
         offset += n
     return flat
 
@@ -27,12 +28,15 @@ def bind_grads(params: list[torch.Tensor], flat_grad: torch.Tensor) -> None:
     offset = 0
     for p in params:
         n = p.numel()
-        p.grad = flat_grad[offset:offset + n].view_as(p)
+        p.grad = flat_grad[offset : offset + n].view_as(p)
         offset += n
 
 
-def state_digest(step: int, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-                 extra: Callable[[hashlib._Hash], None] | None = None) -> str:
+def state_digest(
+    step: int,
+    tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    extra: Callable[[hashlib._Hash], None] | None = None,
+) -> str:
     """sha256 of the step and the named tensors (as float32 bytes, in the given order), then
     whatever `extra` adds (the module buffers): independent of sharding when the tensors are
     the unsharded, unpadded state (params, master, exp_avg, exp_avg_sq)."""

@@ -3,6 +3,7 @@
 `RankMember` is what recovery (`leto.recovery.member.Member`), persistence and the baselines
 work with; `leto.Trainer` drives it and shows users only the loop.
 """
+
 from __future__ import annotations
 
 import os
@@ -95,6 +96,7 @@ class RankMember:
         no steps to run (the zygote's server, or a shadow at shutdown)."""
         if self.job.is_zygote:
             from leto.runtime.zygote import serve
+
             if not serve(self.job):
                 return False
             if self.injector is not None:
@@ -113,8 +115,9 @@ class RankMember:
             self.membership = read_membership(job.store, 0)
             self.watch = GenerationWatch(os.environ[rt.ENV_STORE], job.proc_id, 0, job.timeout_s)
         abort = self.watch.reason if self.watch else (lambda: None)
-        self.comm = Comm(job.store, 0, self.rank, self.world_size, job.timeout_s, abort, job.device,
-                         backend=self.backend)
+        self.comm = Comm(
+            job.store, 0, self.rank, self.world_size, job.timeout_s, abort, job.device, backend=self.backend
+        )
         self.comm.broadcast(self.flat_param, 0)  # all ranks start from rank 0's initialization
         self.sharded.take_master(self.rank)
         self._resume()  # --resume: start from a persistent checkpoint
@@ -127,8 +130,10 @@ class RankMember:
         process group; the old one is parked."""
         rank = membership.rank_of(self.job.proc_id)
         if rank is None:  # declared lost (e.g. its host was cut off): the others go on without it
-            raise SystemExit(f"leto: process {self.job.proc_id} is not part of generation {generation} (it was "
-                             f"declared lost): it stops")
+            raise SystemExit(
+                f"leto: process {self.job.proc_id} is not part of generation {generation} (it was "
+                f"declared lost): it stops"
+            )
         self.watch.advance(generation)
         self.generation, self.membership = generation, membership
         self.job.rank, self.job.world_size = rank, len(membership.proc_of_rank)
@@ -136,8 +141,16 @@ class RankMember:
             self.comm.close(abandon=True)
             if self.sharded.grad_step is None:  # its reduction of the step in flight may still be running
                 self.sharded.fresh_grads()
-        self.comm = Comm(self.job.store, generation, rank, self.world_size, self.job.timeout_s, self.watch.reason,
-                         self.job.device, backend=self.backend)
+        self.comm = Comm(
+            self.job.store,
+            generation,
+            rank,
+            self.world_size,
+            self.job.timeout_s,
+            self.watch.reason,
+            self.job.device,
+            backend=self.backend,
+        )
 
     def protect(self, generation: int, base_step: int, state: torch.Tensor | None = None, wait: bool = True) -> None:
         """Start protection of this generation: encode the full state at `base_step` (this
@@ -150,8 +163,9 @@ class RankMember:
         self.mode = Unprotected(self.sharded)
         self.publish_layout(generation, base_step, state.shape[0])
         layout = read_message(self.job.store, Layout.from_json, keys.layout(generation))
-        protector = Protector(self.job.store, layout, self.rank, self.job.job_id, self.job.timeout_s,
-                              self.watch.reason, self.job.device)
+        protector = Protector(
+            self.job.store, layout, self.rank, self.job.job_id, self.job.timeout_s, self.watch.reason, self.job.device
+        )
         self.mode = mode_for(self.sharded, protector, self.fault)
         trace.mark("protector_ready", generation=generation)
         protector.stage_deltas(base_step, None, state)
@@ -168,8 +182,15 @@ class RankMember:
         if self.rank != 0 or self._layout_published == generation:
             return
         geometry = Geometry(state_chunks, self.sharded.chunk_elems)
-        layout = Layout(generation, base_step, geometry, self.membership.node_of_rank, self.job.config.protection.ec,
-                        protect_every=self.job.config.protection.every, replicated_grads=self.replicated_grads)
+        layout = Layout(
+            generation,
+            base_step,
+            geometry,
+            self.membership.node_of_rank,
+            self.job.config.protection.ec,
+            protect_every=self.job.config.protection.every,
+            replicated_grads=self.replicated_grads,
+        )
         self.job.store.set(keys.layout(generation), layout.to_json())
         self._layout_published = generation
 
@@ -224,15 +245,25 @@ class RankMember:
     def fault(self, phase: str, step: int, chunk: int | None = None) -> None:
         """A fault injection point (--inject)."""
         if self.injector is not None:
-            self.injector.at(phase, step, self.rank, self.membership.node_of_rank if self.membership else (), chunk,
-                             self.sharded.n_chunks)
+            self.injector.at(
+                phase,
+                step,
+                self.rank,
+                self.membership.node_of_rank if self.membership else (),
+                chunk,
+                self.sharded.n_chunks,
+            )
 
     # ----- module buffers and registered state
     def gather_rank_state(self, step: int) -> None:
         """Rank 0's module buffers and every rank's registered state at `step`, to everyone (a
         collective; nothing when there is nothing to carry)."""
         if self.rank_state.active:
-            procs = list(self.membership.proc_of_rank) if self.membership is not None else [str(r) for r in range(self.world_size)]
+            procs = (
+                list(self.membership.proc_of_rank)
+                if self.membership is not None
+                else [str(r) for r in range(self.world_size)]
+            )
             self.rank_state.gather(self.comm, step, self.rank, procs)
 
     def restore_rank_state(self, step: int, lineage: list[str]) -> None:

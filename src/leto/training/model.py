@@ -1,4 +1,5 @@
 """A small decoder-only GPT (nanoGPT-style) with size presets."""
+
 from __future__ import annotations
 
 import math
@@ -83,11 +84,17 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
     @torch.no_grad()
-    def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float = 0.8, top_k: int = 20,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
+    def generate(
+        self,
+        idx: torch.Tensor,
+        new_tokens: int,
+        temperature: float = 0.8,
+        top_k: int = 20,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
         """Append `new_tokens` sampled tokens to `idx` ([batch, t]), top-k, from `generator`."""
         for _ in range(new_tokens):
-            logits = self(idx[:, -self.cfg.block_size:])[:, -1, :] / temperature
+            logits = self(idx[:, -self.cfg.block_size :])[:, -1, :] / temperature
             kth = torch.topk(logits, top_k).values[:, -1:]
             probs = F.softmax(logits.masked_fill(logits < kth, float("-inf")), dim=-1)
             # drawn on the host: a CPU generator gives the same text on any device

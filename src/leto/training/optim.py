@@ -8,6 +8,7 @@ be `src`) using at most the two state rows; see docs/optimizers.md for a worked 
 The trainer applies it per chunk, also to replay a chunk after a recovery, so it must be a pure
 function of its arguments.
 """
+
 from __future__ import annotations
 
 import math
@@ -24,8 +25,9 @@ MOMENTUM = 1  # SGD's momentum buffer is state row A
 class Optimizer(Protocol):
     lr: float | Callable[[int], float]
 
-    def update(self, src: torch.Tensor, grad: torch.Tensor, dst: torch.Tensor, step: int,
-               scratch: torch.Tensor) -> None: ...
+    def update(
+        self, src: torch.Tensor, grad: torch.Tensor, dst: torch.Tensor, step: int, scratch: torch.Tensor
+    ) -> None: ...
 
 
 def lr_at(opt: Optimizer, step: int) -> float:
@@ -33,15 +35,23 @@ def lr_at(opt: Optimizer, step: int) -> float:
     return opt.lr(step) if callable(opt.lr) else opt.lr
 
 
-def _adam(src: torch.Tensor, grad: torch.Tensor, dst: torch.Tensor, step: int, scratch: torch.Tensor,
-          lr: float, betas: tuple[float, float], eps: float) -> None:
+def _adam(
+    src: torch.Tensor,
+    grad: torch.Tensor,
+    dst: torch.Tensor,
+    step: int,
+    scratch: torch.Tensor,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+) -> None:
     """The moments and the step of `torch.optim.adam._single_tensor_adam` (dst[MASTER] already
     holds the decayed weights); dst may be src."""
     b1, b2 = betas
     torch.lerp(src[EXP_AVG], grad, 1 - b1, out=dst[EXP_AVG])
     torch.mul(src[EXP_AVG_SQ], b2, out=dst[EXP_AVG_SQ]).addcmul_(grad, grad, value=1 - b2)
-    bias_correction1 = 1 - b1 ** step
-    bias_correction2_sqrt = (1 - b2 ** step) ** 0.5
+    bias_correction1 = 1 - b1**step
+    bias_correction2_sqrt = (1 - b2**step) ** 0.5
     torch.sqrt(dst[EXP_AVG_SQ], out=scratch).div_(bias_correction2_sqrt).add_(eps)
     dst[MASTER].addcdiv_(dst[EXP_AVG], scratch, value=-(lr / bias_correction1))
 
@@ -58,8 +68,9 @@ class AdamW:
     def lr_at(self, step: int) -> float:
         return lr_at(self, step)
 
-    def update(self, src: torch.Tensor, grad: torch.Tensor, dst: torch.Tensor, step: int,
-               scratch: torch.Tensor) -> None:
+    def update(
+        self, src: torch.Tensor, grad: torch.Tensor, dst: torch.Tensor, step: int, scratch: torch.Tensor
+    ) -> None:
         """dst = one AdamW step (1-based `step`) of the chunk `src` ([3, E]); dst may be src."""
         lr = self.lr_at(step)
         if self.weight_decay != 0:
@@ -78,8 +89,9 @@ class Adam:
     eps: float = 1e-8
     weight_decay: float = 0.0
 
-    def update(self, src: torch.Tensor, grad: torch.Tensor, dst: torch.Tensor, step: int,
-               scratch: torch.Tensor) -> None:
+    def update(
+        self, src: torch.Tensor, grad: torch.Tensor, dst: torch.Tensor, step: int, scratch: torch.Tensor
+    ) -> None:
         if self.weight_decay != 0:
             grad = grad.add(src[MASTER], alpha=self.weight_decay)
         if dst is not src:
@@ -102,8 +114,9 @@ class SGD:
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
 
-    def update(self, src: torch.Tensor, grad: torch.Tensor, dst: torch.Tensor, step: int,
-               scratch: torch.Tensor) -> None:
+    def update(
+        self, src: torch.Tensor, grad: torch.Tensor, dst: torch.Tensor, step: int, scratch: torch.Tensor
+    ) -> None:
         if self.weight_decay != 0:
             grad = grad.add(src[MASTER], alpha=self.weight_decay)
         if self.momentum != 0:
@@ -122,9 +135,11 @@ class SGD:
 
 def warmup_cosine(peak: float, warmup: int, total: int, floor: float = 0.1) -> Callable[[int], float]:
     """Linear warm-up to `peak`, then cosine decay to `floor * peak` at `total` steps."""
+
     def lr(step: int) -> float:
         if step <= warmup:
             return peak * step / max(1, warmup)
         frac = min(1.0, (step - warmup) / max(1, total - warmup))
         return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac)))
+
     return lr

@@ -7,6 +7,7 @@ hyper-parameters, as `torch.optim` param groups (e.g. no weight decay on biases 
 Each group is the trainer's optimizer with some fields replaced (`dataclasses.replace`); the
 parameters in no group use the optimizer as given.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -33,7 +34,9 @@ class ParamGroups:
             self.optimizers.append(dataclasses.replace(default, **overrides))
             for p in g["params"]:
                 if id(p) not in group_of:
-                    raise ValueError(f"param group {i - 1} holds a tensor that is not a trainable parameter of the model")
+                    raise ValueError(
+                        f"param group {i - 1} holds a tensor that is not a trainable parameter of the model"
+                    )
                 if id(p) in claimed:
                     raise ValueError(f"a parameter is in more than one param group (group {i - 1})")
                 claimed.add(id(p))

@@ -15,6 +15,7 @@ starts (it computes step `t + 1`):
 `Unprotected` is the null mode (no keepers, or before the first generation's protection);
 `mode_for` picks the one a protector's layout asks for.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable

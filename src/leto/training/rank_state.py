@@ -13,6 +13,7 @@ Each step's extra state is one small all-gather (sizes, then bytes) right after 
 are reduced: whoever holds a step's reduced gradients holds its extra state too, which is what
 the recovery point needs (docs/design.md, "Exact recovery for any model").
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -96,8 +97,10 @@ class RankState:
     # ----- this rank's live state
     def state(self) -> dict[str, Any]:
         """This rank's buffers and user state now (a copy)."""
-        return {"buffers": {k: b.detach().clone() for k, b in self.buffers.items()},
-                "user": {k: user_state(k, obj) for k, obj in self.stateful.items()}}
+        return {
+            "buffers": {k: b.detach().clone() for k, b in self.buffers.items()},
+            "user": {k: user_state(k, obj) for k, obj in self.stateful.items()},
+        }
 
     def load(self, state: dict[str, Any]) -> None:
         self._load_buffers(state.get("buffers") or {})
@@ -120,8 +123,9 @@ class RankState:
         and every rank's user state is recorded in `tables[step]`."""
         # state loaded for an object not registered yet travels on until it is registered
         user = {**self.pending, **{k: user_state(k, obj) for k, obj in self.stateful.items()}}
-        mine = plain.dumps({"buffers": {k: b.detach() for k, b in self.buffers.items()} if rank == 0 else None,
-                            "user": user})
+        mine = plain.dumps(
+            {"buffers": {k: b.detach() for k, b in self.buffers.items()} if rank == 0 else None, "user": user}
+        )
         parts = _all_gather_bytes(comm, mine, rank, len(procs))
         decoded = [plain.loads(p, f"the state rank {q} sent at step {step}") for q, p in enumerate(parts)]
         if rank != 0:
@@ -154,7 +158,7 @@ class RankState:
             del self.tables[s]
         return True
 
-    def update_digest(self, h: "hashlib._Hash") -> None:
+    def update_digest(self, h: hashlib._Hash) -> None:
         for k, b in self.buffers.items():
             h.update(f"buffer:{k}".encode())
             h.update(b.detach().to("cpu").reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
@@ -167,10 +171,10 @@ def _all_gather_bytes(comm: Comm, data: bytes, rank: int, world: int) -> list[by
     width = int(sizes.max().item())
     mine = torch.zeros(width, dtype=torch.uint8)
     if data:
-        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     out = torch.zeros(world * width, dtype=torch.uint8)
     comm.all_gather(out, mine)
-    return [out[q * width:q * width + int(sizes[q])].numpy().tobytes() for q in range(world)]
+    return [out[q * width : q * width + int(sizes[q])].numpy().tobytes() for q in range(world)]
 
 
 def _broadcast_bytes(comm: Comm, data: bytes, src: int) -> bytes:

@@ -5,6 +5,7 @@ shard of (master, exp_avg, exp_avg_sq) is `n_chunks` chunks `[3, chunk_elems]`, 
 contiguous, self-contained unit of unique state. Protection keeps two versions of it (ping-pong
 by step parity) or, updating in place, one with a step per chunk (docs/protection.md).
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,8 +28,18 @@ class ShardedState:
     generation until the reshard is settled.
     """
 
-    def __init__(self, params: list[torch.Tensor], groups: ParamGroups, chunk_elems: int, device: torch.device,
-                 shards: int, *, protection: bool, replicated_grads: bool, protect_every: int) -> None:
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        groups: ParamGroups,
+        chunk_elems: int,
+        device: torch.device,
+        shards: int,
+        *,
+        protection: bool,
+        replicated_grads: bool,
+        protect_every: int,
+    ) -> None:
         self.params, self.groups, self.chunk_elems, self.device = params, groups, chunk_elems, device
         self.numel = sum(p.numel() for p in params)
         self.replicated_grads = replicated_grads
@@ -62,7 +73,7 @@ class ShardedState:
         self.fresh_grads()
         self.bufs = [torch.zeros(self.n_chunks, STATE_ROWS, self.chunk_elems, device=dev) for _ in range(self.copies)]
         self.gbufs = [torch.zeros(self.n_chunks, self.chunk_elems, device=dev) for _ in range(self.grad_copies)]
-        self.buf_step = [-1] * self.copies   # the step each state buffer holds
+        self.buf_step = [-1] * self.copies  # the step each state buffer holds
         self.chunk_step = [-1] * self.n_chunks  # in place: the step each chunk holds
         self.next = torch.zeros(STATE_ROWS, self.chunk_elems, device=dev)  # in place: a chunk's next step
         self.gbuf_step = [-1] * self.grad_copies  # the step each gradient buffer holds
@@ -125,8 +136,9 @@ class ShardedState:
             kept = self._kept.get(c)
             if kept is not None and kept[0] == step:
                 return kept[1]
-            raise RecoveryError(f"rank {self.rank} does not hold chunk {c} at step {step} "
-                                f"(it holds step {self.chunk_step[c]})")
+            raise RecoveryError(
+                f"rank {self.rank} does not hold chunk {c} at step {step} (it holds step {self.chunk_step[c]})"
+            )
         if not self.holds(step):
             raise RecoveryError(f"rank {self.rank} does not hold step {step} (it holds {self.buf_step})")
         return self.buf_for(step)[c]
@@ -136,9 +148,11 @@ class ShardedState:
         gradient where every rank holds it, else one of this rank's own gradient shards."""
         if self.replicated_grads:
             if self.grad_step != step:
-                raise RecoveryError(f"rank {self.rank} does not hold gradients of step {step} (it holds {self.grad_step})")
+                raise RecoveryError(
+                    f"rank {self.rank} does not hold gradients of step {step} (it holds {self.grad_step})"
+                )
             lo = self.rank * self.shard_elems
-            return self.flat_grad[lo:lo + self.shard_elems].view(self.n_chunks, self.chunk_elems)
+            return self.flat_grad[lo : lo + self.shard_elems].view(self.n_chunks, self.chunk_elems)
         if self.gbuf_step[step % len(self.gbufs)] != step:
             raise RecoveryError(f"rank {self.rank} does not hold gradients of step {step} (it holds {self.gbuf_step})")
         return self.grad_buf_for(step)
@@ -169,7 +183,7 @@ class ShardedState:
             if hi - lo == self.chunk_elems:
                 opt.update(old, grad, dst, step, self._scratch)
             else:
-                opt.update(old[:, lo:hi], grad[lo:hi], dst[:, lo:hi], step, self._scratch[:hi - lo])
+                opt.update(old[:, lo:hi], grad[lo:hi], dst[:, lo:hi], step, self._scratch[: hi - lo])
 
     def bring_to(self, step: int) -> None:
         """A survivor's own state at `step`: it holds it, rolls back to its snapshot of the last
@@ -247,7 +261,7 @@ class ShardedState:
         total = 0.0
         for x in parts.tolist():
             total += x
-        return total ** 0.5
+        return total**0.5
 
     def scale_grads(self, step: int, coef: float) -> None:
         """Scale `step`'s reduced gradients (all of them where they are replicated) by `coef`."""
@@ -272,7 +286,7 @@ class ShardedState:
     def take_master(self, rank: int) -> None:
         """Hold `rank`'s shard, its master weights taken from the parameters (the job's start)."""
         self.rank = rank
-        shard = self.flat_param[rank * self.shard_elems:(rank + 1) * self.shard_elems]
+        shard = self.flat_param[rank * self.shard_elems : (rank + 1) * self.shard_elems]
         self.state[:, MASTER, :].copy_(shard.view(self.n_chunks, self.chunk_elems))
 
     def install(self, shard: torch.Tensor, step: int, rank: int) -> None:
@@ -287,7 +301,7 @@ class ShardedState:
     def load(self, shard: torch.Tensor, params: torch.Tensor, step: int, rank: int) -> None:
         """Be at `step` with `rank`'s `shard` and all parameters `params` (a resume, a reshard)."""
         self.install(shard, step, rank)
-        self.flat_param[:self.numel].copy_(params[:self.numel])
+        self.flat_param[: self.numel].copy_(params[: self.numel])
         self.step = step
 
     def cut(self, full: torch.Tensor, shards: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -301,12 +315,13 @@ class ShardedState:
         lo = rank * n
         hi = min(lo + n, self.numel)
         if hi > lo:
-            shard[:, :hi - lo].copy_(rows[:, lo:hi])
+            shard[:, : hi - lo].copy_(rows[:, lo:hi])
         shard = shard.view(STATE_ROWS, new.n_chunks, new.chunk_elems).transpose(0, 1).contiguous()
-        return shard, rows[MASTER, :self.numel].clone()
+        return shard, rows[MASTER, : self.numel].clone()
 
-    def stage_reshard(self, generation: int, shards: int, rank: int, shard: torch.Tensor, params: torch.Tensor,
-                      step: int) -> None:
+    def stage_reshard(
+        self, generation: int, shards: int, rank: int, shard: torch.Tensor, params: torch.Tensor, step: int
+    ) -> None:
         """Hold a resharded state (rank `rank` of `shards`) until the protection of `generation`
         commits: until then the old shard is what the keepers protect, and a second failure must
         find it intact."""
@@ -348,7 +363,7 @@ class ShardedState:
         gathered = torch.empty(world_size, *self.state.shape, device=self.state.device)
         comm.all_gather(gathered.view(-1), self.state.view(-1))
         rows = gathered.transpose(1, 2).reshape(world_size, STATE_ROWS, -1)
-        full = {"params": self.flat_param[:self.numel]}
+        full = {"params": self.flat_param[: self.numel]}
         for i, name in enumerate(STATE_NAMES):
-            full[name] = rows[:, i, :].reshape(-1)[:self.numel]
+            full[name] = rows[:, i, :].reshape(-1)[: self.numel]
         return full

@@ -1,4 +1,5 @@
 """The built-in job of `leto train`: a GPT on the King James Bible, sharded data parallel."""
+
 from __future__ import annotations
 
 import argparse

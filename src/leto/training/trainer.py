@@ -7,6 +7,7 @@ parameters are all-gathered. The step is here; the state and its buffers are in
 `leto.training.shard`, membership and recovery in `leto.training.member`, what each protection
 mode adds to the step in `leto.training.protection_modes`.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,23 @@ from leto.training.shard import ShardedState
 DEFAULT_CHUNK_BYTES = 12 * 16384  # 192 KiB: 16384 elements of (master, exp_avg, exp_avg_sq)
 
 # What users see of a `Trainer` (docs/porting.md); `tests/test_public_surface.py` holds it to this.
-PUBLIC_API = ("job", "model", "member", "rank", "world_size", "steps", "step", "step_count", "last_loss",
-              "grad_norm", "register_state", "state_dict", "full_state", "digest", "close")
+PUBLIC_API = (
+    "job",
+    "model",
+    "member",
+    "rank",
+    "world_size",
+    "steps",
+    "step",
+    "step_count",
+    "last_loss",
+    "grad_norm",
+    "register_state",
+    "state_dict",
+    "full_state",
+    "digest",
+    "close",
+)
 
 
 class Trainer:
@@ -50,10 +66,17 @@ class Trainer:
     everyone's) and, like state registered with `register_state`, survive any recovery.
     """
 
-    def __init__(self, model: nn.Module, job: Job, optimizer: Optimizer | None = None,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, seed: int | None = 0,
-                 param_groups: list[dict] | None = None, max_grad_norm: float | None = None,
-                 autocast: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        job: Job,
+        optimizer: Optimizer | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        seed: int | None = 0,
+        param_groups: list[dict] | None = None,
+        max_grad_norm: float | None = None,
+        autocast: torch.dtype | None = None,
+    ) -> None:
         if chunk_bytes < STATE_ROWS * 4 or chunk_bytes % (STATE_ROWS * 4):
             raise ValueError(f"chunk size must be a positive multiple of {STATE_ROWS * 4} bytes, got {chunk_bytes}")
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -67,9 +90,16 @@ class Trainer:
         backend = backend_for(job.device, job.world_size)
         # on gloo every rank holds the whole reduced gradient: the keepers need no copy of it
         replicated_grads = reduction_replicates(backend) and not job.config.protection.grads
-        sharded = ShardedState(params, groups, chunk_bytes // (STATE_ROWS * 4), job.device, job.world_size,
-                               protection=job.config.protection.enabled, replicated_grads=replicated_grads,
-                               protect_every=job.config.protection.every)
+        sharded = ShardedState(
+            params,
+            groups,
+            chunk_bytes // (STATE_ROWS * 4),
+            job.device,
+            job.world_size,
+            protection=job.config.protection.enabled,
+            replicated_grads=replicated_grads,
+            protect_every=job.config.protection.every,
+        )
         self.member = RankMember(job, sharded, rank_state, backend)  # what recovery and harnesses work with
         self._loss = torch.zeros(1, device=job.device)
         self.last_loss = float("nan")  # the last step's global loss
@@ -102,8 +132,12 @@ class Trainer:
         self._finish()
         self.close()
 
-    def step(self, loss_fn: Callable[[], torch.Tensor] | Sequence[Callable[[], torch.Tensor]],
-             weight: float | None = None, tokens: int = 0) -> float | None:
+    def step(
+        self,
+        loss_fn: Callable[[], torch.Tensor] | Sequence[Callable[[], torch.Tensor]],
+        weight: float | None = None,
+        tokens: int = 0,
+    ) -> float | None:
         """One training step. `loss_fn` computes this rank's loss (under `autocast` if set); a
         list of them accumulates gradients over micro-batches (each weighted 1/len), reduced
         once. `weight` is this rank's share of the global batch (default 1/world);
@@ -125,8 +159,12 @@ class Trainer:
         except Fenced as e:  # this host is out of the job: its supervisor stops its processes
             raise SystemExit(f"leto: process {self.job.proc_id} stops: {e}") from None
 
-    def _step(self, loss_fn: Callable[[], torch.Tensor] | Sequence[Callable[[], torch.Tensor]],
-              weight: float | None, tokens: int) -> float:
+    def _step(
+        self,
+        loss_fn: Callable[[], torch.Tensor] | Sequence[Callable[[], torch.Tensor]],
+        weight: float | None,
+        tokens: int,
+    ) -> float:
         """Forward, backward (accumulated), reduce, clip, update, all-gather; the protection
         mode's hooks and the fault-injection points between them, in this order."""
         m = self.member
@@ -165,8 +203,14 @@ class Trainer:
         mode.after_gather(t)
         s.step = t + 1
         self.last_loss = float(self._loss.item())
-        self._log.record(self.rank, self.step_count, self.last_loss, tokens,
-                         None if self._max_grad_norm is None else self.grad_norm, mode.protector)
+        self._log.record(
+            self.rank,
+            self.step_count,
+            self.last_loss,
+            tokens,
+            None if self._max_grad_norm is None else self.grad_norm,
+            mode.protector,
+        )
         m.persist()
         return self.last_loss
 
@@ -233,6 +277,7 @@ class Trainer:
         """Compute the final digest and publish the result to the controller (rank 0)."""
         digest = self.digest()
         if self.rank == 0:
-            self.job.store.set(keys.RESULT, json.dumps(
-                {"steps": self.step_count, "final_loss": self.last_loss, "digest": digest}))
+            self.job.store.set(
+                keys.RESULT, json.dumps({"steps": self.step_count, "final_loss": self.last_loss, "digest": digest})
+            )
         return digest
