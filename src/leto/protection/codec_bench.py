@@ -1,7 +1,7 @@
 """Side-by-side throughput of the protection primitives on this machine.
 
-Run ``python -m leto.protection.codec_bench [nbytes_mib] [k+m]``.
-All buffers are preallocated; each figure is the median of ``repeats`` runs,
+Run `python -m leto.protection.codec_bench [nbytes_mib] [k+m]`.
+All buffers are preallocated; each figure is the median of `repeats` runs,
 in GB/s (1e9 bytes per second) of data bytes processed.
 """
 
@@ -72,7 +72,7 @@ def _zfec_encode_gbps(data: list[np.ndarray], k: int, m: int, repeats: int) -> f
 def measure_codec(nbytes: int = 64 << 20, k: int = 2, m: int = 1, repeats: int = 3) -> dict[str, float]:
     """Measure memcpy, XOR, erasure coding and checksum throughput in GB/s.
 
-    ``nbytes`` of data are split into k equal blocks for the (k, m) code.
+    `nbytes` of data are split into k equal blocks for the (k, m) code.
     Keys: memcpy_gbps, xor_gbps, checksum_gbps, encode_gbps,
     contribute_gbps, decode_gbps (min(k, m) data blocks lost),
     zfec_encode_gbps (reference), and rs2p2_encode_gbps /
@@ -102,7 +102,7 @@ def measure_codec(nbytes: int = 64 << 20, k: int = 2, m: int = 1, repeats: int =
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Print :func:`measure_codec` results."""
+    """Print `measure_codec` results."""
     args = sys.argv[1:] if argv is None else argv
     nbytes = int(args[0]) << 20 if args else 64 << 20
     k, m = parse_ec(args[1]) if len(args) > 1 else (2, 1)

@@ -1,6 +1,6 @@
 """Checksums that detect corrupted protection data.
 
-:func:`checksum` is XXH3-64 (the ``xxhash`` library, the reference implementation's binding):
+`checksum` is XXH3-64 (the `xxhash` library, the reference implementation's binding):
 deterministic across processes and machines, 64 bits (a corrupted chunk passes with
 probability 2**-64). It replaced CRC-32 because a checksum must cost far less than the data
 movement it guards: on the 2-core dev box XXH3-64 hashes a 192 KiB chunk at ~30 GB/s, zlib's
@@ -21,7 +21,7 @@ _SIGN = 1 << 63
 
 
 def checksum(buf: Buffer) -> int:
-    """XXH3-64 of the raw bytes of ``buf``, as a signed int64 (-2**63 .. 2**63-1).
+    """XXH3-64 of the raw bytes of `buf`, as a signed int64 (-2**63 .. 2**63-1).
 
     Non-contiguous arrays are copied to contiguous memory first (slow path).
     """
