@@ -100,6 +100,13 @@ JOB_OPTIONS = (
     _opt("--workers", "training.workers", "worker processes (ranks)", type=int),
     _opt("--spares", "recovery.spares", "shadow trainers kept ready", type=int),
     _opt("--nodes", "training.nodes", "failure domains the workers are split over", type=int),
+    _opt(
+        "--tp",
+        "mesh.tp",
+        "tensor-parallel ranks per model replica; world = DP x TP, TP innermost, inside one node",
+        type=int,
+        metavar="T",
+    ),
     _opt("--run-dir", None, "output folder", type=Path, default=None, shown="a new one under ./runs"),
     _opt("--timeout", "timeouts.collective_s", "collective and store timeout in seconds", type=_finite),
     _opt("--protection", "protection.enabled", "erasure-coded in-memory protection of every step", words=_ON_OFF),
@@ -364,6 +371,7 @@ def _check_job(args: argparse.Namespace, prog: str) -> None:
         )
     if args.protect_every < 1:
         raise UsageError(f"{prog}: error: --protect-every must be at least 1, got {args.protect_every}")
+    _check_mesh(args, prog)
     args.ec = _tier2_code(args.ec, args.nodes, prog)
     _check_rdzv(args, prog)
     if args.persist not in ("on", "off"):
@@ -374,6 +382,19 @@ def _check_job(args: argparse.Namespace, prog: str) -> None:
         check_flags(args.persist, args.mtbf, args.persist_every)
     except ValueError as e:
         raise UsageError(f"{prog}: error: {e}") from e
+
+
+def _check_mesh(args: argparse.Namespace, prog: str) -> None:
+    from leto.runtime.mesh import layout_problem
+
+    problem = layout_problem(args.workers, args.nodes, args.tp)
+    if problem is not None:
+        raise UsageError(f"{prog}: error: {problem}")
+    if args.tp > 1 and args.protection == "on":  # until a shadow can adopt a tensor-parallel rank
+        raise UsageError(
+            f"{prog}: error: --tp {args.tp} trains with --protection off; in-place recovery of tensor-parallel "
+            "ranks is not built yet"
+        )
 
 
 def _check_rdzv(args: argparse.Namespace, prog: str) -> None:
@@ -461,7 +482,7 @@ def _start(args: argparse.Namespace, command: list[str], prog: str, config: JobC
 _ATTEMPT_ONLY = ("help", "cmd", "resume", "run_dir", "persist_dir", "rdzv", "job_id", "inject")
 # What the trajectory is made of: given with --resume, they must agree with the record (another
 # value would not continue the same training); every other flag may change on resume.
-_TRAJECTORY = ("workers", "seed", "model", "lr", "rows", "chunk_bytes", "module", "script", "script_args")
+_TRAJECTORY = ("workers", "tp", "seed", "model", "lr", "rows", "chunk_bytes", "module", "script", "script_args")
 
 
 def _recordable(parser: _Parser, args: argparse.Namespace) -> dict:

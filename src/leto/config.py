@@ -31,6 +31,13 @@ class TrainingConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+    """How the ranks are laid out: world = DP x TP, TP innermost (`runtime/mesh.py`)."""
+
+    tp: int = 1  # tensor-parallel ranks per model replica, inside one node (--tp)
+
+
+@dataclass(frozen=True, kw_only=True)
 class ProtectionConfig:
     """Erasure-coded in-memory protection (docs/protection.md)."""
 
@@ -91,6 +98,7 @@ class JobConfig:
     """The resolved configuration of one job: its sections, where it writes, and how loudly."""
 
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
     protection: ProtectionConfig = field(default_factory=ProtectionConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     timeouts: Timeouts = field(default_factory=Timeouts)

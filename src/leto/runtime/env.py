@@ -16,6 +16,7 @@ import torch.distributed as dist
 from leto.config import ENV_CONFIG, JobConfig
 from leto.protocol import keys
 from leto.runtime import etcd_store, linux
+from leto.runtime.mesh import Mesh
 
 # The job's configuration reaches a child whole, in `config.ENV_CONFIG`; these variables say
 # where the running job is and, per process, who this process is.
@@ -48,6 +49,12 @@ class Job:
     def timeout_s(self) -> float:
         """Every collective and store wait of the job."""
         return self.config.timeouts.collective_s
+
+    @property
+    def mesh(self) -> Mesh | None:
+        """This rank's place in the DP x TP mesh of the current generation; None for a shadow
+        that has not adopted a rank."""
+        return None if self.rank is None else Mesh.of(self.rank, self.world_size, self.config.mesh.tp)
 
     @property
     def is_shadow(self) -> bool:
