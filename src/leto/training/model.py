@@ -9,6 +9,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from leto.training.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPGroup
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -42,11 +44,12 @@ class Block(nn.Module):
         self.fc_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.attn(self.ln_1(x)).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        b, t, _ = x.shape
+        # under tensor parallelism `attn` yields this rank's heads only (`n_head` of them)
+        q, k, v = self.attn(self.ln_1(x)).chunk(3, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, -1).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
+        x = x + self.proj(y.transpose(1, 2).contiguous().view(b, t, -1))
         return x + self.fc_proj(F.gelu(self.fc(self.ln_2(x))))
 
 
@@ -100,3 +103,25 @@ class GPT(nn.Module):
             # drawn on the host: a CPU generator gives the same text on any device
             idx = torch.cat([idx, torch.multinomial(probs.cpu(), 1, generator=generator).to(idx.device)], dim=1)
         return idx
+
+
+def tensor_parallel_gpt(model: GPT, group: TPGroup) -> GPT:
+    """`model` made tensor-parallel over `group`, in place (Megatron's layout): in every block the
+    fused QKV projection `attn` and the MLP's `fc` are column-parallel, `proj` and `fc_proj`
+    row-parallel, so this rank computes `n_head / tp` heads and `4 n_embd / tp` MLP features.
+    Embeddings, LayerNorms and the tied LM head are replicated. Parameter names and order are
+    those of the plain model; the sharded ones hold this rank's slice of the plain model's
+    values (`tensor_parallel.tp_layout` says which and along which dim)."""
+    tp = group.world_size
+    if model.cfg.n_head % tp:
+        raise ValueError(f"{model.cfg.n_head} attention heads do not split over {tp} tensor-parallel ranks")
+    for block in model.blocks:
+        assert isinstance(block, Block)
+        if isinstance(block.attn, ColumnParallelLinear):
+            raise ValueError("the model is tensor-parallel already")
+        block.attn = ColumnParallelLinear(block.attn, group, parts=3)  # [q; k; v], each split by heads
+        block.proj = RowParallelLinear(block.proj, group)
+        block.fc = ColumnParallelLinear(block.fc, group)
+        block.fc_proj = RowParallelLinear(block.fc_proj, group)
+        block.n_head = model.cfg.n_head // tp
+    return model
