@@ -26,9 +26,11 @@ from leto.runtime import trace
 from leto.runtime.comm import Comm, PeerFailure
 from leto.runtime.env import Job
 from leto.runtime.membership import GenerationWatch, read_membership
+from leto.runtime.mesh import Mesh, make_comms
 from leto.training.protection_modes import Unprotected, mode_for
 from leto.training.rank_state import RankState
 from leto.training.shard import ShardedState
+from leto.training.tp_slices import SliceLayout
 
 
 def _of_sharded(name: str, doc: str) -> property:
@@ -39,17 +41,31 @@ def _of_sharded(name: str, doc: str) -> property:
 class RankMember:
     """A worker (or a shadow until it adopts a rank): its ZeRO-1 state (`sharded`), module
     buffers and registered state (`rank_state`), process group (`comm`), generation watch and
-    membership, the protection mode of its generation (`mode`) and its persistent checkpoints."""
+    membership, the protection mode of its generation (`mode`) and its persistent checkpoints.
 
-    def __init__(self, job: Job, sharded: ShardedState, rank_state: RankState, backend: str) -> None:
+    With tensor parallelism (`slices`: its model slice's layout) it also has a TP group
+    (`tp_comm`) and a DP group (`dp_comm`), over which `sharded` is sharded; with tp 1 `tp_comm`
+    is None and `dp_comm` is `comm`."""
+
+    def __init__(
+        self,
+        job: Job,
+        sharded: ShardedState,
+        rank_state: RankState,
+        backend: str,
+        slices: SliceLayout | None = None,
+    ) -> None:
         self.job, self.sharded, self.rank_state, self.backend = job, sharded, rank_state, backend
+        self.slices = slices
         self.replicated_grads = sharded.replicated_grads
         self.generation = 0
         self.recoveries: list[RecoveryRecord] = []
         self._layout_published: int | None = None  # the generation whose layout this rank 0 published
         specs = list(job.config.recovery.inject)
         self.injector = InProcessInjector(job.store, specs, job.run_dir, job.proc_id) if specs else None
-        self.comm: Comm | None = None
+        self.comm: Comm | None = None  # the world's
+        self.tp_comm: Comm | None = None
+        self.dp_comm: Comm | None = None
         self.watch: GenerationWatch | None = None
         self.membership: Membership | None = None
         self.mode: Unprotected = Unprotected(sharded)
@@ -90,6 +106,21 @@ class RankMember:
     def world_size(self) -> int:
         return self.job.world_size
 
+    @property
+    def tp(self) -> int:
+        """Ranks per TP group (1: no tensor parallelism)."""
+        return self.job.config.mesh.tp
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's model replica: its shard of the state and its slice of the data."""
+        return self.rank // self.tp
+
+    @property
+    def dp_size(self) -> int:
+        """Model replicas (the rank's DP group)."""
+        return self.world_size // self.tp
+
     def start(self) -> bool:
         """Before the first step: a zygote forks shadows (and goes on in a fork, a shadow from
         here on), a shadow waits to be adopted, a worker connects. False when this process has
@@ -115,11 +146,11 @@ class RankMember:
             self.membership = read_membership(job.store, 0)
             self.watch = GenerationWatch(os.environ[rt.ENV_STORE], job.proc_id, 0, job.timeout_s)
         abort = self.watch.reason if self.watch else (lambda: None)
-        self.comm = Comm(
-            job.store, 0, self.rank, self.world_size, job.timeout_s, abort, job.device, backend=self.backend
-        )
-        self.comm.broadcast(self.flat_param, 0)  # all ranks start from rank 0's initialization
-        self.sharded.take_master(self.rank)
+        mesh = Mesh.of(self.rank, self.world_size, self.tp)
+        comms = make_comms(mesh, job.store, 0, job.timeout_s, abort, job.device, self.backend)
+        self.comm, self.tp_comm, self.dp_comm = comms.world, comms.tp, comms.dp
+        self.dp_comm.broadcast(self.flat_param, 0)  # every replica starts from the first one's initialization
+        self.sharded.take_master(self.dp_rank)
         self._resume()  # --resume: start from a persistent checkpoint
         self.gather_rank_state(self.step_count)  # rank 0's buffers (resumed ones too) are everyone's
         if job.config.protection.enabled and self.membership is not None:
@@ -128,6 +159,8 @@ class RankMember:
     def enter(self, generation: int, membership: Membership) -> None:
         """Become `membership`'s member (a recovery or resize): its rank and world size, and a new
         process group; the old one is parked."""
+        if self.tp > 1:
+            raise RuntimeError("a tensor-parallel job cannot change its membership in place")
         rank = membership.rank_of(self.job.proc_id)
         if rank is None:  # declared lost (e.g. its host was cut off): the others go on without it
             raise SystemExit(
@@ -151,6 +184,7 @@ class RankMember:
             self.job.device,
             backend=self.backend,
         )
+        self.tp_comm, self.dp_comm = None, self.comm
 
     def protect(self, generation: int, base_step: int, state: torch.Tensor | None = None, wait: bool = True) -> None:
         """Start protection of this generation: encode the full state at `base_step` (this
@@ -286,7 +320,10 @@ class RankMember:
         """Every parameter and optimizer tensor, unsharded, in canonical order (a collective)."""
         if self.comm is None:
             raise RuntimeError("not connected")
-        return self.sharded.full_state(self.comm, self.world_size)
+        full = self.sharded.full_state(self.dp_comm, self.dp_size)
+        if self.tp_comm is not None:
+            full = self.slices.gather(full, self.tp_comm)
+        return full
 
     def persist(self) -> None:
         """After a completed step: maybe start this rank's part of a persistent checkpoint

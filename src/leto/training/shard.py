@@ -25,7 +25,8 @@ class ShardedState:
 
     `step` is the number of optimizer steps applied; `rank` the rank whose shard it holds (None
     until a shadow installs one), which can differ from the process's rank in a new
-    generation until the reshard is settled.
+    generation until the reshard is settled. With tensor parallelism the parameters are this
+    rank's TP slice, sharded over its DP group (ZeRO-1 per slice): `rank` is its DP rank.
     """
 
     def __init__(
@@ -52,6 +53,9 @@ class ShardedState:
         # protected (an interval protects no gradients)
         self.grad_copies = 0 if replicated_grads else self.copies if protect_every == 1 else 1
         self.rank: int | None = None
+        # with tensor parallelism: 1.0 where a flat element counts in the global gradient norm
+        # (a replicated parameter counts on one TP rank only); None: every element counts
+        self.norm_mask: torch.Tensor | None = None
         self.step = 0
         self._kept: dict[int, tuple[int, torch.Tensor]] = {}  # chunk -> (step, data) a recovery replaced
         self.snap: torch.Tensor | None = None  # --protect-every > 1: the state at the last protected step
@@ -248,20 +252,32 @@ class ShardedState:
         comm.reduce_scatter(self.grad_buf_for(step).view(-1), self.flat_grad)
         self.gbuf_step[step % len(self.gbufs)] = step
 
-    def grad_norm(self, comm: Comm, world_size: int, step: int) -> float:
+    def grad_norm(self, comm: Comm, world_size: int, step: int, tp: Comm | None = None) -> float:
         """The global norm of `step`'s reduced gradients (the same bits on every rank and in both
         reduction paths: per-shard sums of squares, added in rank order; a collective where the
-        gradients are reduce-scattered)."""
+        gradients are reduce-scattered). `comm` is the group the state is sharded over
+        (`world_size` ranks); with tensor parallelism `tp` is the TP group, whose ranks' sums are
+        added too, each counting only the elements of `norm_mask`."""
         if self.replicated_grads:
-            parts = self.flat_grad.view(world_size, self.shard_elems).double().pow(2).sum(dim=1)
+            parts = self._squares(self.flat_grad, 0).view(world_size, self.shard_elems).sum(dim=1)
         else:
             parts = torch.zeros(world_size, dtype=torch.float64, device=self.flat_grad.device)
-            mine = self.grads_of(step).double().pow(2).sum().reshape(1)
+            grads = self.grads_of(step).view(-1)
+            mine = self._squares(grads, self.rank * self.shard_elems).sum().reshape(1)
             comm.all_gather(parts, mine)
+        if tp is not None:
+            every = torch.zeros(tp.world_size * world_size, dtype=torch.float64, device=parts.device)
+            tp.all_gather(every, parts)
+            parts = every
         total = 0.0
         for x in parts.tolist():
             total += x
         return total**0.5
+
+    def _squares(self, grads: torch.Tensor, offset: int) -> torch.Tensor:
+        """The squares (float64) of `grads`, flat elements from `offset` on, where they count."""
+        sq = grads.double().pow(2)
+        return sq if self.norm_mask is None else sq * self.norm_mask[offset : offset + grads.numel()]
 
     def scale_grads(self, step: int, coef: float) -> None:
         """Scale `step`'s reduced gradients (all of them where they are replicated) by `coef`."""

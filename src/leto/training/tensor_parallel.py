@@ -207,3 +207,18 @@ def gather_full_state_dict(model: nn.Module, group: TPGroup) -> dict[str, torch.
         pieces = flat.split([state[n].numel() for n in names])
         states.append({**state, **{n: p.view_as(state[n]) for n, p in zip(names, pieces)}})
     return {k: v.clone() for k, v in unshard_state_dicts(states, layout).items()}
+
+
+class PendingGroup:
+    """A TP coordinate whose group is not connected yet: what a model is cut with before the
+    job's communicators exist (`leto.Trainer` swaps in its TP Comm with `set_tp_group` when it
+    connects). Its collectives refuse to run."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        raise RuntimeError("the TP group is not connected yet: run the model inside `trainer.steps()`")
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        self.all_reduce(out)

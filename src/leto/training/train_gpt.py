@@ -1,4 +1,5 @@
-"""The built-in job of `leto train`: a GPT on the King James Bible, sharded data parallel."""
+"""The built-in job of `leto train`: a GPT on the King James Bible, sharded data parallel (and
+tensor parallel with `--tp`)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from leto import console
 from leto.runtime import durable, runlog
 from leto.training.corpus import load_tokens
 from leto.training.data import Sampler
-from leto.training.model import GPT, PRESETS
+from leto.training.model import GPT, PRESETS, tensor_parallel_gpt
 from leto.training.optim import AdamW, warmup_cosine
+from leto.training.tensor_parallel import PendingGroup
 from leto.training.trainer import DEFAULT_CHUNK_BYTES, Trainer
 
 
@@ -27,6 +29,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES)
     p.add_argument("--rows", type=int, default=None, help="rows of the global batch [the preset's]")
+    p.add_argument("--max-grad-norm", type=float, default=None, help="clip to this global norm [no clipping]")
     return p.parse_args(argv)
 
 
@@ -37,8 +40,12 @@ def build(args: argparse.Namespace, job: leto.Job) -> tuple[Trainer, GPT, Sample
         cfg = dataclasses.replace(cfg, batch_size=args.rows)
     torch.manual_seed(args.seed)
     model = GPT(cfg)
+    if job.config.mesh.tp > 1:  # every rank cuts its slice from the same seeded model
+        tensor_parallel_gpt(model, PendingGroup(job.mesh.tp_rank, job.mesh.tp))
     optimizer = AdamW(lr=warmup_cosine(args.lr, warmup=min(20, args.steps // 10), total=args.steps))
-    trainer = Trainer(model, job, optimizer, chunk_bytes=args.chunk_bytes, seed=args.seed)
+    trainer = Trainer(
+        model, job, optimizer, chunk_bytes=args.chunk_bytes, seed=args.seed, max_grad_norm=args.max_grad_norm
+    )
     sampler = Sampler(load_tokens(), cfg.block_size, cfg.batch_size, args.seed)
     return trainer, model, sampler, cfg.batch_size * cfg.block_size
 
@@ -48,18 +55,24 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)  # workers share the machine's cores
     trainer, model, sampler, tokens = build(args, leto.init())
     for step in trainer.steps(args.steps):
-        x, y, weight = sampler.batch(step, trainer.rank, trainer.world_size)
+        x, y, weight = sampler.batch(step, trainer.dp_rank, trainer.dp_size)
         x, y = x.to(trainer.job.device, non_blocking=True), y.to(trainer.job.device, non_blocking=True)
         trainer.step(lambda: model(x, y), weight=weight, tokens=tokens)
-    if trainer.job.rank == 0 and trainer.job.run_dir is not None:  # a shadow never adopted has no rank
-        save_model(trainer, trainer.job.run_dir / "model.pt")
+    if trainer.job.rank is None or trainer.job.run_dir is None:  # a shadow never adopted has no rank
+        return
+    state = trainer.state_dict()  # with --tp a collective: every rank calls it
+    if trainer.job.rank == 0:
+        save_model(state, trainer.job.run_dir / "model.pt")
+        if trainer.member.tp_comm is not None:  # the TP model's forward is a collective: sample the full one
+            model = GPT(model.cfg).to(trainer.job.device)
+            model.load_state_dict(state)
         console.say(f"sample: {sample(model)!r}")
 
 
-def save_model(trainer: Trainer, path: Path) -> None:
-    """The final weights, written atomically; a full or failing disk costs the file, not the run."""
+def save_model(state: dict[str, torch.Tensor], path: Path) -> None:
+    """The final weights `state`, written atomically; a full or failing disk costs the file, not the run."""
     buf = io.BytesIO()
-    torch.save(trainer.state_dict(), buf)
+    torch.save(state, buf)
     try:
         durable.write_atomic(path, buf.getvalue())
     except OSError as e:

@@ -6,6 +6,10 @@ exp_avg_sq)` so each chunk is one contiguous, self-contained unit of unique stat
 parameters are all-gathered. The step is here; the state and its buffers are in
 `leto.training.shard`, membership and recovery in `leto.training.member`, what each protection
 mode adds to the step in `leto.training.protection_modes`.
+
+With tensor parallelism (`--tp T`, a model whose layers are cut with
+`leto.training.tensor_parallel`) each rank holds its TP slice of the model, and ZeRO-1 runs per
+slice over the rank's DP group; the gradient norm and the digest cover the whole model.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from leto.training.optim import AdamW, Optimizer
 from leto.training.param_groups import ParamGroups
 from leto.training.rank_state import RankState, Stateful, reseed
 from leto.training.shard import ShardedState
+from leto.training.tensor_parallel import gather_full_state_dict, set_tp_group
+from leto.training.tp_slices import SliceLayout
 
 DEFAULT_CHUNK_BYTES = 12 * 16384  # 192 KiB: 16384 elements of (master, exp_avg, exp_avg_sq)
 
@@ -39,6 +45,8 @@ PUBLIC_API = (
     "member",
     "rank",
     "world_size",
+    "dp_rank",
+    "dp_size",
     "steps",
     "step",
     "step_count",
@@ -57,13 +65,17 @@ class Trainer:
 
     >>> trainer = Trainer(model, job, AdamW(lr=1e-3))
     >>> for step in trainer.steps(100):          # shadows wait here to be adopted
-    ...     x, y = batch(step, trainer.rank, trainer.world_size)
+    ...     x, y = batch(step, trainer.dp_rank, trainer.dp_size)
     ...     trainer.step(lambda: model(x, y))
 
     Every step starts with torch's, Python's and NumPy's global generators reseeded from
-    (`seed`, step, rank), so dropout and random sampling replay exactly after a recovery
+    (`seed`, step, DP rank), so dropout and random sampling replay exactly after a recovery
     (`seed=None` leaves them alone). Persistent module buffers follow DDP (rank 0's values are
     everyone's) and, like state registered with `register_state`, survive any recovery.
+
+    With `--tp T` the model must be tensor-parallel already (its parallel layers cut for this
+    rank's `job.mesh.tp_rank`, e.g. with a `tensor_parallel.PendingGroup`): the trainer points
+    them at the TP group when it connects. The TP ranks of one replica train on the same batch.
     """
 
     def __init__(
@@ -90,17 +102,22 @@ class Trainer:
         backend = backend_for(job.device, job.world_size)
         # on gloo every rank holds the whole reduced gradient: the keepers need no copy of it
         replicated_grads = reduction_replicates(backend) and not job.config.protection.grads
+        tp = job.config.mesh.tp
         sharded = ShardedState(
             params,
             groups,
             chunk_bytes // (STATE_ROWS * 4),
             job.device,
-            job.world_size,
+            job.world_size // tp,
             protection=job.config.protection.enabled,
             replicated_grads=replicated_grads,
             protect_every=job.config.protection.every,
         )
-        self.member = RankMember(job, sharded, rank_state, backend)  # what recovery and harnesses work with
+        slices = None
+        if tp > 1:
+            slices = SliceLayout(model, params, job.mesh.tp_rank, tp)
+            sharded.norm_mask = slices.norm_mask(sharded.flat_param.numel(), job.device)
+        self.member = RankMember(job, sharded, rank_state, backend, slices)  # what recovery and harnesses work with
         self._loss = torch.zeros(1, device=job.device)
         self.last_loss = float("nan")  # the last step's global loss
         self._log = StepLog(job)
@@ -116,6 +133,18 @@ class Trainer:
         return self.member.world_size
 
     @property
+    def dp_rank(self) -> int:
+        """This rank's model replica: take the batch slice from it each step (the rank itself
+        without tensor parallelism; it can change at a recovery)."""
+        return self.member.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        """The model replicas training now: the batch is split over them (`world_size` without
+        tensor parallelism)."""
+        return self.member.dp_size
+
+    @property
     def step_count(self) -> int:
         """Optimizer steps applied."""
         return self.member.step_count
@@ -125,9 +154,11 @@ class Trainer:
         """Yield the step numbers to run (0-based); shadows wait here until they are adopted or the job ends."""
         if not self.member.start():
             return
+        if self.member.tp_comm is not None:
+            set_tp_group(self.model, self.member.tp_comm)
         while self.step_count < total:
             if self._seed is not None:
-                reseed(self._seed, self.step_count, self.rank)
+                reseed(self._seed, self.step_count, self.dp_rank)
             yield self.step_count
         self._finish()
         self.close()
@@ -140,7 +171,7 @@ class Trainer:
     ) -> float | None:
         """One training step. `loss_fn` computes this rank's loss (under `autocast` if set); a
         list of them accumulates gradients over micro-batches (each weighted 1/len), reduced
-        once. `weight` is this rank's share of the global batch (default 1/world);
+        once. `weight` is this rank's share of the global batch (default 1/`dp_size`);
         `tokens` is the number of tokens in the global batch (for metrics). Returns the global loss,
         or None when a failure interrupted the step: the job recovered in place and `steps()`
         yields the step to redo next."""
@@ -170,7 +201,7 @@ class Trainer:
         m = self.member
         if m.watch is not None:
             m.watch.tick()  # progress for the controller's hang check (docs/design.md)
-        w = 1.0 / self.world_size if weight is None else weight
+        w = 1.0 / self.dp_size if weight is None else weight
         micro = [loss_fn] if callable(loss_fn) else list(loss_fn)
         if not micro:
             raise ValueError("step() needs a loss function or a non-empty list of them")
@@ -183,14 +214,14 @@ class Trainer:
         s.zero_grads()
         total = self._backward(loss, micro, w / len(micro))
         fault("reduce-scatter", t + 1)
-        s.reduce_grads(m.comm, t + 1)
+        s.reduce_grads(m.dp_comm, t + 1)
         m.gather_rank_state(t + 1)  # held with the gradients: a replay of t+1 finds both
         if self._max_grad_norm is not None:
             self._clip(t + 1)  # in place, before they count as held: a replay reads them clipped
         s.grad_step = t + 1
         grads = s.grads_of(t + 1)
         self._loss.fill_(total / len(micro) * w)
-        m.comm.all_reduce(self._loss)  # after the gradients: done anywhere, every rank holds them
+        m.dp_comm.all_reduce(self._loss)  # after the gradients: done anywhere, every rank holds them
         mode.after_reduce(t, grads)
         src, dst = s.buf_for(t), s.buf_for(t + 1)
         for c in range(s.n_chunks):
@@ -199,7 +230,7 @@ class Trainer:
         s.mark_held(t + 1)
         s.shard_params(t + 1)
         fault("all-gather", t + 1)
-        m.comm.all_gather(s.flat_param, s.param_shard)
+        m.dp_comm.all_gather(s.flat_param, s.param_shard)
         mode.after_gather(t)
         s.step = t + 1
         self.last_loss = float(self._loss.item())
@@ -235,7 +266,7 @@ class Trainer:
         """Scale the reduced gradients of `step` to a global norm of at most `max_grad_norm`
         (`clip_grad_norm_` semantics)."""
         m = self.member
-        self.grad_norm = m.sharded.grad_norm(m.comm, self.world_size, step)
+        self.grad_norm = m.sharded.grad_norm(m.dp_comm, self.dp_size, step, m.tp_comm)
         coef = min(1.0, self._max_grad_norm / (self.grad_norm + 1e-6))
         if coef < 1.0:
             m.sharded.scale_grads(step, coef)
@@ -264,8 +295,12 @@ class Trainer:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The model's plain PyTorch state dict (CPU copies): parameters are replicated on every
         rank and buffers synchronized, so any rank can call it, no collective; load it into the
-        model without Leto (`model.load_state_dict(...)`)."""
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        model without Leto (`model.load_state_dict(...)`). With tensor parallelism it is the
+        full, unsharded model, loadable into the plain one, and a collective of the rank's TP
+        group (every rank of it calls it)."""
+        tp = self.member.tp_comm
+        state = self.model.state_dict() if tp is None else gather_full_state_dict(self.model, tp)
+        return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
 
     def digest(self) -> str:
         """sha256 of the step, all parameters, all optimizer state and the module buffers;
