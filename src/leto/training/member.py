@@ -69,7 +69,8 @@ class RankMember:
         self.watch: GenerationWatch | None = None
         self.membership: Membership | None = None
         self.mode: Unprotected = Unprotected(sharded)
-        self.persister = persister_for(job)
+        # persistent checkpoints and --resume do not know the mesh yet: a TP job writes none
+        self.persister = persister_for(job) if self.tp == 1 else None
 
     @property
     def protector(self) -> Protector | None:
@@ -336,6 +337,9 @@ class RankMember:
         target = loader.resume_target(self.job)
         if target is None:
             return
+        if self.tp > 1:
+            self.job.store.set(keys.FATAL, f"rank {self.rank}: a tensor-parallel job cannot resume from a checkpoint")
+            os._exit(1)
         s = self.sharded
         try:
             got = loader.load(*target, self.rank, self.world_size, s.numel, s.n_chunks, s.chunk_elems)
