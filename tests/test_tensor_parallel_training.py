@@ -7,7 +7,9 @@ from __future__ import annotations
 import torch
 
 from conftest import REPO, step_records, train
-from leto.training.model import GPT, PRESETS
+from leto.training.model import GPT, PRESETS, tensor_parallel_gpt
+from leto.training.tensor_parallel import PendingGroup
+from leto.training.tp_slices import SliceLayout
 
 STEPS = 20
 TP_JOB = ("--tp", "2", "--workers", "4", "--nodes", "2", "--spares", "0", "--protection", "off")
@@ -55,3 +57,26 @@ def test_clipping_uses_the_global_norm_of_the_whole_model(launcher, tmp_path) ->
         norms[name] = [r["grad_norm"] for r in step_records(run_dir)]
     assert len(norms["tp"]) == 8 and min(norms["dp"]) > 0.5  # every step was clipped
     assert _relative(norms["tp"], norms["dp"]) < 1e-4
+
+
+def test_the_slices_reassemble_into_the_plain_model_and_count_each_element_once() -> None:
+    """In one process: the flat parameters of both TP slices give the plain model's flat
+    parameters, and the norm masks count every element of the plain model exactly once."""
+
+    def plain() -> GPT:
+        torch.manual_seed(0)
+        return GPT(PRESETS["tiny"])
+
+    full = torch.cat([p.detach().reshape(-1) for p in plain().parameters()])
+    flats, squares = [], 0.0
+    for rank in range(2):
+        model = tensor_parallel_gpt(plain(), PendingGroup(rank, 2))
+        params = list(model.parameters())
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        mask = SliceLayout(model, params, rank, 2).norm_mask(flat.numel() + 5, flat.device)
+        assert (mask is None) == (rank == 0)
+        sq = flat.double().pow(2)
+        squares += float((sq if mask is None else sq * mask[: flat.numel()]).sum())
+        flats.append(torch.cat([flat, torch.zeros(5)]))  # padded, as the flat buffers are
+    assert torch.equal(SliceLayout(model, params, 1, 2).unshard_flat(flats), full)
+    assert abs(squares - float(full.double().pow(2).sum())) < 1e-9 * squares
