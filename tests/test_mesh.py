@@ -73,8 +73,13 @@ def test_the_mesh_is_a_config_section_of_its_own() -> None:
         ),
         (
             ["train", "--tp", "2"],
-            "leto train: error: --tp 2 trains with --protection off; in-place recovery of tensor-parallel "
-            "ranks is not built yet",
+            "leto train: error: --tp 2 trains with --protection off --persist off; in-place recovery and "
+            "persistent checkpoints of tensor-parallel ranks are not built yet",
+        ),
+        (
+            ["train", "--tp", "2", "--protection", "off", "--persist", "on"],
+            "leto train: error: --tp 2 trains with --protection off --persist off; in-place recovery and "
+            "persistent checkpoints of tensor-parallel ranks are not built yet",
         ),
     ],
 )
