@@ -390,10 +390,10 @@ def _check_mesh(args: argparse.Namespace, prog: str) -> None:
     problem = layout_problem(args.workers, args.nodes, args.tp)
     if problem is not None:
         raise UsageError(f"{prog}: error: {problem}")
-    if args.tp > 1 and (args.protection == "on" or args.persist == "on"):  # until TP ranks are recovered/resumed
+    if args.tp > 1 and args.persist == "on":  # until TP ranks are resumed
         raise UsageError(
-            f"{prog}: error: --tp {args.tp} trains with --protection off --persist off; in-place recovery and "
-            "persistent checkpoints of tensor-parallel ranks are not built yet"
+            f"{prog}: error: --tp {args.tp} trains with --persist off; persistent checkpoints of "
+            "tensor-parallel ranks are not built yet"
         )
 
 
