@@ -110,8 +110,10 @@ def test_two_tp_ranks_compute_the_plain_model_and_reassemble_it() -> None:
     x = torch.randn(5, 6, generator=torch.Generator().manual_seed(1))
     ref(x).square().sum().backward()
 
+    fulls = [plain(), plain()]  # built here: the threads would share torch's global generator
+
     def rank(group: ThreadGroup) -> tuple[torch.Tensor, dict, dict]:
-        model = parallelize(plain(), PLAN, group)
+        model = parallelize(fulls[group.rank], PLAN, group)
         y = model(x)
         y.square().sum().backward()
         grads = {n: p.grad for n, p in model.named_parameters()}
