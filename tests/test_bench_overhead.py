@@ -1,6 +1,8 @@
-"""`leto bench overhead`: memory counted whole, the curve's entries, the targets' verdicts.
+"""`leto bench overhead`: memory counted whole, the curve's entries, the targets' verdicts, the
+mesh's figures.
 
-All on synthetic inputs or small layouts computed by hand; no timed run and no wall-clock value.
+On synthetic inputs or small layouts computed by hand, and one short real `--tp 2` run whose
+figures are checked for their structure and sense; no wall-clock value is checked.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from leto import cli
-from leto.bench import overhead
+from leto.bench import overhead, throughput
 from leto.bench.cpu import CpuSampler, memory_bytes
+from leto.bench.mesh import mesh_elements
 from leto.bench.overhead import (
     PARTS,
     Point,
@@ -28,6 +31,8 @@ from leto.bench.overhead import (
     verdict,
     worker_copy_bytes,
 )
+from leto.errors import UsageError
+from leto.protection.accounting import bytes_per_element_per_step
 from leto.protection.layout import Geometry, Layout
 from leto.protection.shm import Region
 from leto.protection.transport import HDR, SEND_BUFFERS, batch_buffer_bytes
@@ -330,7 +335,9 @@ def test_the_bench_interleaves_runs_and_reports_every_key(
         module: str | None = None,
         memory_every_s: float | None = None,
         persist: bool = False,
+        tp: int = 1,
     ) -> dict:
+        assert tp == 1
         rows = int(extra[1]) if extra else overhead.PRESETS[model].batch_size
         calls.append((model, rows, protection, spares, module))
         persisted.append(persist)
@@ -354,7 +361,10 @@ def test_the_bench_interleaves_runs_and_reports_every_key(
             1: {"pid": 1, "role": "keeper", "node": 0, "vm_rss": 9 << 20, "pss": 8 << 20, "pss_shmem": 1 << 20},
             2: {"pid": 2, "role": "zygote", "node": 0, "vm_rss": 7 << 20, "pss": 6 << 20, "pss_shmem": 0},
             3: {"pid": 3, "role": "shadow", "node": 0, "vm_rss": 7 << 20, "pss": 5 << 20, "pss_shmem": 0},
+            4: {"pid": 4, "role": "worker", "node": 0, "vm_rss": 30 << 20, "pss": 20 << 20, "pss_shmem": 0},
         }
+        if not protection:
+            mem = {4: mem[4]}
         return {
             "steps": recs,
             "events": events,
@@ -385,7 +395,9 @@ def test_the_bench_interleaves_runs_and_reports_every_key(
     )
     assert pe["every"] == [3] * overhead.ROUNDS and pe["checkpoints_in_window"] == [1] * overhead.ROUNDS
     assert out["targets"]["overhead_ratio_default_job_with_persistence"]["result"] == "MISS"
-    assert calls[n + 4][2:4] == (True, 1)  # the memory run: protected, with a shadow (and zygotes)
+    assert calls[n + 4][2:4] == (True, 1)  # the memory runs: protected, with a shadow (and zygotes) ...
+    assert calls[n + 5][2:4] == (False, 0)  # ... and unprotected, without them
+    assert len(calls) == n + 6
     old_keys = {
         "model",
         "workers",
@@ -434,12 +446,17 @@ def test_the_bench_interleaves_runs_and_reports_every_key(
     assert all(ENTRY_KEYS <= set(e) for e in out["curve"])
     assert out["fixed_rss_bytes_per_node"] == {"keeper": 7 << 20, "zygote": 6 << 20}
     assert out["recovery_rss_bytes_per_node"] == {"shadow": 5 << 20}
+    a = out["memory_all_in"]
+    assert a["protected"]["bytes"] == (8 + 6 + 5 + 20) << 20 and a["unprotected"]["bytes"] == 20 << 20
+    assert a["ratio"] == pytest.approx(39 / 20, abs=1e-4) and a["extra_bytes"] == 19 << 20
+    assert out["tp"] == 1 and out["dp"] == 4 and out["mesh"]["replicated_elements_per_slice"] == 0
     assert out["targets"]["overhead_ratio_512_rows"]["result"] == "NOT MEASURED"
     calls.clear()
     assert cli.main(["bench", "overhead", "--steps", "4", "--rounds", "3", "--curve", "none", "--rss", "off"]) == 0
     text = capsys.readouterr().out
     assert len(calls) == 9
     assert "overhead ratio 1.100" in text and "memory, all in" in text and "overhead ratio 1.200 by wall time" in text
+    assert "per element of the model" in text and "the whole job, measured" not in text  # --rss off
     assert "target overhead_ratio_default_job <= 1.03: 1.100 MISS" in text
 
 
@@ -465,3 +482,122 @@ def test_the_floor_measures_every_operation_it_uses() -> None:
     costs = operation_costs()
     assert set(costs) == {"copy", "xor_two_into_slot", "checksum", "fold", "tcp_loopback"}
     assert all(v > 0 for v in costs.values())
+
+
+# ----- the mesh (--tp)
+def test_a_tp_slice_by_hand() -> None:
+    """tiny cut in two (Megatron's layout): embeddings, LayerNorms and the row-parallel layers'
+    biases are on both TP ranks, the rest is halved."""
+    c, tp = overhead.PRESETS["tiny"], 2
+    e = c.n_embd
+    replicated = c.vocab_size * e + c.block_size * e + 2 * e + c.n_layer * (2 * 2 * e + 2 * e)
+    m = mesh_elements("tiny", tp)
+    assert m.model == 834_304 and m.replicated == replicated
+    assert m.slice == replicated + (m.model - replicated) // tp and m.sharded * tp == m.model - replicated
+    assert mesh_elements("tiny").replicated == 0 and mesh_elements("tiny").slice == m.model
+    with pytest.raises(ValueError):
+        mesh_elements("small", 4)  # 6 heads do not split over 4 ranks
+
+
+def test_mesh_figures_charge_the_replicated_copies() -> None:
+    lay, numel = overhead.job_layout("tiny", 4, 2, (1, 1), tp=2)
+    m = mesh_elements("tiny", 2)
+    elems = overhead.DEFAULT_CHUNK_BYTES // 12
+    assert numel == m.model and lay.world_size == 4
+    assert lay.geometry.n_chunks == -(-m.slice // (2 * elems))  # the slice's shard over a DP group of 2
+    f = overhead.mesh_figures(lay, m)
+    protected = 4 * lay.geometry.n_chunks * elems
+    assert (f["tp"], f["dp"], f["protected_elements"]) == (2, 2, protected)
+    assert f["protected_per_model_element"] == pytest.approx(protected / m.model, abs=1e-4)
+    assert f["protected_per_model_element"] > 1
+    per_protected = bytes_per_element_per_step(lay)["total"]
+    assert per_protected["staged"] == 12  # master, exp_avg, exp_avg_sq; gradients replicated on gloo
+    for k, v in f["bytes_per_model_element_per_step"].items():
+        assert v == pytest.approx(per_protected[k] * protected / m.model, abs=1e-3) and v > per_protected[k]
+    assert f["memory_overhead_per_model_byte"] == pytest.approx(
+        sum(memory_parts(lay).values()) / (12 * m.model), abs=1e-4
+    )
+    dp_lay, _ = overhead.job_layout("tiny", 4, 2, (1, 1))
+    assert (
+        overhead.mesh_figures(dp_lay, mesh_elements("tiny"))["protected_per_model_element"]
+        < (f["protected_per_model_element"])
+    )
+
+
+def test_the_whole_jobs_memory_counts_shared_pages_once() -> None:
+    mib = 1 << 20
+    on = {
+        1: {"role": "worker", "vm_rss": 300 * mib, "pss": 200 * mib},
+        2: {"role": "worker", "vm_rss": 300 * mib, "pss": 210 * mib},
+        3: {"role": "keeper", "vm_rss": 120 * mib, "pss": 60 * mib},
+    }
+    off = {1: {"role": "worker", "vm_rss": 290 * mib, "pss": 190 * mib}}
+    a = overhead.memory_all_in(on, off, model_elements=mib)
+    assert a["protected"] == {
+        "measure": "pss",
+        "processes": 3,
+        "bytes_by_role": {"keeper": 60 * mib, "worker": 410 * mib},
+        "bytes": 470 * mib,
+    }
+    assert a["ratio"] == pytest.approx(470 / 190, abs=1e-4) and a["extra_bytes"] == 280 * mib
+    assert a["extra_per_model_state_byte"] == pytest.approx(280 / 12, abs=0.01)
+    del on[3]["pss"]  # no smaps_rollup somewhere: VmRSS for every process, never a mix
+    assert overhead.job_memory(on)["measure"] == "vm_rss" and overhead.job_memory(on)["bytes"] == 720 * mib
+
+
+def bench_args(**kw: object) -> argparse.Namespace:
+    """`leto bench overhead`'s arguments, as the CLI parses them with no flags, then `kw`."""
+    defaults = dict.fromkeys(("steps", "rounds", "curve", "curve_rounds", "curve_steps", "rss"))
+    return argparse.Namespace(**{**defaults, "json": False, "model": "tiny", "workers": 4, "tp": 1, **kw})
+
+
+def test_a_mesh_that_does_not_fit_is_refused_before_any_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_run(*a: object, **kw: object) -> dict:
+        raise AssertionError("no job may run")
+
+    monkeypatch.setattr(overhead, "run_job", no_run)
+    with pytest.raises(UsageError, match="multiple of --tp"):
+        overhead.main(bench_args(tp=3))  # 4 workers
+    with pytest.raises(UsageError, match="inside one node"):
+        overhead.main(bench_args(tp=2, workers=2))  # a TP group across the 2 nodes
+    with pytest.raises(UsageError, match="small"):  # tiny's 4 heads split over 4 ranks, small's 6 do not
+        overhead.main(bench_args(tp=4, workers=8, curve="small"))
+    with pytest.raises(UsageError, match="--tp"):
+        throughput.main(bench_args(tp=2))
+
+
+def test_bench_overhead_tp2_runs_the_mesh_protected_and_not(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A real, tiny `leto bench overhead --tp 2`: every job is the DP 2 x TP 2 mesh, protected
+    and unprotected side by side, and the output carries the mesh's figures."""
+    import json
+
+    real_run, seen = overhead.run_job, []
+
+    def spy(*a: object, **kw: object) -> dict:
+        res = real_run(*a, **kw)
+        seen.append((kw.get("protection"), res["summary"]["config"]["mesh"]["tp"]))
+        return res
+
+    monkeypatch.setattr(overhead, "run_job", spy)
+    monkeypatch.setattr(overhead, "RSS_STEPS", 10)
+    assert overhead.main(bench_args(tp=2, json=True, steps=3, rounds=1, curve="none")) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert seen == [(False, 2), (True, 2), (True, 2), (True, 2), (False, 2)]  # off, on, persisting; memory on, off
+    assert (out["tp"], out["dp"], out["workers"]) == (2, 2, 4)
+    m = out["mesh"]
+    assert m["model_elements"] == out["curve"][0]["params"] == 834_304
+    assert m["protected_elements"] == out["protected_elements"] and m["protected_per_model_element"] > 1
+    assert all(v > 12 for v in m["bytes_per_model_element_per_step"].values())  # charges the replicated copies
+    assert out["bytes_per_element_per_step"]["total"]["staged"] == 12
+    assert 0 < out["memory_overhead"] < m["memory_overhead_per_model_byte"]
+    on, off = out["cpu_s_per_step_on"], out["cpu_s_per_step_off"]
+    assert on["worker"] > 0 and on["keeper"] > 0 and off["worker"] > 0 and "keeper" not in off
+    a = out["memory_all_in"]
+    assert a["protected"]["bytes"] > a["unprotected"]["bytes"] > 0 and a["extra_per_model_state_byte"] > 0
+    assert {"worker", "keeper", "shadow"} <= set(a["protected"]["bytes_by_role"])
+    assert "keeper" not in a["unprotected"]["bytes_by_role"] and "worker" in a["unprotected"]["bytes_by_role"]
+    assert a["protected"]["bytes_by_role"]["worker"] > 0
+    assert out["persistence"]["status"] in ("measured", "not measured: the job wrote no persistent checkpoint")
+    assert set(out["targets"]) >= {"memory_overhead_default_job", "memory_overhead_per_model_byte"}

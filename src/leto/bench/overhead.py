@@ -5,8 +5,11 @@ rows of the global batch on the same model, and a larger preset), the bytes prot
 protected element and step, encode throughput next to memcpy on this machine, and the memory
 protection costs: every buffer that exists for protection, wherever it lives, per protected byte
 (computed from the same layout and constants the keepers and workers allocate by), and the
-measured resident memory of the processes that exist only for protection. docs/benchmarks.md
-("Protection overhead") describes the method and the JSON.
+measured resident memory of the processes that exist only for protection. With `--tp T` the
+job is a DP x TP mesh: the same figures, plus what protection costs per element of the model
+(`mesh`: each TP rank also protects its copy of the replicated parameters) and the whole job's
+memory with protection against without it (`memory_all_in`). docs/benchmarks.md ("Protection
+overhead") describes the method and the JSON.
 """
 
 from __future__ import annotations
@@ -24,19 +27,21 @@ from pathlib import Path
 import numpy as np
 
 from leto.bench.floor import floor
+from leto.bench.mesh import MeshElements, check_mesh, mesh_elements
 from leto.bench.throughput import WARMUP_STEPS, run_job, steady_step_s, wall_step_s
 from leto.errors import UsageError
 from leto.persistence.resume import DEFAULT_MTBF
-from leto.protection.accounting import bytes_per_element_per_step
+from leto.protection.accounting import FLOAT_BYTES, STATE_BUFFERS, bytes_per_element_per_step
 from leto.protection.codec_bench import measure_codec
 from leto.protection.layout import Geometry, Layout
 from leto.protection.placement import default_code
 from leto.protection.shm import specs
 from leto.protection.transport import batch_buffer_bytes
 from leto.protocol.messages import node_of_rank
-from leto.training.model import GPT, PRESETS
+from leto.training.model import PRESETS
 from leto.training.trainer import DEFAULT_CHUNK_BYTES
 
+STATE_BYTES = FLOAT_BYTES * len(STATE_BUFFERS)  # unique state per element: master, exp_avg, exp_avg_sq
 ROUNDS = 5  # interleaved off/on rounds of the default job (median of the paired ratios)
 NODES = 2
 CURVES = {"none": (), "default": ("512",), "full": ("128", "512", "small")}  # besides the default job
@@ -74,15 +79,17 @@ def job_layout(
     nodes: int,
     ec: tuple[int, int] | None,
     *,
+    tp: int = 1,
     replicated_grads: bool = True,
     protect_every: int = 1,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> tuple[Layout, int]:
-    """The generation-0 layout the built-in job's trainer builds (and the parameter count):
-    `replicated_grads` is the CPU/gloo path, where every rank holds the reduced gradient."""
-    numel = sum(p.numel() for p in GPT(PRESETS[model]).parameters())
-    elems = chunk_bytes // 12
-    n_chunks = -(-numel // (workers * elems))
+    """The generation-0 layout the built-in job's trainer builds (and the model's parameter
+    count): `replicated_grads` is the CPU/gloo path, where every rank holds the reduced gradient;
+    with `tp` > 1 each rank's shard is of its TP slice, over its DP group."""
+    elements = mesh_elements(model, tp)
+    elems = chunk_bytes // STATE_BYTES
+    n_chunks = -(-elements.slice // ((workers // tp) * elems))
     layout = Layout(
         0,
         0,
@@ -92,7 +99,7 @@ def job_layout(
         protect_every=protect_every,
         replicated_grads=replicated_grads,
     )
-    return layout, numel
+    return layout, elements.model
 
 
 def _region_part(name: str) -> str:
@@ -165,13 +172,13 @@ def memory_summary(layout: Layout) -> dict:
 
 
 def memory_cost(
-    model: str, workers: int, nodes: int, ec: tuple[int, int] | None, replicated_grads: bool = True
+    model: str, workers: int, nodes: int, ec: tuple[int, int] | None, replicated_grads: bool = True, tp: int = 1
 ) -> dict:
     """Bytes of protection per byte of protected (unique) state, from the layout and constants
     the keepers and workers allocate by. Headline `memory_overhead`: all of it; the figure of the
     keepers' shared regions alone (what was reported before) stays as
     `memory_overhead_without_batches_and_copies`."""
-    layout, _ = job_layout(model, workers, nodes, ec, replicated_grads=replicated_grads)
+    layout, _ = job_layout(model, workers, nodes, ec, tp=tp, replicated_grads=replicated_grads)
     by_kind = {"parity": 0, "gradient_parity": 0, "staging": 0, "tables": 0}
     for n in layout.nodes:
         for name, shape, dtype in specs(layout, n):
@@ -190,7 +197,7 @@ def memory_cost(
     copies = layout.world_size * sum(worker_copy_bytes(layout).values())
     region = sum(by_kind.values())
     summary = memory_summary(layout)
-    nccl, _ = job_layout(model, workers, nodes, ec, replicated_grads=False)
+    nccl, _ = job_layout(model, workers, nodes, ec, tp=tp, replicated_grads=False)
     nccl_summary = memory_summary(nccl)
     return {
         "protected_bytes": protected,
@@ -240,6 +247,61 @@ def rss_summary(peaks: dict[int, dict]) -> dict:
         "fixed_rss_bytes_per_node": {r: max(per_node[r].values()) for r in PROTECTION_ROLES if r in per_node},
         "recovery_rss_bytes_per_node": {r: max(per_node[r].values()) for r in RECOVERY_ROLES if r in per_node},
         "rss_by_role": dict(sorted(by_role.items())),
+    }
+
+
+# ----- the mesh: per element of the model, and the whole job's memory
+def mesh_figures(layout: Layout, elements: MeshElements) -> dict:
+    """What protection costs per element of the model's state rather than per protected element:
+    the ranks of a TP group each protect their copy of the replicated parameters, and every shard
+    is padded to whole chunks, so a model element is protected `protected_per_model_element`
+    times (1 plus padding without TP)."""
+    protected = layout.world_size * layout.geometry.n_chunks * layout.geometry.chunk_elems
+    per_model = protected / elements.model
+    moved = bytes_per_element_per_step(layout)["total"]
+    parts = memory_parts(layout)
+    return {
+        "tp": elements.tp,
+        "dp": layout.world_size // elements.tp,
+        "model_elements": elements.model,
+        "slice_elements": elements.slice,
+        "replicated_elements_per_slice": elements.replicated,
+        "protected_elements": protected,
+        "protected_per_model_element": round(per_model, 4),
+        "bytes_per_model_element_per_step": {k: round(v * per_model, 4) for k, v in moved.items()},
+        "memory_overhead_per_model_byte": round(sum(parts.values()) / (elements.model * STATE_BYTES), 4),
+    }
+
+
+def job_memory(peaks: dict[int, dict]) -> dict:
+    """The whole job's memory from every process's peak sample (`CpuSampler.peak_memory`): the
+    sum of proportional set sizes, which counts each shared page once among the processes that
+    map it (the fork server's, the keepers' regions); VmRSS where smaps_rollup is missing (it
+    counts shared pages in every process). Peaks of different moments: an upper bound."""
+    by_role: dict[str, int] = {}
+    measure = "pss" if peaks and all("pss" in r for r in peaks.values()) else "vm_rss"
+    for rec in peaks.values():
+        by_role[rec["role"]] = by_role.get(rec["role"], 0) + rec.get(measure, rec["vm_rss"])
+    return {
+        "measure": measure,
+        "processes": len(peaks),
+        "bytes_by_role": dict(sorted(by_role.items())),
+        "bytes": sum(by_role.values()),
+    }
+
+
+def memory_all_in(on: dict[int, dict], off: dict[int, dict], model_elements: int) -> dict:
+    """The protected job (workers, keepers, zygotes, shadows and their regions) against the same
+    job unprotected (workers alone), measured: the ratio and the difference per byte of the
+    model's state."""
+    a, b = job_memory(on), job_memory(off)
+    extra = a["bytes"] - b["bytes"]
+    return {
+        "protected": a,
+        "unprotected": b,
+        "ratio": round(a["bytes"] / b["bytes"], 4) if b["bytes"] else None,
+        "extra_bytes": extra,
+        "extra_per_model_state_byte": round(extra / (model_elements * STATE_BYTES), 2),
     }
 
 
@@ -353,6 +415,7 @@ def _measure(
     ec: tuple[int, int] | None,
     tmp: Path,
     persist: dict | None = None,
+    tp: int = 1,
 ) -> tuple[list[float], list[float], list[dict], list[dict], list[dict]]:
     """`rounds` interleaved off/on runs of one point: step times, CPU by role, protected steps.
     With `persist` (a dict to fill), each round also runs protection + persistence at its default
@@ -374,6 +437,7 @@ def _measure(
                 ec=ec if protection else None,
                 extra=["--rows", str(point.rows)] if rows_flag else None,
                 persist=v == "persist",
+                tp=tp,
             )
             check_tokens(res["steps"], point.global_rows * PRESETS[point.model].block_size, d)
             if persist is not None:
@@ -396,9 +460,13 @@ def _measure(
 
 def persistence_entry(runs: dict) -> dict:
     """The default job's all-in figure: protection plus persistent checkpoints at the default K,
-    against no protection, by wall time per step (so a checkpoint's copy in the step is charged)."""
+    against no protection, by wall time per step (so a checkpoint's copy in the step is charged).
+    A job that chose no interval wrote no checkpoint (a tensor-parallel job, until its ranks
+    persist): then nothing was measured, and the figure is None with the reason."""
     off, on, per = runs["wall_step_s_off"], runs["wall_step_s_on"], runs["wall_step_s_persist"]
+    wrote = bool(runs.get("every"))
     return {
+        "status": "measured" if wrote else "not measured: the job wrote no persistent checkpoint",
         "mtbf": DEFAULT_MTBF,
         "every": runs.get("every", []),
         "checkpoints_in_window": runs.get("checkpoints_in_window", []),
@@ -406,7 +474,7 @@ def persistence_entry(runs: dict) -> dict:
         "wall_step_s_on_runs": [round(x, 5) for x in on],
         "wall_step_s_persist_runs": [round(x, 5) for x in per],
         "overhead_ratio_wall": round(paired_ratio(off, on), 4),
-        "overhead_ratio_with_persistence": round(paired_ratio(off, per), 4),
+        "overhead_ratio_with_persistence": round(paired_ratio(off, per), 4) if wrote else None,
     }
 
 
@@ -431,6 +499,7 @@ def targets(out: dict) -> dict[str, dict]:
         ),
         f"overhead_ratio_{TARGET_ROWS}_rows": (at_rows, TARGET_RATIO_ROWS),
         "memory_overhead_default_job": (out.get("memory_overhead"), TARGET_MEMORY),
+        "memory_overhead_per_model_byte": (out.get("mesh", {}).get("memory_overhead_per_model_byte"), TARGET_MEMORY),
     }
     return {
         name: {"value": v, "target": f"<= {limit}", "result": verdict(v, limit)} for name, (v, limit) in checks.items()
@@ -451,52 +520,66 @@ def main(args: argparse.Namespace) -> int:
         flag("curve_steps", CURVE_STEPS),
     )
     curve_spec, rss = flag("curve", "default"), flag("rss", "on") == "on"
+    tp = flag("tp", 1)
     if rounds < 1 or curve_rounds < 1 or curve_steps < 2:
         raise UsageError("leto bench overhead: error: --rounds and --curve-rounds must be >= 1, --curve-steps >= 2")
     try:
-        points = parse_curve(curve_spec, args.model, args.workers)
+        points = parse_curve(curve_spec, args.model, args.workers // max(tp, 1))
     except ValueError as e:
         raise UsageError(f"leto bench overhead: error: {e}") from e
+    for model in dict.fromkeys([args.model, *(p.model for p in points)]):
+        problem = check_mesh(model, args.workers, NODES, tp)
+        if problem is not None:
+            raise UsageError(f"leto bench overhead: error: {model}: {problem}")
     ec = default_code(NODES)
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.json else (lambda msg: print(msg, flush=True))
     default = Point(args.model)
-    layout, numel = job_layout(args.model, args.workers, NODES, ec)
+    layout, numel = job_layout(args.model, args.workers, NODES, ec, tp=tp)
     curve = []
     rss_out: dict = {}
+    all_in: dict | None = None
     with tempfile.TemporaryDirectory(prefix="leto-bench-") as tmp:
         log(f"default job: {rounds} interleaved rounds of {steps} steps: off, on, on with persistence")
         persist: dict = {}
         off, on, cpu_off, cpu_on, prot = _measure(
-            default, default.global_rows, rounds, steps, args.workers, ec, Path(tmp), persist
+            default, default.global_rows, rounds, steps, args.workers, ec, Path(tmp), persist, tp
         )
         curve.append(curve_entry(default, numel, layout, off, on, cpu_off, cpu_on, steps, prot))
         for p in points:
             log(f"curve: {p.label}: {curve_rounds} interleaved off/on rounds of {curve_steps} steps")
-            p_layout, p_numel = job_layout(p.model, args.workers, NODES, ec)
+            p_layout, p_numel = job_layout(p.model, args.workers, NODES, ec, tp=tp)
             p_off, p_on, p_cpu_off, p_cpu_on, p_prot = _measure(
-                p, PRESETS[p.model].batch_size, curve_rounds, curve_steps, args.workers, ec, Path(tmp)
+                p, PRESETS[p.model].batch_size, curve_rounds, curve_steps, args.workers, ec, Path(tmp), tp=tp
             )
             curve.append(curve_entry(p, p_numel, p_layout, p_off, p_on, p_cpu_off, p_cpu_on, curve_steps, p_prot))
         if rss:
-            log(f"memory: one protected run of {RSS_STEPS} steps with a shadow and zygotes (--spares 1)")
-            res = run_job(
-                args.workers,
-                RSS_STEPS,
-                args.model,
-                Path(tmp) / "rss",
-                spares=1,
-                nodes=NODES,
-                protection=True,
-                ec=ec,
-                memory_every_s=RSS_EVERY_S,
+            log(
+                f"memory: one protected run of {RSS_STEPS} steps with a shadow and zygotes (--spares 1), "
+                "one unprotected run without them"
             )
+            runs = {
+                on_: run_job(
+                    args.workers,
+                    RSS_STEPS,
+                    args.model,
+                    Path(tmp) / f"rss-{'on' if on_ else 'off'}",
+                    spares=1 if on_ else 0,
+                    nodes=NODES,
+                    protection=on_,
+                    ec=ec if on_ else None,
+                    memory_every_s=RSS_EVERY_S,
+                    tp=tp,
+                )
+                for on_ in (True, False)
+            }
             rss_out = {
                 "rss_run": {"steps": RSS_STEPS, "spares": 1, "every_s": RSS_EVERY_S},
-                **rss_summary(res["memory"]),
+                **rss_summary(runs[True]["memory"]),
             }
+            all_in = memory_all_in(runs[True]["memory"], runs[False]["memory"], numel)
     step_off, step_on = statistics.median(off), statistics.median(on)
     codec = measure_codec(nbytes=32 << 20, k=args.workers // NODES, m=1)
-    mem = memory_cost(args.model, args.workers, NODES, ec)
+    mem = memory_cost(args.model, args.workers, NODES, ec, tp=tp)
     protected_per_node = mem["protected_bytes"] / NODES
     if rss_out.get("fixed_rss_bytes_per_node"):
         rss_out["fixed_rss_per_protected_byte"] = round(
@@ -505,6 +588,8 @@ def main(args: argparse.Namespace) -> int:
     out = {
         "model": args.model,
         "workers": args.workers,
+        "tp": tp,
+        "dp": args.workers // tp,
         "nodes": NODES,
         "ec": f"{ec[0]}+{ec[1]}",
         "steps_per_run": steps,
@@ -528,6 +613,8 @@ def main(args: argparse.Namespace) -> int:
         "physical_floor": floor(layout, step_off, os.cpu_count() or 1),
         "persistence": persistence_entry(persist),
         **mem,
+        "mesh": mesh_figures(layout, mesh_elements(args.model, tp)),
+        "memory_all_in": all_in,
         **rss_out,
         "curve_mode": curve_spec,
         "curve_rounds": curve_rounds if points else None,
@@ -555,9 +642,22 @@ def _protection_cpu(entry: dict) -> dict[str, float]:
     }
 
 
-def _print(out: dict, mem: dict) -> None:
+def _print_mesh(out: dict) -> None:
+    m = out["mesh"]
+    b = m["bytes_per_model_element_per_step"]
     print(
-        f"default job ({out['model']}, {out['workers']} workers, {out['nodes']} nodes, --ec {out['ec']}), "
+        f"  per element of the model ({m['model_elements']:,}; each of the {out['workers']} "
+        f"ranks protects its shard of its slice of {m['slice_elements']:,}, {m['replicated_elements_per_slice']:,} of "
+        f"them replicated on every TP rank: {m['protected_per_model_element']:.3f} protected per model element): "
+        f"staged {b['staged']:g} B, checksummed {b['checksummed']:g} B, tier-2 sent {b['tier2_sent']:g} B a step; "
+        f"protection memory {m['memory_overhead_per_model_byte']:.2f} B per byte of the model's state"
+    )
+
+
+def _print(out: dict, mem: dict) -> None:
+    mesh = f", --tp {out['tp']} (DP {out['dp']} x TP {out['tp']})" if out["tp"] > 1 else ""
+    print(
+        f"default job ({out['model']}, {out['workers']} workers{mesh}, {out['nodes']} nodes, --ec {out['ec']}), "
         f"{out['rounds']} interleaved rounds of {out['steps_per_run']} steps"
     )
     print(
@@ -565,12 +665,15 @@ def _print(out: dict, mem: dict) -> None:
         f"overhead ratio {out['overhead_ratio']:.3f}"
     )
     pe = out["persistence"]
-    print(
-        f"  with persistent checkpoints too (default --mtbf {pe['mtbf']}, K {sorted(set(pe['every']))}, "
-        f"{sum(pe['checkpoints_in_window'])} checkpoints in the measured steps): overhead ratio "
-        f"{pe['overhead_ratio_with_persistence']:.3f} by wall time per step "
-        f"(protection alone, same clock: {pe['overhead_ratio_wall']:.3f})"
-    )
+    if pe["overhead_ratio_with_persistence"] is None:
+        print(f"  with persistent checkpoints too: {pe['status']}")
+    else:
+        print(
+            f"  with persistent checkpoints too (default --mtbf {pe['mtbf']}, K {sorted(set(pe['every']))}, "
+            f"{sum(pe['checkpoints_in_window'])} checkpoints in the measured steps): overhead ratio "
+            f"{pe['overhead_ratio_with_persistence']:.3f} by wall time per step "
+            f"(protection alone, same clock: {pe['overhead_ratio_wall']:.3f})"
+        )
     print(
         f"  protection on the training thread per step: staging {out['protection_stage_s_per_step'] * 1e3:.2f} ms, "
         f"waiting for keepers {out['protection_wait_s_per_step'] * 1e3:.2f} ms (rank 0)"
@@ -588,6 +691,7 @@ def _print(out: dict, mem: dict) -> None:
         f"  moved per protected element and step: staged {b['staged']:g} B, checksummed {b['checksummed']:g} B, "
         f"tier-2 sent {b['tier2_sent']:g} B ({out['protected_elements']:,} protected elements)"
     )
+    _print_mesh(out)
     print(
         f"  encode {out['encode_gbps']:.1f} GB/s, XOR {out['xor_gbps']:.1f} GB/s, "
         f"checksum {out['checksum_gbps']:.1f} GB/s, memcpy {out['memcpy_gbps']:.1f} GB/s"
@@ -631,6 +735,16 @@ def _print(out: dict, mem: dict) -> None:
                 ", ".join(f"{r} {v / 2**20:.0f} MiB" for r, v in out["recovery_rss_bytes_per_node"].items())
                 or "none seen"
             )
+        )
+    a = out.get("memory_all_in")
+    if a is not None:
+        print(
+            f"  the whole job, measured ({a['protected']['measure']} of every process at its peak): protected "
+            f"{a['protected']['bytes'] / 2**20:.0f} MiB ("
+            + ", ".join(f"{r} {b / 2**20:.0f}" for r, b in a["protected"]["bytes_by_role"].items())
+            + f"), unprotected {a['unprotected']['bytes'] / 2**20:.0f} MiB: ratio "
+            + ("-" if a["ratio"] is None else f"{a['ratio']:.2f}")
+            + f", {a['extra_per_model_state_byte']:.1f} B more per byte of the model's state"
         )
     for name, t in out["targets"].items():
         v = "-" if t["value"] is None else f"{t['value']:.3f}"

@@ -47,6 +47,7 @@ from pathlib import Path
 from leto.baselines.faults import ExternalInjector
 from leto.baselines.nvrx_job import nvrx_status
 from leto.bench import plots
+from leto.bench.mesh import refuse_tp
 from leto.bench.runs import (
     DEFAULT_MTBF_S,
     LETO,
@@ -577,6 +578,7 @@ def dumps(report: dict) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    refuse_tp(args, "productivity")
     steps = args.steps or DEFAULT_STEPS
     trials = getattr(args, "trials", None) or DEFAULT_TRIALS
     nodes = min(2, args.workers)

@@ -4,7 +4,8 @@ For each trial, for each failure (a worker SIGKILL; a whole-node loss) and for e
 (interleaved: A, B, C, A, B, C ...), the built-in GPT job runs while `leto.baselines.faults` kills the
 process(es) by PID once step `kill_step` is recorded, i.e. at the start of step `kill_step + 1`.
 Every number comes from the run's metrics.jsonl (see `runs.analyze_recovery`); medians over
-trials are reported, raw values are in the JSON.
+trials are reported, raw values are in the JSON. With `--tp T` every system runs the job as a
+DP x TP mesh (TP groups inside nodes); the systems that cannot are skipped with the reason.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from leto.baselines.nvrx_job import NVRX_VERSION, nvrx_status
 from leto.bench import plots
+from leto.bench.mesh import check_mesh
 from leto.bench.runs import (
     LETO,
     SEGMENTS,
@@ -38,6 +40,8 @@ from leto.bench.runs import (
     step_injector,
     torchft_status,
 )
+from leto.errors import UsageError
+from leto.runtime.mesh import layout_problem
 from leto.training.model import PRESETS
 
 DEFAULT_STEPS = 40
@@ -47,6 +51,7 @@ SPARES_VARIANT = (
 FAILURES = {"worker": "kill", "node": "node-kill"}
 FAILURE_ORDER = ("worker", "node")
 TITLES = {"worker": "worker SIGKILL", "node": "whole-node loss"}
+TP_SYSTEMS = (LETO, "checkpoint-restart", "memory-restart")  # the kinds that run a tensor-parallel job
 KEYS = ("recovery_s", "regain_s", "detect_s", "restore_s", "first_s", "lost_steps", "pre_step_s")
 
 
@@ -61,6 +66,20 @@ def systems_for(failure: str) -> list[System]:
         out.append(System(f"leto --spares {SPARES_VARIANT}", LETO, SPARES_VARIANT))
     # nvrx: NVRx in-process restart with 1 warm spare rank (a node loss: the spare, then one rank fewer)
     return out + [System(s, s) for s in ("checkpoint-restart", "memory-restart", "torchft", "nvrx")]
+
+
+def job_nodes(workers: int, tp: int) -> int:
+    """Nodes (failure domains) for the job: 2 where the TP groups fit inside them (a node loss
+    needs a second node), else 1."""
+    return 2 if workers >= 2 and layout_problem(workers, 2, tp) is None else 1
+
+
+def tp_skipped(tp: int) -> dict[str, str]:
+    """The systems that cannot run a job with TP groups of `tp`, and why."""
+    if tp == 1:
+        return {}
+    kinds = {s.kind for f in FAILURE_ORDER for s in systems_for(f)}
+    return {k: f"skipped: runs no tensor-parallel job (--tp {tp})" for k in sorted(kinds) if k not in TP_SYSTEMS}
 
 
 def evaluate(run: Run, system: System) -> dict:
@@ -192,8 +211,9 @@ def _steps(x: float | None) -> str:
 
 def print_table(report: dict) -> None:
     cfg = report["config"]
+    mesh = f" (--tp {cfg['tp']}: DP {cfg['dp']} x TP {cfg['tp']})" if cfg.get("tp", 1) > 1 else ""
     print(
-        f"leto bench recovery: {cfg['workers']} workers on {cfg['nodes']} nodes, model {cfg['model']}, "
+        f"leto bench recovery: {cfg['workers']} workers{mesh} on {cfg['nodes']} nodes, model {cfg['model']}, "
         f"{cfg['steps']} steps, failure injected after step {cfg['kill_step']}; medians of {cfg['trials']} trials"
     )
     for failure, section in sections(report):
@@ -214,6 +234,13 @@ def print_table(report: dict) -> None:
                 f"{s['trials_with_recovery']:>3}/{len(s['trials'])} "
                 f"{vs:>8}"
             )
+    ratios = [
+        f"{TITLES[failure]} {sp:.1f}x"
+        for failure, section in sections(report)
+        if (sp := section["speedup"].get("checkpoint-restart")) is not None
+    ]
+    if ratios:
+        print(f"\ncheckpoint-restart's recovery / Leto's: {', '.join(ratios)}")
     print(
         f"\nrecovery: kill -> the lost work is redone and the next {cfg['window']} steps together ran in at most "
         f"{cfg['tolerance']}x their pre-failure median time; regain: kill -> the step in flight is done; "
@@ -240,22 +267,33 @@ def section_for(failure: str, step: int, trials: dict[str, list[dict]], skipped:
 
 
 def main(args: argparse.Namespace) -> int:
+    tp = getattr(args, "tp", None) or 1
     if getattr(args, "hosts", None):
+        if tp > 1:
+            raise UsageError("leto bench recovery: error: --hosts runs data-parallel jobs only; --tp is for one host")
         from leto.bench import hosts
 
         return hosts.main(args)
     steps = args.steps or DEFAULT_STEPS
-    nodes = min(2, args.workers)
-    cfg = JobConfig(workers=args.workers, nodes=nodes, steps=steps, model=args.model)
+    nodes = job_nodes(args.workers, tp)
+    problem = check_mesh(args.model, args.workers, nodes, tp)
+    if problem is not None:
+        raise UsageError(f"leto bench recovery: error: {problem}")
+    if nodes < 2:
+        log(f"--workers {args.workers} --tp {tp}: one node (TP groups inside nodes), so no node loss")
+    cfg = JobConfig(workers=args.workers, nodes=nodes, steps=steps, model=args.model, tp=tp)
     step = kill_step(steps)
     out = Path(args.out) if args.out else default_out("recovery")
     out.mkdir(parents=True, exist_ok=True)
-    skipped: dict[str, str] = {}
-    tf = torchft_status()
+    skipped: dict[str, str] = tp_skipped(tp)
+    for name, why in skipped.items():
+        log(f"{name}: {why}")
+    tf = None if "torchft" in skipped else torchft_status()
     if tf is not None:
         skipped["torchft"] = tf
         log(f"torchft: {tf}")
-    nv = nvrx_status() if any(s.kind == "nvrx" for f in FAILURE_ORDER for s in systems_for(f)) else None
+    needs_nvrx = "nvrx" not in skipped and any(s.kind == "nvrx" for f in FAILURE_ORDER for s in systems_for(f))
+    nv = nvrx_status() if needs_nvrx else None
     if nv is not None:
         skipped["nvrx"] = f"nvidia-resiliency-ext=={NVRX_VERSION} {nv}"
         log(f"nvrx: {skipped['nvrx']}")
@@ -274,6 +312,8 @@ def main(args: argparse.Namespace) -> int:
         "config": {
             "workers": cfg.workers,
             "nodes": cfg.nodes,
+            "tp": cfg.tp,
+            "dp": cfg.workers // cfg.tp,
             "model": cfg.model,
             "seed": cfg.seed,
             "steps": steps,
@@ -284,9 +324,10 @@ def main(args: argparse.Namespace) -> int:
             "ckpt_mtbf_s": cfg.mtbf_s,
             "order": "for each trial, for each failure, each system in turn",
         },
-        "state_bytes_per_rank": state_bytes_per_rank(cfg.model, cfg.workers),
+        "state_bytes_per_rank": state_bytes_per_rank(cfg.model, cfg.workers, cfg.tp),
         "torchft": skipped.get("torchft", "installed"),
         "nvrx": skipped.get("nvrx", "installed"),
+        "skipped": skipped,
         **section_for("worker", step, results["worker"], skipped),
     }
     if "node" in failures:
@@ -298,4 +339,4 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps(report))
     else:
         print_table(report)
-    return 0 if report["systems"][LETO].get("recovery_s") is not None else 1
+    return 0 if report["systems"].get(LETO, {}).get("recovery_s") is not None else 1

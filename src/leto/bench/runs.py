@@ -28,11 +28,11 @@ from typing import Protocol
 from leto import config as job_config
 from leto.baselines.faults import ExternalInjector, Kill, poisson_schedule
 from leto.baselines.restart import run_baseline
+from leto.bench.mesh import mesh_elements
 from leto.bench.throughput import steady_step_s
 from leto.console import read_jsonl
 from leto.control.one_host import run_job
 from leto.protection.placement import default_code
-from leto.training.model import PRESETS
 from leto.training.trainer import DEFAULT_CHUNK_BYTES
 
 LETO = "leto"
@@ -70,6 +70,7 @@ class JobConfig:
     mtbf_s: float = DEFAULT_MTBF_S  # checkpoint-restart: K from Young/Daly for this MTBF
     timeout_s: float = job_config.DEFAULT_TIMEOUT_S  # collective / store timeout inside the job
     max_restarts: int = 3
+    tp: int = 1  # tensor-parallel ranks per model replica (world = DP x TP, `leto train --tp`)
 
 
 class InjectorLike(Protocol):
@@ -140,6 +141,7 @@ def _run_leto(system: System, cfg: JobConfig, run_dir: Path) -> int:
             training=job_config.TrainingConfig(
                 command=tuple(command), workers=cfg.workers, nodes=cfg.nodes, steps=cfg.steps
             ),
+            mesh=job_config.MeshConfig(tp=cfg.tp),
             protection=job_config.ProtectionConfig(enabled=True, ec=default_code(cfg.nodes)),
             recovery=job_config.RecoveryConfig(spares=system.spares),
             timeouts=job_config.Timeouts(collective_s=cfg.timeout_s),
@@ -216,6 +218,7 @@ def run_system(system: System, cfg: JobConfig, run_dir: Path, injector: Injector
                     mtbf_s=cfg.mtbf_s,
                     max_restarts=cfg.max_restarts,
                     timeout_s=cfg.timeout_s,
+                    **({"tp": cfg.tp} if cfg.tp > 1 else {}),
                 )
                 code = summary.get("exit_code")
     except (KeyboardInterrupt, SystemExit):
@@ -471,16 +474,11 @@ def median_index(values: list[float | None]) -> int | None:
     return idx[(len(idx) - 1) // 2] if idx else None
 
 
-def state_bytes_per_rank(model: str, workers: int) -> int:
-    """Bytes of unique optimizer state per rank (ZeRO-1 shard: master, exp_avg, exp_avg_sq)."""
-    import torch
-
-    from leto.training.model import GPT
-
-    with torch.device("meta"):
-        numel = sum(p.numel() for p in GPT(PRESETS[model]).parameters() if p.requires_grad)
+def state_bytes_per_rank(model: str, workers: int, tp: int = 1) -> int:
+    """Bytes of unique optimizer state per rank (ZeRO-1 shard of its TP slice over its DP group:
+    master, exp_avg, exp_avg_sq)."""
     elems = DEFAULT_CHUNK_BYTES // 12
-    n_chunks = -(-numel // (workers * elems))
+    n_chunks = -(-mesh_elements(model, tp).slice // ((workers // tp) * elems))
     return n_chunks * DEFAULT_CHUNK_BYTES
 
 

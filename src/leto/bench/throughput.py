@@ -9,7 +9,15 @@ import tempfile
 from pathlib import Path
 
 from leto.bench.cpu import CpuSampler
-from leto.config import JobConfig, PersistenceConfig, ProtectionConfig, RecoveryConfig, TrainingConfig
+from leto.bench.mesh import refuse_tp
+from leto.config import (
+    JobConfig,
+    MeshConfig,
+    PersistenceConfig,
+    ProtectionConfig,
+    RecoveryConfig,
+    TrainingConfig,
+)
 from leto.console import read_jsonl
 from leto.control import one_host
 from leto.training.model import PRESETS
@@ -30,12 +38,14 @@ def run_job(
     module: str | None = None,
     memory_every_s: float | None = None,
     persist: bool = False,
+    tp: int = 1,
 ) -> dict:
     """Run the built-in job quietly (or `module`, a wrapper taking the same arguments); returns
     its summary, per-step records, the CPU seconds per step each role used over the steps after
     the warm-up, the job's events and, with `memory_every_s`, each process's peak memory
     (`CpuSampler.peak_memory`). `persist`: persistent checkpoints as `leto train` writes them by
-    default (every K steps, K from Young/Daly for the default --mtbf)."""
+    default (every K steps, K from Young/Daly for the default --mtbf). `tp`: tensor-parallel ranks
+    per model replica (`leto train --tp`)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     command = ["-m", module or "leto.training.train_gpt", "--steps", str(steps), "--model", model, *(extra or [])]
     persistence = PersistenceConfig()
@@ -45,6 +55,7 @@ def run_job(
         persistence = fresh(run_dir, command, persistence, persist=True).persistence
     config = JobConfig(
         training=TrainingConfig(command=tuple(command), workers=workers, nodes=nodes),
+        mesh=MeshConfig(tp=tp),
         protection=ProtectionConfig(enabled=protection, ec=ec),
         recovery=RecoveryConfig(spares=spares),
         persistence=persistence,
@@ -82,6 +93,7 @@ def wall_step_s(steps: list[dict]) -> float:
 
 
 def main(args: argparse.Namespace) -> int:
+    refuse_tp(args, "throughput")
     cfg = PRESETS[args.model]
     args.steps = args.steps or 40
     with tempfile.TemporaryDirectory(prefix="leto-bench-") as tmp:
