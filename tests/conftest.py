@@ -229,3 +229,58 @@ def run_user_script(
     out, err = popen.communicate(timeout=240)
     assert popen.returncode == 0, out[-2000:] + err[-3000:]
     return out, summary(run_dir)
+
+
+# a resized job reduces its gradients in another order: its losses track the failure-free run's
+LOSS_RTOL_MAX, LOSS_RTOL_MEDIAN = 1e-2, 1e-4
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in step_records(run_dir)}
+
+
+def s_recoveries(run_dir: Path) -> list[dict]:
+    s = json.loads((run_dir / "summary.json").read_text())
+    return s["recoveries"] + s["resizes"]
+
+
+def check_trajectory(launcher: Launcher, tmp_path: Path, run_dir: Path, *job: str) -> None:
+    """The losses of the run in `run_dir` track a failure-free run of `job` (resized jobs)."""
+    ref = tmp_path / "ref"
+    res, _ = train(launcher, ref, *job, "--protection", "off")
+    assert res.returncode == 0, res.stderr[-3000:]
+    want, got = losses(ref), losses(run_dir)
+    # a step finished by the recovery itself (its gradients were complete) has no loss record
+    assert max(got) == max(want) and len(set(want) - set(got)) <= len(s_recoveries(run_dir))
+    rel = sorted(abs(got[s] - want[s]) / want[s] for s in got)
+    assert rel[-1] <= LOSS_RTOL_MAX, f"loss differs by {rel[-1]:.2e} relative"
+    assert rel[len(rel) // 2] <= LOSS_RTOL_MEDIAN, f"median loss difference {rel[len(rel) // 2]:.2e} relative"
+
+
+RECORD_KEYS = {
+    "generation",
+    "failed_ranks",
+    "failed_nodes",
+    "cause",
+    "tier",
+    "detect_s",
+    "restore_s",
+    "total_s",
+    "lost_steps",
+}
+
+
+def check_recovered(res, summary: dict, digest: str, run_dir: Path, recoveries: int = 1) -> list[dict]:
+    """A 10-step job that recovered `recoveries` times in place ended with the failure-free
+    `digest`, redid no completed step and left no process behind; returns its recovery records."""
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    assert summary["digest"] == digest
+    recs = summary["recoveries"]
+    assert len(recs) == recoveries, recs
+    for r in recs:
+        assert RECORD_KEYS <= r.keys()
+        assert r["lost_steps"] == 0  # no completed step is redone: at most the step in flight is lost
+        assert r["total_s"] >= r["detect_s"] >= 0
+    assert [r["step"] for r in step_records(run_dir)][-1] == 10
+    assert not processes_left(run_dir)
+    return recs

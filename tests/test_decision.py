@@ -50,3 +50,20 @@ def test_after_a_shrink_shadows_grow_the_job_back_as_new_last_ranks() -> None:
     shrunk, _ = next_membership(MEMBERSHIP, {1, 3}, set(), [], "two ranks died")
     grown = grow_membership(shrunk, [Spare("s5", 1), Spare("s6", 0)])
     assert grown == Membership(5, (0, 1, 1, 0), ("w0", "w2", "s5", "s6"), (), (), "grow: s5, s6 joined")
+
+
+def test_with_tensor_parallelism_a_replica_without_shadows_for_all_its_lost_ranks_is_dropped_whole() -> None:
+    """TP 2: replica 0 is ranks 0-1, replica 1 ranks 2-3. One shadow for losses in both replicas:
+    replica 0 (first) is adopted; replica 1 leaves, its live rank 3 demoted to a shadow."""
+    new, adopted = next_membership(MEMBERSHIP, {1, 2}, set(), [Spare("s0", 0)], "two ranks died", tp=2)
+    assert adopted == {1: Spare("s0", 0)}
+    assert new.proc_of_rank == ("w0", "s0") and new.node_of_rank == (0, 0)
+    assert new.demoted == ("w3",) and new.failed_ranks == (1, 2)
+
+
+def test_with_tensor_parallelism_the_job_grows_back_by_whole_tp_groups_on_one_node() -> None:
+    shrunk, _ = next_membership(MEMBERSHIP, {2, 3}, {1}, [], "node 1 lost", tp=2)
+    assert shrunk.proc_of_rank == ("w0", "w1") and shrunk.demoted == ()
+    assert grow_membership(shrunk, [Spare("s5", 1)], tp=2) is None  # half a TP group cannot join
+    grown = grow_membership(shrunk, [Spare("s5", 1), Spare("s6", 0), Spare("s7", 0)], tp=2)
+    assert grown.proc_of_rank == ("w0", "w1", "s6", "s7") and grown.node_of_rank == (0, 0, 0, 0)

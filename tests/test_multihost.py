@@ -150,6 +150,26 @@ def test_sigkill_of_every_process_of_a_host_and_its_etcd_member(
         assert any(e.get("event") == "takeover" for e in events)
 
 
+TP = ("--tp", "2", "--persist", "off")  # each host holds one TP group (a model replica)
+
+
+def test_a_tensor_parallel_job_survives_the_sigkill_of_a_host(cluster: Cluster, tmp_path: Path, launcher) -> None:
+    """TP 2 x DP 3 over three hosts: a worker host's processes and its etcd member are SIGKILLed,
+    taking a whole TP group; shadows on the survivors adopt both of its ranks, and the job ends
+    with the failure-free digest of the same layout."""
+    reference = reference_digest(launcher, tmp_path, *without_flags(JOB, "spares"), *TP)
+    run_dir = tmp_path / "run"
+    hosts = start(cluster, run_dir, *TP)
+    at_step(run_dir, 4)
+    node = (coordinator(cluster) + 1) % 3
+    victim = host_of(cluster, run_dir, node)
+    cluster.kill_host(victim)
+    results = finish(hosts, run_dir)
+    assert all(code == 0 for i, (code, _) in enumerate(results) if i != victim), failed(results, victim)
+    rec = _recovered(cluster, run_dir, node, reference)
+    assert sorted(rec["failed_ranks"]) == [2 * node, 2 * node + 1]
+
+
 @pytest.mark.parametrize("fault", ["cut_link", "freeze"])
 def test_a_host_cut_off_or_frozen_is_fenced_and_never_comes_back(
     cluster: Cluster, tmp_path: Path, reference: str, fault: str

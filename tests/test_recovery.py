@@ -13,6 +13,8 @@ import pytest
 
 from conftest import (
     JOB,
+    check_recovered,
+    check_trajectory,
     processes_left,
     read_procs,
     reference_digest,
@@ -23,32 +25,6 @@ from conftest import (
     with_flags,
 )
 from leto.protocol import keys
-
-RECORD_KEYS = {
-    "generation",
-    "failed_ranks",
-    "failed_nodes",
-    "cause",
-    "tier",
-    "detect_s",
-    "restore_s",
-    "total_s",
-    "lost_steps",
-}
-
-
-def check_recovered(res, summary: dict, digest: str, run_dir: Path, recoveries: int = 1) -> list[dict]:
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
-    assert summary["digest"] == digest
-    recs = summary["recoveries"]
-    assert len(recs) == recoveries, recs
-    for r in recs:
-        assert RECORD_KEYS <= r.keys()
-        assert r["lost_steps"] == 0  # no completed step is redone: at most the step in flight is lost
-        assert r["total_s"] >= r["detect_s"] >= 0
-    assert [r["step"] for r in step_records(run_dir)][-1] == 10
-    assert not processes_left(run_dir)
-    return recs
 
 
 # the phases of a step that differ (forward and backward touch no shared state: a kill there is
@@ -230,30 +206,6 @@ def test_without_protection_a_failure_stops_the_job(launcher, tmp_path: Path) ->
 # failure-free run's by float rounding, amplified at loss spikes. Tolerance, per step, relative:
 # at most 1 % anywhere and 1e-4 at the median (measured over 100 steps: 1.3e-3 at worst, at a
 # spike of the loss to 7.8, and ~1e-6 at the median).
-LOSS_RTOL_MAX, LOSS_RTOL_MEDIAN = 1e-2, 1e-4
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in step_records(run_dir)}
-
-
-def s_recoveries(run_dir: Path) -> list[dict]:
-    s = json.loads((run_dir / "summary.json").read_text())
-    return s["recoveries"] + s["resizes"]
-
-
-def check_trajectory(launcher, tmp_path: Path, run_dir: Path, *job: str) -> None:
-    ref = tmp_path / "ref"
-    res, _ = train(launcher, ref, *job, "--protection", "off")
-    assert res.returncode == 0, res.stderr[-3000:]
-    want, got = losses(ref), losses(run_dir)
-    # a step finished by the recovery itself (its gradients were complete) has no loss record
-    assert max(got) == max(want) and len(set(want) - set(got)) <= len(s_recoveries(run_dir))
-    rel = sorted(abs(got[s] - want[s]) / want[s] for s in got)
-    assert rel[-1] <= LOSS_RTOL_MAX, f"loss differs by {rel[-1]:.2e} relative"
-    assert rel[len(rel) // 2] <= LOSS_RTOL_MEDIAN, f"median loss difference {rel[len(rel) // 2]:.2e} relative"
-
-
 def test_with_no_shadow_left_the_survivors_take_over_the_lost_shard(launcher, tmp_path: Path) -> None:
     job = ("--workers", "4", "--nodes", "2", "--spares", "0", "--steps", "24", "--seed", "0")
     res, s = train(launcher, tmp_path / "run", *job, "--inject", "kill:rank=1:step=8:phase=update")

@@ -349,7 +349,7 @@ class Coordinator:
             n for n in dead_keepers if all(p.code not in (None, 0) for p in self.members.values() if p.node == n)
         }
         if not lost_ranks and not dead_keepers:
-            self.spares.replenish(self.dead_keeper_nodes)
+            self.spares.replenish(self.dead_keeper_nodes, self.cfg.training.workers - len(self.members))
             return None  # only idle shadows died
         code = self._refuse(lost_ranks)
         if code is not None:
@@ -358,7 +358,7 @@ class Coordinator:
         spares = self.spares.for_ranks(len(lost_ranks), down, lost_nodes | self.dead_keeper_nodes)
         cause = "; ".join(sorted({why for _, why in failed}))
         try:
-            new, adopted = next_membership(self.membership, lost_ranks, lost_nodes, spares, cause)
+            new, adopted = next_membership(self.membership, lost_ranks, lost_nodes, spares, cause, self.cfg.mesh.tp)
         except LookupError as e:
             self.display.show(notices.CannotRecover(str(e)))
             return 1
@@ -440,6 +440,8 @@ class Coordinator:
         self.members = {q: self.procs[proc_id] for q, proc_id in enumerate(new.proc_of_rank)}
         for q, proc in self.members.items():
             proc.role, proc.rank = "worker", q
+        for proc_id in new.demoted:  # a dropped replica's live ranks wait to be adopted again
+            self.procs[proc_id].role, self.procs[proc_id].rank = "shadow", None
         self.membership = new
         self.dead_keeper_nodes |= dead_keepers
 
@@ -463,7 +465,9 @@ class Coordinator:
         warm = self.spares.warm(self.dead_keeper_nodes)
         if not warm or self.membership.generation >= MAX_GENERATIONS:
             return
-        new = grow_membership(self.membership, warm[: workers - len(self.members)])
+        new = grow_membership(self.membership, warm[: workers - len(self.members)], self.cfg.mesh.tp)
+        if new is None:
+            return
         t = time.time()
         self._announce(new)
         self.pending = [Recovery(new.generation, new.cause, t, t, len(new.proc_of_rank))]
@@ -531,7 +535,7 @@ class Coordinator:
             self.pending.remove(pending)
             if not self.pending:
                 self._set_state(recovering=False)
-            self.spares.replenish(self.dead_keeper_nodes)
+            self.spares.replenish(self.dead_keeper_nodes, self.cfg.training.workers - len(self.members))
             if pending.grow:
                 self.event("resize", **done)
                 self.display.show(

@@ -79,15 +79,20 @@ class Spares:
             for n in range(nodes):
                 self.processes.spawn("zygote", None, n)
 
-    def replenish(self, down: set[int]) -> None:
+    def replenish(self, down: set[int], missing: int = 0) -> None:
         """Keep --spares shadows: fork new ones from a warm zygote of the node (milliseconds),
-        else start them from scratch; restart zygotes that died on live nodes (not `down`)."""
+        else start them from scratch; restart zygotes that died on live nodes (not `down`). With
+        tensor parallelism and `missing` ranks (after a shrink) at least one TP group's worth, so
+        a whole replica can rejoin."""
         live = [p for p in self.processes.views.values() if p.role in ("shadow", "zygote") and p.alive]
         if self.zygotes_wanted():
             for n in self.live_nodes(down):
                 if not any(p.role == "zygote" and p.node == n for p in live):
                     self.processes.spawn("zygote", None, n)
-        for _ in range(self.cfg.recovery.spares - sum(p.role == "shadow" for p in live)):
+        wanted = self.cfg.recovery.spares
+        if wanted and missing:
+            wanted = max(wanted, self.cfg.mesh.tp)
+        for _ in range(wanted - sum(p.role == "shadow" for p in live)):
             node = self.spare_node(down)
             if self.fork(node) is None:
                 self.processes.spawn("shadow", None, node)

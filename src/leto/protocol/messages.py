@@ -220,6 +220,7 @@ class Membership:
     failed_ranks: tuple[int, ...] = ()
     failed_nodes: tuple[int, ...] = ()
     cause: str = ""
+    demoted: tuple[str, ...] = ()  # live members of the last generation that become shadows
 
     def to_json(self) -> str:
         return json.dumps(
@@ -230,6 +231,7 @@ class Membership:
                 "failed_ranks": list(self.failed_ranks),
                 "failed_nodes": list(self.failed_nodes),
                 "cause": self.cause,
+                "demoted": list(self.demoted),
             }
         )
 

@@ -4,10 +4,12 @@
 the rank), `stop` (SIGSTOP it: a hang), `hang` (the training thread sleeps for ever while the
 process and its heartbeat thread live on: a deadlock only progress can reveal) or `node-kill`
 (SIGKILL every process of node N: workers, shadows, keeper). Step S is the 1-based step being
-computed; the phase is where in it (default forward): forward, backward, reduce-scatter, grads
-(staging gradient chunks), update (the chunked optimizer update), all-gather, parity (staging
-the state deltas of the previous step, which happens at the start of step S), recovery (while
-joining the first recovery at or after step S). In the chunked phases the failure hits just
+computed; the phase is where in it (default forward): forward, backward, tp-forward and
+tp-backward (with tensor parallelism: inside the first TP all-reduce of the forward or backward
+pass, its peers already in it), reduce-scatter, grads (staging gradient chunks), update (the
+chunked optimizer update), all-gather, parity (staging the state deltas of the previous step,
+which happens at the start of step S), recovery (while joining the first recovery at or after
+step S). In the chunked phases the failure hits just
 before chunk C (default: the middle chunk). Each injection fires once per job, even if the step
 is redone after recovery.
 """
@@ -25,7 +27,18 @@ from leto.protocol import keys
 from leto.protocol.failures import FailureKind
 from leto.runtime import linux
 
-PHASES = ("forward", "backward", "reduce-scatter", "grads", "update", "all-gather", "parity", "recovery")
+PHASES = (
+    "forward",
+    "backward",
+    "tp-forward",
+    "tp-backward",
+    "reduce-scatter",
+    "grads",
+    "update",
+    "all-gather",
+    "parity",
+    "recovery",
+)
 CHUNKED = ("grads", "update", "parity")  # phases that run chunk by chunk (chunk=C picks the boundary)
 
 

@@ -181,10 +181,10 @@ def protection_source(m: Member, membership: Membership, reports: dict[int, Keep
     used_gen = used.pop()
     m.sharded.settle_reshard(used_gen)
     layout = read_message(store, Layout.from_json, keys.layout(used_gen))
-    roles = assign_roles(read_membership(store, used_gen), membership)  # the writers of the protection data
+    roles = assign_roles(read_membership(store, used_gen), membership, m.tp)  # the writers of the protection data
     me = roles.old_rank_of.get(m.rank)
     if me is None and not roles.reshard and m.sharded.geometry != layout.geometry:
-        m.sharded.allocate(layout.world_size)  # a shadow built for another world size adopts a rank
+        m.sharded.allocate(layout.world_size // m.tp)  # a shadow built for another world size adopts a rank
     if me is not None and m.sharded.geometry != layout.geometry:
         raise RecoveryError(
             f"rank {m.rank} holds its shard in geometry {m.sharded.geometry}, the protection data "
@@ -206,13 +206,13 @@ def bring_to_step(m: Member, gen: int, src: Source, recipe: RebuildRecipe, held:
     shared from `holder`, module buffers and registered state restored, a survivor's own shard
     finished."""
     T, g = recipe.step, src.layout.geometry
-    grads = m.sharded.receive_grads(m.comm, g, src.layout.world_size, T, holder) if T == held >= 0 else None
+    grads = _share_grads(m, src.layout, T, holder) if T == held >= 0 else None
     if grads is None:  # what the gradient buffer holds is no step the new generation starts from
         m.sharded.grad_step = None
     m.restore_rank_state(T, _lineage(m.job.store, gen, m.rank, m.job.proc_id, src.roles))
 
-    def lost_grad(r: int, c: int) -> torch.Tensor:  # lost rank r's gradient chunk c of step T
-        lo = (r * g.n_chunks + c) * g.chunk_elems
+    def lost_grad(r: int, c: int) -> torch.Tensor:  # lost rank r's gradient chunk c of step T (its slice's)
+        lo = (r // m.tp * g.n_chunks + c) * g.chunk_elems
         return grads[lo : lo + g.chunk_elems]
 
     if src.me is not None:
@@ -264,13 +264,14 @@ def install(m: Member, gen: int, src: Source, rb: Rebuilder, point: Point) -> to
     T, g, s = point.step, src.layout.geometry, m.sharded
     if src.roles.reshard:
         shard, params = _reshard(m, src, rb, T, point.grad_of)
-        s.stage_reshard(gen, m.world_size, m.rank, shard, params, T)
+        s.stage_reshard(gen, m.dp_size, m.dp_rank, shard, params, T)
         return shard
     for r, q in src.roles.holder.items():
         if q == m.rank and r in src.roles.lost:
-            s.install(rb.shard_at(r, g.n_chunks, g.chunk_elems, s.update_chunk, point.grad_of), T, m.rank)
+            shard = rb.shard_at(r, g.n_chunks, g.chunk_elems, s.update_chunk, point.grad_of, r // m.tp)
+            s.install(shard, T, m.dp_rank)
     s.step = T
-    s.gather_params(m.comm)
+    s.gather_params(m.dp_comm)
     return None
 
 
@@ -332,7 +333,7 @@ def _rejoin_intact(m: Member, gen: int, membership: Membership, t0: float) -> Re
     t_restore = time.time()
     m.sharded.bring_to(T)
     m.sharded.step = T
-    m.sharded.gather_params(m.comm)
+    m.sharded.gather_params(m.dp_comm)
     restore_s = time.time() - t_restore
     t_protect = time.time()
     m.protect(gen, T, wait=False)
@@ -383,7 +384,7 @@ def _agree_on_own_step(m: Member, membership: Membership) -> int:
     held, holder = _held_gradients(m, layout)
     T = recovery_step({-1: KeeperReport(-1, applied=int(agree[3]))}, layout, held)
     if T == held >= 0:
-        s.receive_grads(m.comm, layout.geometry, layout.world_size, T, holder)
+        _share_grads(m, layout, T, holder)
     return T
 
 
@@ -399,32 +400,51 @@ def _common_step(m: Member, low: int, reach: set[int]) -> int:
 def _reshard(
     m: Member, src: Source, rb: Rebuilder, T: int, grad_of: GradOf | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every shard of the old layout at step T, exchanged through one BXOR all-reduce (each is
-    held by exactly one process; XOR with zeros keeps every bit, -0.0 included), then cut into
-    this rank's shard of the new world size. Returns (new shard, all parameters)."""
-    layout, s = src.layout, m.sharded
+    """Every shard of this rank's slice in the old layout at step T, exchanged through one BXOR
+    all-reduce over the slice's DP group (each is held by exactly one of its processes; XOR with
+    zeros keeps every bit, -0.0 included), then cut into this rank's shard of the new DP size.
+    Returns (new shard, all parameters of the slice)."""
+    layout, s, tp = src.layout, m.sharded, m.tp
     g = layout.geometry
-    full = torch.zeros(layout.world_size, g.n_chunks, 3, g.chunk_elems)
+    mine = m.rank % tp  # the slice: a resize moves whole replicas, so it keeps its TP coordinate
+    full = torch.zeros(layout.world_size // tp, g.n_chunks, 3, g.chunk_elems)
     if src.me is not None:
-        full[src.me].copy_(s.state_at(T))
+        if src.me % tp != mine:
+            raise RecoveryError(f"rank {m.rank} holds slice {src.me % tp} of the old layout, not {mine}")
+        full[src.me // tp].copy_(s.state_at(T))
     for r in src.roles.lost:
         if src.roles.holder[r] == m.rank:
-            full[r].copy_(rb.shard_at(r, g.n_chunks, g.chunk_elems, s.update_chunk, grad_of))
-    m.comm.all_reduce(full.view(torch.int32), torch.distributed.ReduceOp.BXOR)
-    return s.cut(full, m.world_size, m.rank)
+            if r % tp != mine:
+                raise RecoveryError(f"rank {m.rank} holds slice {mine}, asked to rebuild rank {r} of slice {r % tp}")
+            full[r // tp].copy_(rb.shard_at(r, g.n_chunks, g.chunk_elems, s.update_chunk, grad_of, r // tp))
+    m.dp_comm.all_reduce(full.view(torch.int32), torch.distributed.ReduceOp.BXOR)
+    return s.cut(full, m.dp_size, m.dp_rank)
 
 
 def _held_gradients(m: Member, layout: Layout) -> tuple[int, int]:
     """Where gradients are replicated, not protected: the latest step whose whole reduced
-    gradient a member holds (-1: none) and the lowest member holding it (one all-reduce)."""
+    gradient (of every slice) a member holds (-1: none) and the lowest member holding this
+    rank's slice's (one all-reduce). Slices holding different steps hold none in common: the
+    step's update started nowhere (see `Trainer._step`), so it is redone."""
     if layout.protects_grads or layout.protect_every > 1:
         return -1, -1
-    W, s = m.world_size, m.sharded
+    W, s, tp = m.world_size, m.sharded, m.tp
     mine = s.grad_step if s.grad_step is not None and s.geometry == layout.geometry else -1
-    key = torch.tensor([mine * W + (W - 1 - m.rank) if mine >= 0 else -1], dtype=torch.int64)
-    m.comm.all_reduce(key, torch.distributed.ReduceOp.MAX)
-    k = int(key.item())
-    return (-1, -1) if k < 0 else (k // W, W - 1 - k % W)
+    keys_ = torch.full((tp,), -1, dtype=torch.int64)
+    keys_[m.rank % tp] = mine * W + (W - 1 - m.rank) if mine >= 0 else -1
+    m.comm.all_reduce(keys_, torch.distributed.ReduceOp.MAX)
+    got = keys_.tolist()
+    if min(got) < 0 or len({k // W for k in got}) != 1:
+        return -1, -1
+    k = got[m.rank % tp]
+    return k // W, W - 1 - k % W
+
+
+def _share_grads(m: Member, layout: Layout, step: int, holder: int) -> torch.Tensor:
+    """The whole reduced gradient of `step` of this rank's slice, broadcast over its DP group
+    from `holder` (a world rank holding it)."""
+    shards = layout.world_size // m.tp
+    return m.sharded.receive_grads(m.dp_comm, layout.geometry, shards, step, holder // m.tp)
 
 
 def _agree_on_corruption(m: Member, layout: Layout, corrupt: set[tuple[str, int]]) -> dict[str, list[int]]:

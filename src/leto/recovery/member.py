@@ -64,6 +64,21 @@ class Member(Protocol):
     def rank(self) -> int: ...
     @property
     def world_size(self) -> int: ...
+    @property
+    def tp(self) -> int:
+        """Ranks per TP group (1: none); world rank r holds slice r % tp, shard r // tp of it."""
+
+    @property
+    def dp_rank(self) -> int:
+        """The shard of its slice this rank holds."""
+
+    @property
+    def dp_size(self) -> int:
+        """The shards each slice is split into."""
+
+    @property
+    def dp_comm(self) -> Comm | None:
+        """The group of the ranks holding this rank's slice (the world's without TP)."""
 
     def enter(self, generation: int, membership: Membership) -> None:
         """Become `membership`'s member: its rank and world size, a new process group (the old one

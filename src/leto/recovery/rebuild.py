@@ -76,10 +76,11 @@ class Roles:
     reshard: bool  # the new generation shards the state differently
 
 
-def assign_roles(writers: Membership, new: Membership) -> Roles:
+def assign_roles(writers: Membership, new: Membership, tp: int = 1) -> Roles:
     """Survivors keep their own shard; a newcomer at a lost rank's number adopts it (same world
     size: no resharding). Otherwise (shrink, grow) the lost shards are decoded by survivors (one
-    on the same node preferred: node-local tier-1 traffic) and the whole state is resharded."""
+    on the same node preferred: node-local tier-1 traffic) and the whole state is resharded;
+    with tensor parallelism (`tp` > 1) by a survivor holding the same slice (rank % tp)."""
     old_rank_of = {
         q: writers.proc_of_rank.index(p) for q, p in enumerate(new.proc_of_rank) if p in writers.proc_of_rank
     }
@@ -95,9 +96,12 @@ def assign_roles(writers: Membership, new: Membership) -> Roles:
         holder.update({r: r for r in lost})
         return Roles(old_rank_of, holder, lost, False)
     candidates = sorted(old_rank_of) or newcomers
-    load = dict.fromkeys(candidates, 0)
+    load = dict.fromkeys(candidates + newcomers, 0)
     for r in lost:
-        q = min(candidates, key=lambda q: (new.node_of_rank[q] != writers.node_of_rank[r], load[q], q))
+        same_slice = [q for q in candidates if q % tp == r % tp] or [q for q in newcomers if q % tp == r % tp]
+        if not same_slice:
+            raise RecoveryError(f"no member of the new generation holds slice {r % tp} of lost rank {r}")
+        q = min(same_slice, key=lambda q: (new.node_of_rank[q] != writers.node_of_rank[r], load[q], q))
         holder[r] = q
         load[q] += 1
     return Roles(old_rank_of, holder, lost, True)
@@ -444,17 +448,20 @@ class Rebuilder:
         chunk_elems: int,
         update: Callable,
         grad_of: Callable[[int, int], torch.Tensor] | None = None,
+        shard: int | None = None,
     ) -> torch.Tensor:
         """Lost rank `r`'s decoded shard at the recovery step ([n_chunks, 3, chunk_elems]),
         replaying the interrupted update of chunks still one step behind (with the decoded
-        gradient chunk, or `grad_of(r, c)` where gradients are replicated, not protected)."""
+        gradient chunk, or `grad_of(r, c)` where gradients are replicated, not protected).
+        `shard`: which shard of its flat state it is (default `r`; with tensor parallelism its
+        DP rank)."""
         T = self.recipe.step
         missing = [c for c in range(n_chunks) if (r, c) not in self.result_state]
         if missing:
             raise RecoveryError(f"rank {r}: chunks {missing} were not rebuilt")
         out = torch.empty(n_chunks, 3, chunk_elems)
         for c in range(n_chunks):
-            offset = (r * n_chunks + c) * chunk_elems  # the chunk's first flat element
+            offset = ((r if shard is None else shard) * n_chunks + c) * chunk_elems  # its first flat element
             data = torch.from_numpy(self.result_state[r, c].view(np.float32).reshape(3, chunk_elems))
             if self.result_version[r, c] == T:
                 out[c].copy_(data)

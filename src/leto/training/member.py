@@ -7,6 +7,7 @@ work with; `leto.Trainer` drives it and shows users only the loop.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -26,11 +27,15 @@ from leto.runtime import trace
 from leto.runtime.comm import Comm, PeerFailure
 from leto.runtime.env import Job
 from leto.runtime.membership import GenerationWatch, read_membership
-from leto.runtime.mesh import Mesh, make_comms
+from leto.runtime.mesh import Mesh, MeshComms, make_comms
 from leto.training.protection_modes import Unprotected, mode_for
 from leto.training.rank_state import RankState
 from leto.training.shard import ShardedState
 from leto.training.tp_slices import SliceLayout
+
+
+class Demoted(Exception):
+    """This process's model replica was dropped from a generation: it becomes a shadow."""
 
 
 def _of_sharded(name: str, doc: str) -> property:
@@ -69,6 +74,7 @@ class RankMember:
         self.watch: GenerationWatch | None = None
         self.membership: Membership | None = None
         self.mode: Unprotected = Unprotected(sharded)
+        self._at = ("", 0)  # the last fault point passed: (phase, step)
         # persistent checkpoints and --resume do not know the mesh yet: a TP job writes none
         self.persister = persister_for(job) if self.tp == 1 else None
 
@@ -147,9 +153,7 @@ class RankMember:
             self.membership = read_membership(job.store, 0)
             self.watch = GenerationWatch(os.environ[rt.ENV_STORE], job.proc_id, 0, job.timeout_s)
         abort = self.watch.reason if self.watch else (lambda: None)
-        mesh = Mesh.of(self.rank, self.world_size, self.tp)
-        comms = make_comms(mesh, job.store, 0, job.timeout_s, abort, job.device, self.backend)
-        self.comm, self.tp_comm, self.dp_comm = comms.world, comms.tp, comms.dp
+        self._use(make_comms(self._mesh(), job.store, 0, job.timeout_s, abort, job.device, self.backend), adopt=False)
         self.dp_comm.broadcast(self.flat_param, 0)  # every replica starts from the first one's initialization
         self.sharded.take_master(self.dp_rank)
         self._resume()  # --resume: start from a persistent checkpoint
@@ -158,11 +162,11 @@ class RankMember:
             self.protect(0, self.step_count)
 
     def enter(self, generation: int, membership: Membership) -> None:
-        """Become `membership`'s member (a recovery or resize): its rank and world size, and a new
-        process group; the old one is parked."""
-        if self.tp > 1:
-            raise RuntimeError("a tensor-parallel job cannot change its membership in place")
+        """Become `membership`'s member (a recovery or resize): its rank and world size, and new
+        process groups (world, and with tensor parallelism TP and DP); the old ones are parked."""
         rank = membership.rank_of(self.job.proc_id)
+        if rank is None and self.job.proc_id in membership.demoted:
+            raise Demoted(generation)
         if rank is None:  # declared lost (e.g. its host was cut off): the others go on without it
             raise SystemExit(
                 f"leto: process {self.job.proc_id} is not part of generation {generation} (it was "
@@ -171,21 +175,30 @@ class RankMember:
         self.watch.advance(generation)
         self.generation, self.membership = generation, membership
         self.job.rank, self.job.world_size = rank, len(membership.proc_of_rank)
-        if self.comm is not None:
-            self.comm.close(abandon=True)
+        adopt = self.comm is None
+        if not adopt:
+            for comm in {id(c): c for c in (self.comm, self.tp_comm, self.dp_comm) if c is not None}.values():
+                comm.close(abandon=True)
             if self.sharded.grad_step is None:  # its reduction of the step in flight may still be running
                 self.sharded.fresh_grads()
-        self.comm = Comm(
-            self.job.store,
-            generation,
-            rank,
-            self.world_size,
-            self.job.timeout_s,
-            self.watch.reason,
-            self.job.device,
-            backend=self.backend,
+        job = self.job
+        self._use(
+            make_comms(self._mesh(), job.store, generation, job.timeout_s, self.watch.reason, job.device, self.backend),
+            adopt,
         )
-        self.tp_comm, self.dp_comm = None, self.comm
+
+    def _mesh(self) -> Mesh:
+        if self.world_size % self.tp:
+            raise RecoveryError(f"a world of {self.world_size} ranks does not split into TP groups of {self.tp}")
+        return Mesh.of(self.rank, self.world_size, self.tp)
+
+    def _use(self, comms: MeshComms, adopt: bool) -> None:
+        """Train with these groups; with tensor parallelism the model's slice is the TP rank's
+        (`adopt`: a shadow may take over any TP coordinate)."""
+        self.comm, self.tp_comm, self.dp_comm = comms.world, comms.tp, comms.dp
+        if self.slices is not None and comms.tp is not None:
+            self.slices.join(comms.tp if self.injector is None else _FaultingGroup(comms.tp, self._tp_fault), adopt)
+            self.sharded.norm_mask = self.slices.norm_mask(self.sharded.flat_param.numel(), self.job.device)
 
     def protect(self, generation: int, base_step: int, state: torch.Tensor | None = None, wait: bool = True) -> None:
         """Start protection of this generation: encode the full state at `base_step` (this
@@ -241,15 +254,34 @@ class RankMember:
             try:
                 self.recoveries.append(join(self, gen))
                 return
+            except Demoted:
+                self._retire(gen)
+                self._wait_for_adoption(gen + 1)
+                return
             except PeerFailure:
                 continue  # another failure during recovery: join the next generation
             except RecoveryError as e:
                 self.job.store.set(keys.FATAL, f"rank {self.rank}: {e}")
                 raise
 
-    def _wait_for_adoption(self) -> bool:
-        """A shadow waits, fully initialized, until a generation names it; False at shutdown."""
-        gen = 1
+    def _retire(self, generation: int) -> None:
+        """Its model replica was dropped in `generation` (a shrink by whole TP groups): leave the
+        groups and protection; the process stays, a shadow from here on."""
+        for comm in {id(c): c for c in (self.comm, self.tp_comm, self.dp_comm) if c is not None}.values():
+            comm.close(abandon=True)
+        self.comm = self.tp_comm = self.dp_comm = None
+        self.mode.close()
+        self.mode = Unprotected(self.sharded)
+        if self.watch is not None:
+            self.watch.stop()
+        self.watch, self.generation = None, generation
+        self.sharded.fresh_grads()  # whatever it reduced is no step the job will start from
+        self.job.rank, self.job.role = None, "shadow"
+
+    def _wait_for_adoption(self, first: int = 1) -> bool:
+        """A shadow waits, fully initialized, until a generation from `first` on names it; False
+        at shutdown."""
+        gen = first
         self.job.store.set(keys.warm(self.job.proc_id), "1")
         while not self.job.shutdown_requested():
             try:  # returns as soon as generation `gen` is announced
@@ -268,6 +300,9 @@ class RankMember:
                 try:
                     self.recoveries.append(join(self, gen))
                     return True
+                except Demoted:  # dropped again with its new replica before the job went on
+                    self._retire(gen)
+                    break
                 except RecoveryError as e:
                     self.job.store.set(keys.FATAL, f"rank {self.rank}: {e}")
                     raise
@@ -275,10 +310,12 @@ class RankMember:
                     gen = latest_generation(self.job.store, gen)
                     if read_membership(self.job.store, gen).rank_of(self.job.proc_id) is None:
                         return False  # replaced again before it finished adopting
+            gen += 1
         return False
 
     def fault(self, phase: str, step: int, chunk: int | None = None) -> None:
         """A fault injection point (--inject)."""
+        self._at = (phase, step)
         if self.injector is not None:
             self.injector.at(
                 phase,
@@ -288,6 +325,13 @@ class RankMember:
                 chunk,
                 self.sharded.n_chunks,
             )
+
+    def _tp_fault(self) -> None:
+        """The fault point inside a TP all-reduce of the forward or backward pass."""
+        phase, step = self._at
+        if phase in ("forward", "backward"):
+            self.fault(f"tp-{phase}", step)
+            self._at = (phase, step)
 
     # ----- module buffers and registered state
     def gather_rank_state(self, step: int) -> None:
@@ -358,3 +402,19 @@ class RankMember:
             self.persister.close()
         self.mode.close()
         self.mode = Unprotected(self.sharded)
+
+
+class _FaultingGroup:
+    """The TP group as the model's layers see it under --inject: a fault point before each
+    all-reduce (the layers' only collective in a step)."""
+
+    def __init__(self, comm: Comm, point: Callable[[], None]) -> None:
+        self.comm, self.point = comm, point
+        self.rank, self.world_size = comm.rank, comm.world_size
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        self.point()
+        self.comm.all_reduce(t)
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        self.comm.all_gather(out, inp)

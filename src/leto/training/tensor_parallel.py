@@ -22,6 +22,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from leto.runtime.env import Job
+
 
 class TPGroup(Protocol):
     """The tensor-parallel group: this rank's place in it and the collectives the layers use."""
@@ -138,11 +140,14 @@ class RowParallelLinear(nn.Module):
 _PARALLEL = (ColumnParallelLinear, RowParallelLinear)
 
 
-def set_tp_group(model: nn.Module, group: TPGroup) -> None:
-    """Point every parallel layer of `model` at `group` (a rebuilt group of the same layout)."""
+def set_tp_group(model: nn.Module, group: TPGroup, adopt: bool = False) -> None:
+    """Point every parallel layer of `model` at `group` (a rebuilt group of the same layout).
+    With `adopt` the group may be another TP coordinate than the one the layers were cut for:
+    a shadow adopting a rank, whose slice values all come from its recovery (every TP rank's
+    slice has the same shapes)."""
     for m in model.modules():
         if isinstance(m, _PARALLEL):
-            if group.world_size != m.group.world_size or group.rank != m.group.rank:
+            if group.world_size != m.group.world_size or (group.rank != m.group.rank and not adopt):
                 raise ValueError(
                     f"TP group rank {group.rank} of {group.world_size} replaces rank {m.group.rank} "
                     f"of {m.group.world_size}: a model's slices belong to one TP coordinate"
@@ -222,3 +227,11 @@ class PendingGroup:
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         self.all_reduce(out)
+
+
+def pending_group(job: Job) -> PendingGroup:
+    """What this process cuts its model with before the job's groups exist: its TP coordinate,
+    or TP rank 0 for a shadow, which has none until it adopts a rank (every TP rank's slice has
+    the same shapes, and an adopter's values come from its recovery)."""
+    tp = job.config.mesh.tp
+    return PendingGroup(0 if job.mesh is None else job.mesh.tp_rank, tp)

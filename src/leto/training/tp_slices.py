@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from leto.training.tensor_parallel import Sharded, TPGroup, tp_layout, unshard
+from leto.training.tensor_parallel import Sharded, TPGroup, set_tp_group, tp_layout, unshard
 
 
 class SliceLayout:
@@ -19,7 +19,13 @@ class SliceLayout:
         self.entries: list[tuple[str, torch.Size, Sharded | None]] = [
             (name, p.shape, layout[name]) for name, p in model.named_parameters() if id(p) in trained
         ]
-        self.tp_rank, self.tp = tp_rank, tp
+        self.model, self.tp_rank, self.tp = model, tp_rank, tp
+
+    def join(self, group: TPGroup, adopt: bool) -> None:
+        """Train with `group`, a (re)built TP group: the model's parallel layers point at it and
+        this slice is its rank's (`adopt`: a shadow taking over another coordinate)."""
+        set_tp_group(self.model, group, adopt)
+        self.tp_rank = group.rank
 
     def norm_mask(self, size: int, device: torch.device) -> torch.Tensor | None:
         """1.0 where an element of this rank's flat buffer (`size` elements, padded) counts in a

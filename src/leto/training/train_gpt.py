@@ -17,7 +17,7 @@ from leto.training.corpus import load_tokens
 from leto.training.data import Sampler
 from leto.training.model import GPT, PRESETS, tensor_parallel_gpt
 from leto.training.optim import AdamW, warmup_cosine
-from leto.training.tensor_parallel import PendingGroup
+from leto.training.tensor_parallel import pending_group
 from leto.training.trainer import DEFAULT_CHUNK_BYTES, Trainer
 
 
@@ -41,7 +41,7 @@ def build(args: argparse.Namespace, job: leto.Job) -> tuple[Trainer, GPT, Sample
     torch.manual_seed(args.seed)
     model = GPT(cfg)
     if job.config.mesh.tp > 1:  # every rank cuts its slice from the same seeded model
-        tensor_parallel_gpt(model, PendingGroup(job.mesh.tp_rank, job.mesh.tp))
+        tensor_parallel_gpt(model, pending_group(job))
     optimizer = AdamW(lr=warmup_cosine(args.lr, warmup=min(20, args.steps // 10), total=args.steps))
     trainer = Trainer(
         model, job, optimizer, chunk_bytes=args.chunk_bytes, seed=args.seed, max_grad_norm=args.max_grad_norm

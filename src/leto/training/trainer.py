@@ -33,7 +33,7 @@ from leto.training.optim import AdamW, Optimizer
 from leto.training.param_groups import ParamGroups
 from leto.training.rank_state import RankState, Stateful, reseed
 from leto.training.shard import ShardedState
-from leto.training.tensor_parallel import gather_full_state_dict, set_tp_group
+from leto.training.tensor_parallel import gather_full_state_dict
 from leto.training.tp_slices import SliceLayout
 
 DEFAULT_CHUNK_BYTES = 12 * 16384  # 192 KiB: 16384 elements of (master, exp_avg, exp_avg_sq)
@@ -74,8 +74,8 @@ class Trainer:
     everyone's) and, like state registered with `register_state`, survive any recovery.
 
     With `--tp T` the model must be tensor-parallel already (its parallel layers cut for this
-    rank's `job.mesh.tp_rank`, e.g. with a `tensor_parallel.PendingGroup`): the trainer points
-    them at the TP group when it connects. The TP ranks of one replica train on the same batch.
+    rank's TP coordinate, with `tensor_parallel.pending_group(job)`): the trainer points them at
+    the TP group whenever it is (re)built. The TP ranks of one replica train on the same batch.
     """
 
     def __init__(
@@ -101,8 +101,9 @@ class Trainer:
         rank_state = RankState(model)
         backend = backend_for(job.device, job.world_size)
         # on gloo every rank holds the whole reduced gradient: the keepers need no copy of it
-        replicated_grads = reduction_replicates(backend) and not job.config.protection.grads
         tp = job.config.mesh.tp
+        # (with tensor parallelism: where a slice has DP peers to hold it)
+        replicated_grads = reduction_replicates(backend) and not job.config.protection.grads and job.world_size > tp
         sharded = ShardedState(
             params,
             groups,
@@ -115,8 +116,7 @@ class Trainer:
         )
         slices = None
         if tp > 1:
-            slices = SliceLayout(model, params, job.mesh.tp_rank, tp)
-            sharded.norm_mask = slices.norm_mask(sharded.flat_param.numel(), job.device)
+            slices = SliceLayout(model, params, 0 if job.mesh is None else job.mesh.tp_rank, tp)
         self.member = RankMember(job, sharded, rank_state, backend, slices)  # what recovery and harnesses work with
         self._loss = torch.zeros(1, device=job.device)
         self.last_loss = float("nan")  # the last step's global loss
@@ -154,9 +154,9 @@ class Trainer:
         """Yield the step numbers to run (0-based); shadows wait here until they are adopted or the job ends."""
         if not self.member.start():
             return
-        if self.member.tp_comm is not None:
-            set_tp_group(self.model, self.member.tp_comm)
         while self.step_count < total:
+            if self.member.comm is None:  # its replica was dropped and the job ended before it was adopted again
+                return
             if self._seed is not None:
                 reseed(self._seed, self.step_count, self.dp_rank)
             yield self.step_count
@@ -220,8 +220,10 @@ class Trainer:
             self._clip(t + 1)  # in place, before they count as held: a replay reads them clipped
         s.grad_step = t + 1
         grads = s.grads_of(t + 1)
-        self._loss.fill_(total / len(micro) * w)
-        m.dp_comm.all_reduce(self._loss)  # after the gradients: done anywhere, every rank holds them
+        # over the world, each replica's loss once: when it returns anywhere, every rank holds its
+        # slice's whole gradients, so no recovery finds one slice updating before another's reduction
+        self._loss.fill_(total / len(micro) * w if m.tp_comm is None or m.tp_comm.rank == 0 else 0.0)
+        m.comm.all_reduce(self._loss)
         mode.after_reduce(t, grads)
         src, dst = s.buf_for(t), s.buf_for(t + 1)
         for c in range(s.n_chunks):
