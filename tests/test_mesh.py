@@ -71,11 +71,6 @@ def test_the_mesh_is_a_config_section_of_its_own() -> None:
             "leto run: error: --tp 2: TP group 1 (ranks 2-3) spans nodes 1-2 of --nodes 4, and a TP group "
             "must lie inside one node; valid --nodes for --workers 6 --tp 2: 1, 3",
         ),
-        (
-            ["train", "--tp", "2", "--protection", "off", "--persist", "on"],
-            "leto train: error: --tp 2 trains with --persist off; persistent checkpoints of "
-            "tensor-parallel ranks are not built yet",
-        ),
     ],
 )
 def test_a_bad_layout_is_refused_at_launch(launcher, tmp_path: Path, args: list[str], line: str) -> None:

@@ -390,11 +390,6 @@ def _check_mesh(args: argparse.Namespace, prog: str) -> None:
     problem = layout_problem(args.workers, args.nodes, args.tp)
     if problem is not None:
         raise UsageError(f"{prog}: error: {problem}")
-    if args.tp > 1 and args.persist == "on":  # until TP ranks are resumed
-        raise UsageError(
-            f"{prog}: error: --tp {args.tp} trains with --persist off; persistent checkpoints of "
-            "tensor-parallel ranks are not built yet"
-        )
 
 
 def _check_rdzv(args: argparse.Namespace, prog: str) -> None:
@@ -460,6 +455,7 @@ def _start(args: argparse.Namespace, command: list[str], prog: str, config: JobC
                 persist_dir=args.persist_dir,
                 steps=getattr(args, "steps", None),
                 flags=flags,
+                tp=config.mesh.tp,
             )
         run_dir = make_run_dir(args.run_dir, prog)
         earlier = resume.earlier_run(run_dir, args.job_id if args.rdzv else None)

@@ -3,7 +3,8 @@
 Same model presets, sampler, AdamW schedule and `Trainer` as `leto.training.train_gpt`; on top:
 
 * `--ckpt-mode disk`: `torch.distributed.checkpoint` (DCP) of each rank's ZeRO-1 shard
-  (`trainer.member.state`), the replicated parameters and the step, to local disk every K steps
+  (`trainer.member.state`), the replicated parameters (with `--tp T`, each TP slice's) and the
+  step, to local disk every K steps
   (`--ckpt-every K`, or K from Young/Daly with `--mtbf-s` and the job's own measured checkpoint
   cost). A checkpoint counts once rank 0 has written `latest.json` after DCP finished it.
 * `--ckpt-mode memory` (Gemini-like): every step, each rank copies its shard into a file under a
@@ -12,7 +13,9 @@ Same model presets, sampler, AdamW schedule and `Trainer` as `leto.training.trai
   written after its bytes, so a torn write is never loaded.
 
 On start, if a checkpoint exists, every rank loads it and training resumes from its step; the
-sampler and the learning-rate schedule are pure functions of the step, so resuming is exact.
+sampler and the learning-rate schedule are pure functions of the step, so resuming is exact. A
+tensor-parallel job (`leto run --tp T`) restarts on the same mesh: each rank loads its own
+shard of its TP slice.
 """
 
 from __future__ import annotations
@@ -101,6 +104,8 @@ class DiskCheckpointer:
 
     Each rank's shard is its own key (the ZeRO-1 layout depends on the world size, so there is
     nothing to reshard); the replicated parameters and step are deduplicated by DCP's planner.
+    With tensor parallelism the parameters are replicated only within a DP group: each TP
+    slice's are their own key, `flat_param/tp<t>`.
     DCP needs the default process group: a second gloo group beside the trainer's, which also
     keeps async-save collectives off the training group.
     """
@@ -124,9 +129,10 @@ class DiskCheckpointer:
             )
 
     def _state_dict(self, member: RankMember, step: int) -> dict[str, torch.Tensor]:
+        params = "flat_param" if member.tp == 1 else f"flat_param/tp{member.rank % member.tp}"
         return {
             f"state/rank{member.rank}": member.state,
-            "flat_param": member.flat_param,
+            params: member.flat_param,
             "step": torch.tensor(step, dtype=torch.int64),
         }
 
@@ -262,9 +268,11 @@ class MemoryCheckpointer:
         with open(path, "rb") as f:
             if f.readinto(memoryview(member.state.numpy()).cast("B")) != nbytes:
                 raise RuntimeError(f"{path} is shorter than its commit marker says")
-        # replicated parameters are the all-gather of the master shards
+        # replicated parameters (of this rank's TP slice) are the all-gather of its DP group's master shards
         member.param_shard.copy_(member.state[:, MASTER, :].reshape(-1))
-        member.comm.all_gather(member.flat_param, member.param_shard)
+        if member.dp_comm is None:
+            raise RuntimeError("not connected")
+        member.dp_comm.all_gather(member.flat_param, member.param_shard)
         return step
 
     def save(self, member: RankMember) -> float:
@@ -318,8 +326,9 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, argparse.N
     return ck, train_gpt.parse(rest)
 
 
-def fingerprint(args: argparse.Namespace, world_size: int) -> str:
-    """What a checkpoint must match to be resumed: everything that changes the trajectory."""
+def fingerprint(args: argparse.Namespace, world_size: int, tp: int = 1) -> str:
+    """What a checkpoint must match to be resumed: everything that changes the trajectory (and,
+    with tensor parallelism, which slice of the model each rank holds)."""
     cfg = {
         "model": args.model,
         "seed": args.seed,
@@ -327,6 +336,7 @@ def fingerprint(args: argparse.Namespace, world_size: int) -> str:
         "steps": args.steps,
         "chunk_bytes": args.chunk_bytes,
         "world_size": world_size,
+        **({"tp": tp} if tp > 1 else {}),
     }
     return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -387,7 +397,7 @@ def main(argv: list[str] | None = None) -> None:
         for _ in trainer.steps(args.steps):
             pass
         return
-    ckpt = make_checkpointer(ck, job, fingerprint(args, job.world_size))
+    ckpt = make_checkpointer(ck, job, fingerprint(args, job.world_size, job.config.mesh.tp))
     trainer.member.connect()  # join the process group now, so a checkpoint can be loaded before step 0
     emit(job, "job_up", mode=ck.ckpt_mode)
     t0 = time.perf_counter()
@@ -397,7 +407,7 @@ def main(argv: list[str] | None = None) -> None:
         emit(job, "restore", step=restored, restore_s=round(restore_s, 6), mode=ck.ckpt_mode)
     schedule = Schedule(ck, job)
     for step in trainer.steps(args.steps):
-        x, y, weight = sampler.batch(step, trainer.rank, trainer.world_size)
+        x, y, weight = sampler.batch(step, trainer.dp_rank, trainer.dp_size)  # a replica's TP ranks: one batch
         t_step = time.perf_counter()
         trainer.step(lambda: model(x, y), weight=weight, tokens=tokens)
         schedule.step_times.append(time.perf_counter() - t_step)

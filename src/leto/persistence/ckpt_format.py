@@ -4,6 +4,9 @@
     ROOT/step-00000120/rank0.done      JSON: step, world size, fingerprint, size and XXH3 of every file
     ROOT/step-00000120/COMMIT          JSON: written once every rank's marker is there
 
+A tensor-parallel job's markers also record its `tp` (absent: 1): part r then holds DP shard
+r // tp of model slice r % tp, and only a job with the same `tp` can load it.
+
 A checkpoint is complete when its COMMIT and all `world_size` part markers are present and
 agree; anything else (a rank killed mid-write, a marker deleted) is torn and never loaded. The
 file checksums catch a corrupt file before anything is loaded. Markers are written atomically
@@ -45,6 +48,7 @@ class Checkpoint:
     step: int
     world_size: int
     fingerprint: str
+    tp: int = 1  # ranks per TP group of the job that wrote it
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -72,7 +76,13 @@ def file_digests(folder: Path) -> dict[str, list]:
     return {p.name: [p.stat().st_size, _file_digest(p)] for p in sorted(folder.iterdir()) if p.is_file()}
 
 
-def mark_part(ckpt: Path, rank: int, step: int, world_size: int, fingerprint: str) -> bool:
+def _mesh(tp: int) -> dict:
+    """What a marker records of the job's mesh: nothing without tensor parallelism (the format
+    of a tp 1 job is unchanged)."""
+    return {"tp": tp} if tp > 1 else {}
+
+
+def mark_part(ckpt: Path, rank: int, step: int, world_size: int, fingerprint: str, tp: int = 1) -> bool:
     """Record that rank `rank`'s part is fully written; commit the checkpoint if it was the
     last part. True for exactly one rank: the one that commits it first (it reports and prunes)."""
     fsync_dir(part_dir(ckpt, rank))  # DCP syncs its files, not their names
@@ -84,14 +94,15 @@ def mark_part(ckpt: Path, rank: int, step: int, world_size: int, fingerprint: st
             "rank": rank,
             "world_size": world_size,
             "fingerprint": fingerprint,
+            **_mesh(tp),
             "files": file_digests(part_dir(ckpt, rank)),
         },
     )
-    if _torn_because(ckpt, step, world_size, fingerprint, need_commit=False) is not None:
+    if _torn_because(ckpt, step, world_size, fingerprint, need_commit=False, tp=tp) is not None:
         return False
     # the last ranks to finish may both get here: they write the same bytes, atomically, and
     # the one that claims the commit first reports it
-    write_json_atomic(ckpt / COMMIT, {"step": step, "world_size": world_size, "fingerprint": fingerprint})
+    write_json_atomic(ckpt / COMMIT, {"step": step, "world_size": world_size, "fingerprint": fingerprint, **_mesh(tp)})
     try:
         os.close(os.open(ckpt / COMMIT_CLAIM, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
     except FileExistsError:
@@ -105,7 +116,9 @@ def discard_part(ckpt: Path, rank: int) -> None:
     shutil.rmtree(part_dir(ckpt, rank), ignore_errors=True)
 
 
-def _torn_because(ckpt: Path, step: int, world_size: int, fingerprint: str, need_commit: bool = True) -> str | None:
+def _torn_because(
+    ckpt: Path, step: int, world_size: int, fingerprint: str, need_commit: bool = True, tp: int = 1
+) -> str | None:
     """Why `ckpt` is not complete, or None."""
     if need_commit and read_json(ckpt / COMMIT) is None:
         return f"{ckpt.name} has no commit marker (torn)"
@@ -113,7 +126,8 @@ def _torn_because(ckpt: Path, step: int, world_size: int, fingerprint: str, need
         mark = read_json(part_marker(ckpt, r))
         if mark is None:
             return f"{ckpt.name} lacks rank {r}'s part marker (torn)"
-        if (mark.get("step"), mark.get("world_size"), mark.get("fingerprint")) != (step, world_size, fingerprint):
+        seen = (mark.get("step"), mark.get("world_size"), mark.get("fingerprint"), mark.get("tp", 1))
+        if seen != (step, world_size, fingerprint, tp):
             return f"{ckpt.name}: rank {r}'s part marker disagrees with the commit marker"
     return None
 
@@ -130,11 +144,19 @@ def _complete(path: Path, step: int) -> tuple[Checkpoint | None, str | None]:
     commit = read_json(path / COMMIT)
     if commit is None:
         return None, f"{path.name} has no commit marker (torn)"
-    world, fp = commit.get("world_size"), commit.get("fingerprint")
-    if commit.get("step") != step or not isinstance(world, int) or world < 1 or not isinstance(fp, str):
+    world, fp, tp = commit.get("world_size"), commit.get("fingerprint"), commit.get("tp", 1)
+    if (
+        commit.get("step") != step
+        or not isinstance(world, int)
+        or world < 1
+        or not isinstance(fp, str)
+        or type(tp) is not int
+        or tp < 1
+        or world % tp
+    ):
         return None, f"{path.name}: its commit marker is malformed"
-    why = _torn_because(path, step, world, fp)
-    return (Checkpoint(path, step, world, fp), None) if why is None else (None, why)
+    why = _torn_because(path, step, world, fp, tp=tp)
+    return (Checkpoint(path, step, world, fp, tp), None) if why is None else (None, why)
 
 
 def complete(root: Path) -> list[Checkpoint]:
@@ -184,13 +206,24 @@ def _is_size_and_digest(entry: object) -> bool:
     )
 
 
-def choose(root: Path, fingerprint: str, warn: Callable[[str], None]) -> Checkpoint:
-    """The newest complete, intact checkpoint of this job under `root`; `warn` hears why each
-    newer one was passed over. CheckpointError if there is none."""
+def tp_mismatch(ck: Checkpoint, tp: int) -> str:
+    """Why a job with `tp` ranks per TP group (not `ck.tp`) cannot load `ck`."""
+    return (
+        f"{ck.path.name} was written by a job with --tp {ck.tp} and this job has --tp {tp}: its parts hold "
+        f"the model sliced over {ck.tp} tensor-parallel ranks; resume with --tp {ck.tp}"
+    )
+
+
+def choose(root: Path, fingerprint: str, warn: Callable[[str], None], tp: int = 1) -> Checkpoint:
+    """The newest complete, intact checkpoint of this job (`tp` ranks per TP group) under `root`;
+    `warn` hears why each newer one was passed over. CheckpointError if there is none, or if the
+    newest complete one of this job was written with another `tp` (the older ones were too)."""
     for step, path in reversed(steps_on_disk(root)):
         ck, why = _complete(path, step)
         if ck is not None and ck.fingerprint != fingerprint:
             why = f"{path.name} was written by another job configuration"
+        elif ck is not None and ck.tp != tp:
+            raise CheckpointError(tp_mismatch(ck, tp))
         elif ck is not None:
             try:
                 verify(ck)

@@ -138,6 +138,7 @@ def resume(
     persist_dir: Path | None = None,
     steps: int | None = None,
     flags: dict | None = None,
+    tp: int = 1,
 ) -> Start:
     """Resume the run in `run_dir` from its newest complete checkpoint, and with `persist` go on
     persisting as `settings` (mtbf, every) say. CheckpointError names what is wrong with the
@@ -146,7 +147,8 @@ def resume(
     others would find this attempt's own). `persist_dir`: the checkpoint folder given on the
     command line (else the record's, which must be inside `run_dir`); `steps`: the last step of
     the resumed job, not before the checkpoint's; `flags`: the flags to record for the next
-    resume (else the record's are kept)."""
+    resume (else the record's are kept); `tp`: the new job's ranks per TP group, which must be
+    the checkpoint's."""
     record = read_record(run_dir)
     with _claim(run_dir, attempt) as claim:
         if claim.first:
@@ -157,7 +159,7 @@ def resume(
                 f"its checkpoints belong to another configuration: recorded `{shlex.join(record['command'])}`, "
                 f"now `{shlex.join(command)}`"
             )
-        ck = ckpt_format.choose(root, fingerprint(command), lambda msg: print(f"leto: {msg}", file=sys.stderr))
+        ck = ckpt_format.choose(root, fingerprint(command), lambda msg: print(f"leto: {msg}", file=sys.stderr), tp)
         if not ck.path.resolve().is_relative_to(root):
             raise ckpt_format.CheckpointError(f"{ck.path} leads out of the checkpoint folder {root} (a symbolic link)")
         if steps is not None and ck.step > steps:

@@ -61,6 +61,8 @@ class Persisted(Protocol):
     @property
     def world_size(self) -> int: ...
     @property
+    def dp_rank(self) -> int: ...
+    @property
     def state(self) -> torch.Tensor: ...
     @property
     def flat_param(self) -> torch.Tensor: ...
@@ -93,6 +95,7 @@ class Persister:
         self.root = Path(cfg.dir)
         self.every, self.first = (cfg.every, 0) if cfg.every else (None, 0)
         self.write_s = job.config.timeouts.persist_write_s
+        self.tp = job.config.mesh.tp  # recorded in the markers: a part holds a slice of the model
         self.pending: _Write | None = None
         self.step_times: list[float] = []
         self._t_last: float | None = None
@@ -210,7 +213,7 @@ class Persister:
             self.dcp.save(staged, storage_writer=self.dcp.FileSystemWriter(str(path), overwrite=True), no_dist=True)
             if w.abandoned:  # reported as hung already; the folder is left to pruning
                 return
-            if ckpt_format.mark_part(ckpt, rank, w.step, world, self.cfg.fingerprint):
+            if ckpt_format.mark_part(ckpt, rank, w.step, world, self.cfg.fingerprint, self.tp):
                 ckpt_format.prune(self.root, verified=self.verified)
                 self._event(
                     "persist_commit",
@@ -275,16 +278,17 @@ class Persister:
 
 # ----- what a part holds
 def part_state(trainer: Persisted, step: int) -> dict:
-    """This rank's part: its shard at `step`, the step, its extra state; rank 0 also the parameters.
-    Tensors only: what is not a tensor travels as the bytes of `plain.dumps` (decoded without
-    running code; DCP itself would pickle it, and unpickle it unrestricted)."""
+    """This rank's part: its shard at `step`, the step, its extra state; the first rank of its DP
+    group (rank 0, or with tensor parallelism each TP slice's) also its flat parameters. Tensors
+    only: what is not a tensor travels as the bytes of `plain.dumps` (decoded without running
+    code; DCP itself would pickle it, and unpickle it unrestricted)."""
     extra = bytearray(plain.dumps(trainer.extra_state()))
     sd: dict = {
         "state": trainer.state,
         "step": torch.tensor(step, dtype=torch.int64),
         EXTRA: torch.frombuffer(extra, dtype=torch.uint8),
     }
-    if trainer.rank == 0:
+    if trainer.dp_rank == 0:
         sd["params"] = trainer.flat_param[: trainer.numel]
     return sd
 
