@@ -313,6 +313,12 @@ def build_parser() -> _Parser:
         "(root, etcd; 2 workers per host), next to checkpoint-restart on the same hosts",
     )
     bench.add_argument("--model", default="tiny")
+    bench.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="overhead, recovery: tensor-parallel ranks per model replica (world = DP x TP, inside nodes) [1]",
+    )
     # overhead only (docs/benchmarks.md, "Protection overhead")
     bench.add_argument(
         "--rounds", type=int, default=None, help="interleaved off/on rounds of the default job (overhead; median) [3]"
