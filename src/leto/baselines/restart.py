@@ -27,6 +27,7 @@ from leto.baselines.faults import ExternalInjector, Kill
 from leto.config import (
     DEFAULT_TIMEOUT_S,
     JobConfig,
+    MeshConfig,
     ProtectionConfig,
     Timeouts,
     TrainingConfig,
@@ -61,6 +62,7 @@ class BaselineSpec:
     timeout_s: float = DEFAULT_TIMEOUT_S
     quiet: bool = True
     job_args: list[str] = field(default_factory=list)  # more flags for the job (--lr, --chunk-bytes)
+    tp: int = 1  # tensor-parallel ranks per model replica; every restart keeps the mesh
 
     @property
     def mode(self) -> str:
@@ -71,6 +73,7 @@ def _job_config(command: list[str], spec: BaselineSpec) -> JobConfig:
     # a baseline runs without Leto's keepers and in-memory protection
     return JobConfig(
         training=TrainingConfig(command=tuple(command), workers=spec.workers, nodes=spec.nodes, steps=spec.steps),
+        mesh=MeshConfig(tp=spec.tp),
         protection=ProtectionConfig(enabled=False),
         timeouts=Timeouts(collective_s=spec.timeout_s),
         run_dir=str(spec.run_dir),
@@ -366,6 +369,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default="tiny")
+    p.add_argument("--tp", type=int, default=1, help="checkpoint/memory-restart: tensor-parallel ranks per replica [1]")
     p.add_argument("--run-dir", type=Path, default=None)
     p.add_argument(
         "--ckpt-dir",
@@ -428,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         max_restarts=a.max_restarts,
         timeout_s=a.timeout,
         **({"spares": a.spares} if a.system == "nvrx" else {}),
+        **({"tp": a.tp} if a.tp > 1 else {}),
     )
     if a.json:
         print(json.dumps(summary))

@@ -75,8 +75,7 @@ class RankMember:
         self.membership: Membership | None = None
         self.mode: Unprotected = Unprotected(sharded)
         self._at = ("", 0)  # the last fault point passed: (phase, step)
-        # persistent checkpoints and --resume do not know the mesh yet: a TP job writes none
-        self.persister = persister_for(job) if self.tp == 1 else None
+        self.persister = persister_for(job)
 
     @property
     def protector(self) -> Protector | None:
@@ -381,16 +380,13 @@ class RankMember:
         target = loader.resume_target(self.job)
         if target is None:
             return
-        if self.tp > 1:
-            self.job.store.set(keys.FATAL, f"rank {self.rank}: a tensor-parallel job cannot resume from a checkpoint")
-            os._exit(1)
         s = self.sharded
-        try:
-            got = loader.load(*target, self.rank, self.world_size, s.numel, s.n_chunks, s.chunk_elems)
+        try:  # with tensor parallelism: this rank's slice, sharded over its DP group
+            got = loader.load(*target, self.rank, self.world_size, s.numel, s.n_chunks, s.chunk_elems, self.tp)
         except CheckpointError as e:  # a corrupt or hostile checkpoint: the job stops with one line
             self.job.store.set(keys.FATAL, f"rank {self.rank}: {RESUME_FAILED} {e}")
             os._exit(1)  # at once: an orderly exit tears down gloo's threads noisily
-        s.load(got.shard, got.params, got.step, self.rank)
+        s.load(got.shard, got.params, got.step, self.dp_rank)
         self.load_extra_state(got.extra)
 
     def close(self) -> None:
