@@ -48,3 +48,29 @@ def test_a_failure_after_the_last_step_ends_the_job_without_a_recovery(launcher:
     s = summary(run_dir)
     assert s["digest"] is not None and s["steps"] == 6
     assert s["recoveries"] == []
+
+
+def test_a_script_error_after_the_last_step_fails_the_job(launcher: Launcher, tmp_path: Path) -> None:
+    """The last rank's own code raises once its loop is done: the job's exit code says so
+    (a kill from outside after the last step does not), and nothing is recovered."""
+    run_dir = tmp_path / "run"
+    res = launcher.run(
+        "run",
+        "--run-dir",
+        str(run_dir),
+        "--workers",
+        "2",
+        "--nodes",
+        "2",
+        "--persist",
+        "off",
+        str(REPO / "tests" / "scripts" / "lingering_rank.py"),
+        "--marker",
+        str(tmp_path / "done"),
+        "--fail",
+        run_dir=run_dir,
+        timeout=180,
+    )
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert "a worker's script failed after the last step (exit code 1" in res.stdout + res.stderr
+    assert summary(run_dir)["recoveries"] == []

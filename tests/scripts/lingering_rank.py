@@ -1,5 +1,6 @@
 """A user script whose last rank lingers after training (as if writing its own files): it writes
-`--marker` once its loop is done, then sleeps, so that a test can kill it after the others ended."""
+`--marker` once its loop is done, then sleeps, so that a test can kill it after the others ended;
+with `--fail` it raises instead (a user's evaluation failing after the last step)."""
 
 import argparse
 import time
@@ -12,6 +13,7 @@ import leto
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--marker", required=True)
+parser.add_argument("--fail", action="store_true")
 args = parser.parse_args()
 
 torch.set_num_threads(1)
@@ -25,4 +27,6 @@ for step in trainer.steps(6):
     trainer.step(lambda: nn.functional.mse_loss(model(x[rows]), y[rows]), weight=len(rows) / 12)
 if trainer.rank == trainer.world_size - 1:
     Path(args.marker).write_text("done")
+    if args.fail:
+        raise RuntimeError("the evaluation after training failed")
     time.sleep(120)

@@ -73,9 +73,11 @@ class NothingProtected:
 
 @dataclass(frozen=True)
 class AfterLastStep:
-    """A failure once training was over; `recorded`: rank 0 recorded the result."""
+    """A failure once training was over; `recorded`: rank 0 recorded the result; `errors`: the
+    exit codes of workers that ended with an error of their own (not a signal) after it."""
 
     recorded: bool
+    errors: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -173,7 +175,12 @@ def render(n: Notice) -> str:
                 "leto: the failure came before any state was protected (the script does not use "
                 "leto.Trainer, or protection had not started); stopping the job"
             )
-        case AfterLastStep(recorded):
+        case AfterLastStep(recorded, errors):
+            if errors:
+                return (
+                    "leto: a worker's script failed after the last step (exit code "
+                    f"{', '.join(map(str, errors))}; see its stderr): the job fails"
+                )
             return "leto: the failure came after the last step; nothing to recover" + (
                 "" if recorded else " (rank 0 did not record the result)"
             )

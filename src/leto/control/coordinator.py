@@ -341,8 +341,9 @@ class Coordinator:
         for p, why in failed:
             self.display.show(notices.ProcessFailed(p.describe(), p.pid, p.node, why))
             self.event("failure", role=p.role, rank=p.rank, node=p.node, pid=p.pid, cause=why)
-        if any(p.code == 0 for p in self.members.values()):
-            return self._after_training()
+        # rank 0 records the result after the final digest, a collective: training is over
+        if any(p.code == 0 for p in self.members.values()) or self.store.check([keys.RESULT]):
+            return self._after_training([p for p, _ in failed])
         dead_keepers = {p.node for p, _ in failed if p.role == "keeper"}
         lost_ranks = {r for r, p in self.members.items() if any(p is f for f, _ in failed)}
         lost_nodes = {
@@ -390,13 +391,15 @@ class Coordinator:
         self.processes.flush()
         return None
 
-    def _after_training(self) -> int:
+    def _after_training(self, failed: list[ProcView]) -> int:
         """A failure once a member has finished: a rank ends only after the last step's collectives,
         so training is over and there is nothing left to recover (a recovery would wait for
-        survivors that have gone). The job ends, successful if rank 0 recorded its result."""
+        survivors that have gone). The job ends, successful if rank 0 recorded its result and no
+        worker's script failed on its own after it (a positive exit code, not a signal)."""
         recorded = self.store.check([keys.RESULT])
-        self.display.show(notices.AfterLastStep(recorded))
-        return 0 if recorded else 1
+        errors = tuple(sorted({p.code for p in failed if p.role == "worker" and p.code is not None and p.code > 0}))
+        self.display.show(notices.AfterLastStep(recorded, errors))
+        return 0 if recorded and not errors else 1
 
     def _refuse(self, lost_ranks: set[int]) -> int | None:
         """An exit code when no recovery may be tried (no protection, too many, nothing protected)."""
