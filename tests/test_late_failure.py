@@ -11,28 +11,16 @@ from pathlib import Path
 
 from conftest import REPO, Launcher, read_procs, summary, wait_for
 
+JOB = ("--workers", "2", "--nodes", "2", "--spares", "1", "--persist", "off")
+
+
+def script(marker: Path) -> tuple[str, ...]:
+    return (str(REPO / "tests" / "scripts" / "lingering_rank.py"), "--marker", str(marker))
+
 
 def test_a_failure_after_the_last_step_ends_the_job_without_a_recovery(launcher: Launcher, tmp_path: Path) -> None:
     run_dir, marker = tmp_path / "run", tmp_path / "done"
-    popen = launcher.start(
-        "run",
-        "--run-dir",
-        str(run_dir),
-        "--workers",
-        "2",
-        "--nodes",
-        "2",
-        "--spares",
-        "1",
-        "--persist",
-        "off",
-        "--timeout",
-        "20",
-        str(REPO / "tests" / "scripts" / "lingering_rank.py"),
-        "--marker",
-        str(marker),
-        run_dir=run_dir,
-    )
+    popen = launcher.start("run", "--run-dir", str(run_dir), *JOB, "--timeout", "20", *script(marker), run_dir=run_dir)
     wait_for(marker.exists, 180, "the last rank's end of training")
     wait_for(
         lambda: not any(p["role"] == "worker" and p["rank"] == 0 for p in read_procs(run_dir)), 60, "rank 0's exit"
@@ -54,23 +42,7 @@ def test_a_script_error_after_the_last_step_fails_the_job(launcher: Launcher, tm
     """The last rank's own code raises once its loop is done: the job's exit code says so
     (a kill from outside after the last step does not), and nothing is recovered."""
     run_dir = tmp_path / "run"
-    res = launcher.run(
-        "run",
-        "--run-dir",
-        str(run_dir),
-        "--workers",
-        "2",
-        "--nodes",
-        "2",
-        "--persist",
-        "off",
-        str(REPO / "tests" / "scripts" / "lingering_rank.py"),
-        "--marker",
-        str(tmp_path / "done"),
-        "--fail",
-        run_dir=run_dir,
-        timeout=180,
-    )
+    res = launcher.run("run", "--run-dir", str(run_dir), *JOB, *script(tmp_path / "done"), "--fail", run_dir=run_dir)
     assert res.returncode == 1, res.stderr[-3000:]
     assert "a worker's script failed after the last step (exit code 1" in res.stdout + res.stderr
     assert summary(run_dir)["recoveries"] == []
