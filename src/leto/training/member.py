@@ -176,8 +176,7 @@ class RankMember:
         self.job.rank, self.job.world_size = rank, len(membership.proc_of_rank)
         adopt = self.comm is None
         if not adopt:
-            for comm in {id(c): c for c in (self.comm, self.tp_comm, self.dp_comm) if c is not None}.values():
-                comm.close(abandon=True)
+            self._park_groups()
             if self.sharded.grad_step is None:  # its reduction of the step in flight may still be running
                 self.sharded.fresh_grads()
         job = self.job
@@ -185,6 +184,11 @@ class RankMember:
             make_comms(self._mesh(), job.store, generation, job.timeout_s, self.watch.reason, job.device, self.backend),
             adopt,
         )
+
+    def _park_groups(self) -> None:
+        """Abandon this generation's groups (world, TP, DP; one Comm without TP)."""
+        if self.comm is not None:
+            MeshComms(self.comm, self.tp_comm, self.dp_comm).close(abandon=True)
 
     def _mesh(self) -> Mesh:
         if self.world_size % self.tp:
@@ -266,8 +270,7 @@ class RankMember:
     def _retire(self, generation: int) -> None:
         """Its model replica was dropped in `generation` (a shrink by whole TP groups): leave the
         groups and protection; the process stays, a shadow from here on."""
-        for comm in {id(c): c for c in (self.comm, self.tp_comm, self.dp_comm) if c is not None}.values():
-            comm.close(abandon=True)
+        self._park_groups()
         self.comm = self.tp_comm = self.dp_comm = None
         self.mode.close()
         self.mode = Unprotected(self.sharded)
