@@ -163,7 +163,7 @@ def test_gradients_of_replicas_another_rank_hosts_are_a_value_error() -> None:
         ordered_all_reduce(comm, {0: torch.zeros(8), 2: torch.zeros(8)}, [0, 0, 1, 1])  # type: ignore[arg-type]
 
 
-def _failing_ring(timeout_s: float) -> tuple[list[subprocess.Popen], subprocess.Popen]:
+def _failing_reduction(timeout_s: float) -> tuple[list[subprocess.Popen], subprocess.Popen]:
     """Ranks 0 and 1 start an ordered all-reduce of 3 replicas; rank 2 joins the group and
     never takes part. Returns once the survivors are in it and rank 2 has joined."""
     store = loopback_store(60)
@@ -189,23 +189,23 @@ def _failures(survivors: list[subprocess.Popen]) -> list[str]:
 
 
 def test_a_peer_that_never_sends_is_a_peer_failure_after_the_timeout() -> None:
-    survivors, victim = _failing_ring(timeout_s=5)
+    survivors, victim = _failing_reduction(timeout_s=5)
     try:
         failures = _failures(survivors)
     finally:
         _stop([*survivors, victim])
-    assert all("ordered all-reduce timed out after 5.0s" in f for f in failures), failures
+    assert all("all-to-all timed out after 5.0s" in f for f in failures), failures
 
 
 def test_a_killed_peer_is_a_peer_failure_at_once() -> None:
     """With a 120 s comm timeout that the survivors never reach: the dead connection fails them."""
-    survivors, victim = _failing_ring(timeout_s=120)
+    survivors, victim = _failing_reduction(timeout_s=120)
     try:
         os.kill(victim.pid, signal.SIGKILL)
         failures = _failures(survivors)
     finally:
         _stop([*survivors, victim])
-    assert all(f.startswith("ordered all-reduce failed in generation 0") for f in failures), failures
+    assert all(f.startswith("all-to-all failed in generation 0") for f in failures), failures
 
 
 def _worker(mode: str, addr: str, rank: int, arg: str) -> None:

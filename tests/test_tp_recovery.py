@@ -1,7 +1,7 @@
 """In-place recovery of a tensor-parallel job (TP 2 x DP 2): any (tp, dp) rank is killed with
 SIGKILL in any phase of a step, including inside a TP all-reduce, a whole node is lost, a
-second rank dies during the recovery; the job ends with the digest of a failure-free run of
-the same layout."""
+second rank dies during the recovery, a whole replica is dropped and grown back; the job ends
+with the digest of a failure-free run of the same layout."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import check_recovered, check_trajectory, processes_left, reference_digest, train, with_flags
+from conftest import check_recovered, check_resized_exactly, processes_left, reference_digest, train, with_flags
 
 TP_JOB = (
     "--workers",
@@ -77,7 +77,7 @@ def test_with_no_shadow_left_a_whole_replica_is_dropped_and_its_live_rank_become
     """Rank 1 (replica 0, slice 1) dies with no shadow: replica 0 leaves, rank 0's process
     becomes a shadow, replica 1 goes on alone as ranks 0-1 (each slice's optimizer state
     resharded over one DP rank). When the new rank 1 dies too, that shadow adopts it, taking
-    over the other slice; the losses track the failure-free run."""
+    over the other slice; the run keeps the failure-free bits."""
     job = with_flags(TP_JOB, spares=0, steps=16)
     run = tmp_path / "run"
     kills = ("--inject", "kill:rank=1:step=6:phase=update", "--inject", "kill:rank=1:step=11:phase=tp-backward")
@@ -87,14 +87,14 @@ def test_with_no_shadow_left_a_whole_replica_is_dropped_and_its_live_rank_become
     assert shrink["world_size"] == 2 and shrink["failed_ranks"] == [1] and shrink["lost_steps"] == 0
     assert adopt["world_size"] == 2 and adopt["failed_ranks"] == [1] and adopt["lost_steps"] == 0
     assert "shrinking to 2 ranks" in res.stdout
-    check_trajectory(launcher, tmp_path, run, *job)
+    check_resized_exactly(launcher, tmp_path, run, s, *job)
     assert not processes_left(run)
 
 
 def test_after_losing_a_replica_the_job_grows_back_by_a_whole_tp_group(launcher, tmp_path: Path) -> None:
     """Node 1 (replica 1: ranks 2 and 3) dies with one warm shadow and no zygote: the job goes on
     with replica 0 alone, and once a replacement shadow started from scratch is warm the two
-    shadows join as a new TP group and the job is back at 4 ranks."""
+    shadows join as a new TP group and the job is back at 4 ranks, with the failure-free bits."""
     job = with_flags(TP_JOB, zygotes="off", steps=100)
     run = tmp_path / "run"
     res, s = train(launcher, run, *job, "--inject", "node-kill:node=1:step=6")
@@ -103,5 +103,5 @@ def test_after_losing_a_replica_the_job_grows_back_by_a_whole_tp_group(launcher,
     assert rec["world_size"] == 2 and rec["failed_ranks"] == [2, 3] and rec["tier"] == "tier2"
     assert [r["world_size"] for r in s["resizes"]] == [4], s["resizes"]
     assert s["resizes"][0]["lost_steps"] == 0
-    check_trajectory(launcher, tmp_path, run, *job)
+    check_resized_exactly(launcher, tmp_path, run, s, *job)
     assert not processes_left(run)

@@ -54,3 +54,41 @@ def test_clipping_and_accumulation_match_torch() -> None:
     torch.testing.assert_close(torch.tensor(got), torch.tensor(norms), rtol=1e-6, atol=0)
     for a, b in zip(m.parameters(), ref.parameters()):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)
+
+
+def _small_trainer() -> tuple[Trainer, nn.Module]:
+    torch.manual_seed(0)
+    m = nn.Linear(4, 1)
+    return Trainer(m, leto.init("cpu"), leto.AdamW(lr=1e-2), chunk_bytes=12 * 8), m
+
+
+def test_a_loss_function_of_the_replica_is_called_with_each_replica_the_rank_hosts() -> None:
+    """One process hosts the one replica of its launch: the function gets its index, its loss
+    is weighted by its share, and the step matches the same loss written without arguments."""
+    x, y = torch.randn(8, 4, generator=torch.Generator().manual_seed(1)), torch.zeros(8, 1)
+    trainer, m = _small_trainer()
+    assert trainer.replicas == 1
+    called: list[int] = []
+
+    def loss(replica: int) -> torch.Tensor:
+        called.append(replica)
+        return nn.functional.mse_loss(m(x), y)
+
+    got = [trainer.step(loss, weight=lambda replica: 0.5) for _ in trainer.steps(3)]
+    assert called == [0, 0, 0]
+    plain, pm = _small_trainer()
+    want = [plain.step(lambda: nn.functional.mse_loss(pm(x), y), weight=0.5) for _ in plain.steps(3)]
+    assert got == want
+    assert trainer.digest() == plain.digest()
+
+
+def test_a_weight_function_needs_a_loss_function_of_the_replica() -> None:
+    trainer, m = _small_trainer()
+    for _ in trainer.steps(1):
+        try:
+            trainer.step(lambda: m(torch.zeros(1, 4)).sum(), weight=lambda replica: 1.0)
+        except TypeError as e:
+            assert "lambda replica" in str(e)
+        else:
+            raise AssertionError("a weight function with a loss function of no arguments was accepted")
+        break

@@ -129,6 +129,14 @@ class Comm:
         self._wait(self.pg._allgather_base(host_out, host_inp), "all-gather")
         self._back(out, host_out)
 
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> None:
+        """Rank r's piece `in_splits[r]` of `inp` goes to rank r, whose `out` holds the pieces of
+        every rank in rank order (`out_splits[q]` elements from rank q)."""
+        host_out, host_inp = self._host(out), self._host(inp)
+        work = self.pg.alltoall_base(host_out, host_inp, out_splits, in_splits, dist.AllToAllOptions())
+        self._wait(work, "all-to-all")
+        self._back(out, host_out)
+
     def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
@@ -143,31 +151,6 @@ class Comm:
         host = self._host(t)
         self._wait(self.pg.broadcast([host], opts), "broadcast")
         self._back(t, host)
-
-    def exchange(
-        self,
-        sends: list[tuple[torch.Tensor, int, int]],
-        recvs: list[tuple[torch.Tensor, int, int]],
-        what: str,
-    ) -> None:
-        """Point-to-point messages: each `(tensor, peer, tag)` of `sends` goes to rank `peer`, each
-        of `recvs` is filled from it; all are posted at once, then waited for. A message is
-        matched by (peer, tag), so tags keep apart several messages between one pair of ranks.
-        Tensors must be contiguous."""
-        if not sends and not recvs:
-            return
-        host_sends = [(self._host(t), peer, tag) for t, peer, tag in sends]
-        host_recvs = [(self._host(t), peer, tag) for t, peer, tag in recvs]
-        if self.backend == "nccl":  # one group of p2p calls: a pair sending to each other would deadlock
-            self.pg._start_coalescing()
-        works = [self.pg.send([t], peer, tag) for t, peer, tag in host_sends]
-        works += [self.pg.recv([t], peer, tag) for t, peer, tag in host_recvs]
-        if self.backend == "nccl":
-            self._wait(self.pg._end_coalescing(), what)
-        else:
-            self._wait(_WaitedInThread(works), what)  # type: ignore[arg-type]
-        for (t, _, _), (host, _, _) in zip(recvs, host_recvs):
-            self._back(t, host)
 
     def _host(self, t: torch.Tensor) -> torch.Tensor:
         """The tensor a collective runs on: `t` itself, or its host copy where gloo carries a
@@ -192,35 +175,6 @@ class Comm:
             _abort(self.pg)
             _shut_down(getattr(self, "_own_sockets", {}))
         self.pg = None  # type: ignore[assignment]
-
-
-class _WaitedInThread:
-    """gloo's send and receive works report completion only from inside their `wait()`, which
-    blocks with no abort check; a helper thread waits on them, and this stands in for them in
-    `Comm._wait`."""
-
-    # how long `is_completed` waits for the thread: `_wait` then sees the end at once rather than
-    # after one of its sleeps (up to 1 ms each, and a reduction has several steps)
-    POLL_S = 5e-3
-
-    def __init__(self, works: list[dist.Work]) -> None:
-        self._error: RuntimeError | None = None
-        self._thread = threads.start(self._wait_all, "leto-p2p-wait", works)
-
-    def _wait_all(self, works: list[dist.Work]) -> None:
-        try:
-            for work in works:
-                work.wait()
-        except RuntimeError as e:  # handed to the waiting thread
-            self._error = e
-
-    def is_completed(self) -> bool:
-        self._thread.join(self.POLL_S)
-        return not self._thread.is_alive()
-
-    def wait(self) -> None:
-        if self._error is not None:
-            raise self._error
 
 
 def _call(make: Callable[[], dist.ProcessGroup]) -> dist.ProcessGroup | BaseException:

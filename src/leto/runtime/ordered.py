@@ -2,11 +2,12 @@
 
 The job has a fixed number L of logical data-parallel replicas; after a shrink a process hosts
 several of them. gloo's all-reduce adds in an order that depends on the number of ranks, so a
-shrunk run would drift from a failure-free one by rounding. `ordered_all_reduce` is a ring over
-the logical replicas instead: every element's additions happen in an order fixed by logical
-indices alone, so any hosting of the L replicas ends with exactly the same bits. Messages
-between replicas on one process are local copies; the rest go point to point. Each process sends
-and receives what a ring all-reduce does, 2(L-1)/L of the gradient, in 2(L-1) steps.
+shrunk run would drift from a failure-free one by rounding. `ordered_all_reduce` adds every
+element in replica order, ((g0 + g1) + g2) + ..., whatever the hosting: an all-to-all hands each
+of the D processes its segment of every replica's gradient, the process folds them in replica
+order, and an all-gather returns the sums. Two of gloo's own collectives (asynchronous, so an
+abort releases them); each process sends what a ring all-reduce sends, 2(D-1)/D of the gradient
+(times the replicas it hosts, for the all-to-all), and holds one gradient-sized receive buffer.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ from collections.abc import Sequence
 import torch
 
 from leto.runtime.comm import Comm
-
-REDUCE, GATHER = 0, 1  # the ring's two phases: reduce-scatter, then all-gather
 
 
 def _part(n: int, parts: int, i: int) -> range:
@@ -48,52 +47,65 @@ def hosted(replicas: int, dp_size: int, dp_rank: int) -> range:
 
 def ordered_all_reduce(comm: Comm, grads: dict[int, torch.Tensor], host_of: Sequence[int]) -> None:
     """In place, every tensor of `grads` (logical replica -> its flat gradient, one for each
-    replica this rank hosts) becomes the sum over all len(host_of) logical replicas.
-
-    A ring over logical replicas: at reduce step k, replica i sends segment (i-k) mod L to
-    replica i+1, which adds it to its own; after L-1 steps replica i holds the whole sum of
-    segment i+1, and L-1 all-gather steps pass the sums on round the same ring."""
+    replica this rank hosts) becomes the sum over all len(host_of) logical replicas, each
+    element added in replica order."""
     n = len(host_of)
     mine = sorted(grads)
     if mine != [r for r in range(n) if host_of[r] == comm.rank]:
         raise ValueError(f"rank {comm.rank} hosts replicas {mine}, not those host_of gives it")
-    if n == 1 or not mine:
+    if not mine or n == 1:
         return
-    numel = grads[mine[0]].numel()
+    d, first = comm.world_size, grads[mine[0]]
+    numel = first.numel()
     if any(g.dim() != 1 or g.numel() != numel or not g.is_contiguous() for g in grads.values()):
         raise ValueError("every gradient must be a contiguous 1-D tensor of one size")
-    seg = [slice(p.start, p.stop) for p in (_part(numel, n, s) for s in range(n))]
-    first = grads[mine[0]]
-    bufs = {  # one segment's receive buffer for each replica whose predecessor is elsewhere
-        r: torch.empty(-(-numel // n), dtype=first.dtype, device=first.device)
-        for r in mine
-        if host_of[(r - 1) % n] != comm.rank
-    }
-    for phase in (REDUCE, GATHER):
-        for step in range(n - 1):
-            sends, recvs, adds = [], [], []
-            for r in mine:
-                src, dst = (r - 1) % n, (r + 1) % n
-                out, into = (r - step + phase) % n, (src - step + phase) % n  # segment sent, received
-                if host_of[dst] != comm.rank:
-                    sends.append((grads[r][seg[out]], host_of[dst], _tag(n, phase, step, r)))
-                mine_part = grads[r][seg[into]]
-                if host_of[src] == comm.rank:  # disjoint from what anyone sends or receives this step
-                    if phase == REDUCE:
-                        mine_part += grads[src][seg[into]]
-                    else:
-                        mine_part.copy_(grads[src][seg[into]])
-                elif phase == REDUCE:
-                    buf = bufs[r][: mine_part.numel()]
-                    recvs.append((buf, host_of[src], _tag(n, phase, step, src)))
-                    adds.append((mine_part, buf))
-                else:
-                    recvs.append((mine_part, host_of[src], _tag(n, phase, step, src)))
-            comm.exchange(sends, recvs, "ordered all-reduce")
-            for mine_part, buf in adds:
-                mine_part += buf
+    seg = -(-numel // d)  # every rank's segment, the last ones padded
+    # what goes to rank q: segment q of each replica this rank hosts, in replica order
+    if d == 1:
+        inp = None
+    elif len(mine) == 1 and numel == seg * d:
+        inp = first
+    else:
+        inp = torch.zeros(d, len(mine), seg, dtype=first.dtype, device=first.device)
+        for q in range(d):
+            for i, r in enumerate(mine):
+                piece = grads[r][q * seg : (q + 1) * seg]
+                inp[q, i, : piece.numel()] = piece
+    parts = _segments(grads, mine, inp, comm, n, seg, host_of)
+    length = max(0, min(numel, (comm.rank + 1) * seg) - comm.rank * seg)  # of this rank's segment
+    total = parts[0][:length].clone()
+    for part in parts[1:]:  # the fold, in replica order
+        total += part[:length]
+    if d == 1:
+        for r in mine:
+            grads[r].copy_(total)
+        return
+    gathered = first if numel == seg * d else torch.empty(seg * d, dtype=first.dtype, device=first.device)
+    block = torch.zeros(seg, dtype=first.dtype, device=first.device)
+    block[: total.numel()] = total
+    comm.all_gather(gathered, block)
+    for r in mine:
+        if grads[r] is not gathered:
+            grads[r].copy_(gathered[:numel])
 
 
-def _tag(n: int, phase: int, step: int, source: int) -> int:
-    """The tag of the message logical replica `source` sends at (phase, step)."""
-    return (phase * (n - 1) + step) * n + source
+def _segments(
+    grads: dict[int, torch.Tensor],
+    mine: list[int],
+    inp: torch.Tensor | None,
+    comm: Comm,
+    n: int,
+    seg: int,
+    host_of: Sequence[int],
+) -> list[torch.Tensor]:
+    """This rank's segment of every replica's gradient, in replica order (an all-to-all)."""
+    if inp is None:  # one process hosts every replica
+        return [grads[r][:seg] for r in range(n)]
+    d = comm.world_size
+    hosted_by = [[r for r in range(n) if host_of[r] == q] for q in range(d)]
+    out = torch.empty(n, seg, dtype=inp.dtype, device=inp.device)
+    comm.all_to_all(out.view(-1), inp.reshape(-1), [len(h) * seg for h in hosted_by], [len(mine) * seg] * d)
+    # out holds rank 0's replicas, then rank 1's, ...: put them in replica order
+    order = [r for h in hosted_by for r in h]
+    by_replica = dict(zip(order, out))
+    return [by_replica[r] for r in range(n)]

@@ -40,4 +40,15 @@ class Sampler:
         offs = self.offsets(step)[rows.start : rows.stop]
         window = np.stack([np.asarray(self.tokens[o : o + self.block_size + 1]) for o in offs])
         t = torch.from_numpy(window.astype(np.int64))
-        return t[:, :-1], t[:, 1:], len(rows) / self.global_rows
+        return t[:, :-1], t[:, 1:], self.share(rank, world_size)
+
+    def batch_on(
+        self, device: torch.device, step: int, rank: int, world_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) of `batch` on `device`."""
+        x, y, _ = self.batch(step, rank, world_size)
+        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+
+    def share(self, rank: int, world_size: int) -> float:
+        """`rank`'s share of the global batch (the weight `batch` returns)."""
+        return len(split_rows(self.global_rows, world_size, rank)) / self.global_rows

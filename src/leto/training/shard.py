@@ -13,6 +13,7 @@ import torch
 from leto.protection.layout import STATE_ROWS, Geometry
 from leto.recovery.rebuild import RecoveryError
 from leto.runtime.comm import Comm
+from leto.runtime.ordered import ordered_all_reduce
 from leto.training.flat import bind_grads, flatten
 from leto.training.optim import MASTER
 from leto.training.param_groups import ParamGroups
@@ -243,30 +244,45 @@ class ShardedState:
         self.grad_step = None
         self.flat_grad.zero_()
 
-    def reduce_grads(self, comm: Comm, step: int) -> None:
+    def reduce_grads(
+        self, comm: Comm, step: int, replicas: tuple[int, dict[int, torch.Tensor], list[int]] | None = None
+    ) -> None:
         """Reduce `step`'s gradients: all-reduced into `flat_grad` where every rank holds the
-        whole gradient, else reduce-scattered into this rank's own gradient buffer."""
-        if self.replicated_grads:
-            comm.all_reduce(self.flat_grad)
-            return
-        comm.reduce_scatter(self.grad_buf_for(step).view(-1), self.flat_grad)
+        whole gradient, else reduce-scattered into this rank's own gradient buffer.
+
+        `replicas` = (the replica whose gradient `flat_grad` holds, the gradients of the other
+        replicas this rank hosts, the DP rank hosting each replica): summed in replica order
+        (`ordered_all_reduce`), the same bits however the replicas are hosted."""
+        if replicas is None:
+            if self.replicated_grads:
+                comm.all_reduce(self.flat_grad)
+                return
+            comm.reduce_scatter(self.grad_buf_for(step).view(-1), self.flat_grad)
+        else:
+            mine, others, host_of = replicas
+            ordered_all_reduce(comm, {**others, mine: self.flat_grad}, host_of)
+            if self.replicated_grads:
+                return
+            n = self.shard_elems
+            self.grad_buf_for(step).view(-1).copy_(self.flat_grad[comm.rank * n : (comm.rank + 1) * n])
         self.gbuf_step[step % len(self.gbufs)] = step
 
     def grad_norm(self, comm: Comm, world_size: int, step: int, tp: Comm | None = None) -> float:
-        """The global norm of `step`'s reduced gradients (the same bits on every rank and in both
-        reduction paths: per-shard sums of squares, added in rank order; a collective where the
-        gradients are reduce-scattered). `comm` is the group the state is sharded over
-        (`world_size` ranks); with tensor parallelism `tp` is the TP group, whose ranks' sums are
-        added too, each counting only the elements of `norm_mask`."""
+        """The global norm of `step`'s reduced gradients (the same bits on every rank, in both
+        reduction paths and whatever the number of shards: per-chunk sums of squares, added in
+        chunk order; a collective where the gradients are reduce-scattered). `comm` is the
+        group the state is sharded over (`world_size` ranks); with tensor parallelism `tp` is the
+        TP group, whose ranks' sums are added too, each counting only the elements of
+        `norm_mask`."""
         if self.replicated_grads:
-            parts = self._squares(self.flat_grad, 0).view(world_size, self.shard_elems).sum(dim=1)
+            parts = self._squares(self.flat_grad, 0).view(-1, self.chunk_elems).sum(dim=1)
         else:
-            parts = torch.zeros(world_size, dtype=torch.float64, device=self.flat_grad.device)
+            parts = torch.zeros(world_size * self.n_chunks, dtype=torch.float64, device=self.flat_grad.device)
             grads = self.grads_of(step).view(-1)
-            mine = self._squares(grads, self.rank * self.shard_elems).sum().reshape(1)
+            mine = self._squares(grads, self.rank * self.shard_elems).view(-1, self.chunk_elems).sum(dim=1)
             comm.all_gather(parts, mine)
         if tp is not None:
-            every = torch.zeros(tp.world_size * world_size, dtype=torch.float64, device=parts.device)
+            every = torch.zeros(tp.world_size * parts.numel(), dtype=torch.float64, device=parts.device)
             tp.all_gather(every, parts)
             parts = every
         total = 0.0

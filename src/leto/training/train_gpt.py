@@ -54,10 +54,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     torch.set_num_threads(1)  # workers share the machine's cores
     trainer, model, sampler, tokens = build(args, leto.init())
+    device, replicas = trainer.job.device, trainer.replicas
+    share = lambda replica: sampler.share(replica, replicas)  # noqa: E731
     for step in trainer.steps(args.steps):
-        x, y, weight = sampler.batch(step, trainer.dp_rank, trainer.dp_size)
-        x, y = x.to(trainer.job.device, non_blocking=True), y.to(trainer.job.device, non_blocking=True)
-        trainer.step(lambda: model(x, y), weight=weight, tokens=tokens)
+        # per replica of the launch: the failure-free bits survive a shrink and a grow
+        trainer.step(lambda replica: model(*sampler.batch_on(device, step, replica, replicas)), share, tokens)
     if trainer.job.rank is None or trainer.job.run_dir is None:  # a shadow never adopted has no rank
         return
     state = trainer.state_dict()  # with --tp a collective: every rank calls it

@@ -14,6 +14,7 @@ slice over the rank's DP group; the gradient norm and the digest cover the whole
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Callable, Iterator, Sequence
 
@@ -26,6 +27,7 @@ from leto.runtime import trace
 from leto.runtime.comm import PeerFailure, backend_for, reduction_replicates
 from leto.runtime.env import Job
 from leto.runtime.etcd_store import Fenced
+from leto.runtime.ordered import hosted, replica_hosts
 from leto.training.flat import state_digest
 from leto.training.member import RankMember
 from leto.training.metrics import StepLog
@@ -35,6 +37,8 @@ from leto.training.rank_state import RankState, Stateful, reseed
 from leto.training.shard import ShardedState
 from leto.training.tensor_parallel import gather_full_state_dict
 from leto.training.tp_slices import SliceLayout
+
+LossFn = Callable[[], torch.Tensor] | Callable[[int], torch.Tensor]
 
 DEFAULT_CHUNK_BYTES = 12 * 16384  # 192 KiB: 16384 elements of (master, exp_avg, exp_avg_sq)
 
@@ -47,6 +51,7 @@ PUBLIC_API = (
     "world_size",
     "dp_rank",
     "dp_size",
+    "replicas",
     "steps",
     "step",
     "step_count",
@@ -65,13 +70,19 @@ class Trainer:
 
     >>> trainer = Trainer(model, job, AdamW(lr=1e-3))
     >>> for step in trainer.steps(100):          # shadows wait here to be adopted
-    ...     x, y = batch(step, trainer.dp_rank, trainer.dp_size)
-    ...     trainer.step(lambda: model(x, y))
+    ...     trainer.step(lambda replica: model(*batch(step, replica, trainer.replicas)))
 
-    Every step starts with torch's, Python's and NumPy's global generators reseeded from
-    (`seed`, step, DP rank), so dropout and random sampling replay exactly after a recovery
-    (`seed=None` leaves them alone). Persistent module buffers follow DDP (rank 0's values are
-    everyone's) and, like state registered with `register_state`, survive any recovery.
+    A loss function of the replica keeps the failure-free bits across a shrink and a grow: the
+    global batch stays split over the `replicas` of the launch, each computed on its own by
+    whichever process hosts it now, and their gradients are summed in an order fixed by replica
+    (`leto.runtime.ordered`). A loss function without arguments trains on the rank's share
+    (`dp_rank` of `dp_size`), re-split at a resize, where the losses track the failure-free run.
+
+    Every step (and, per replica, every replica's loss function) starts with torch's, Python's
+    and NumPy's global generators reseeded from (`seed`, step, DP rank or replica), so dropout
+    and random sampling replay exactly after a recovery (`seed=None` leaves them alone).
+    Persistent module buffers follow DDP (rank 0's values are everyone's) and, like state
+    registered with `register_state`, survive any recovery.
 
     With `--tp T` the model must be tensor-parallel already (its parallel layers cut for this
     rank's TP coordinate, with `tensor_parallel.pending_group(job)`): the trainer points them at
@@ -145,6 +156,12 @@ class Trainer:
         return self.member.dp_size
 
     @property
+    def replicas(self) -> int:
+        """The model replicas of the launch, fixed for the whole run: a loss function of the
+        replica (`trainer.step(lambda replica: ...)`) trains on replica's slice of the global batch."""
+        return self.job.config.training.workers // self.member.tp
+
+    @property
     def step_count(self) -> int:
         """Optimizer steps applied."""
         return self.member.step_count
@@ -165,16 +182,17 @@ class Trainer:
 
     def step(
         self,
-        loss_fn: Callable[[], torch.Tensor] | Sequence[Callable[[], torch.Tensor]],
-        weight: float | None = None,
+        loss_fn: LossFn | Sequence[LossFn],
+        weight: float | Callable[[int], float] | None = None,
         tokens: int = 0,
     ) -> float | None:
-        """One training step. `loss_fn` computes this rank's loss (under `autocast` if set); a
-        list of them accumulates gradients over micro-batches (each weighted 1/len), reduced
-        once. `weight` is this rank's share of the global batch (default 1/`dp_size`);
-        `tokens` is the number of tokens in the global batch (for metrics). Returns the global loss,
-        or None when a failure interrupted the step: the job recovered in place and `steps()`
-        yields the step to redo next."""
+        """One training step. `loss_fn` computes this rank's loss (under `autocast` if set), or,
+        taking one argument, the loss of that replica (see the class); a list of them
+        accumulates gradients over micro-batches (each weighted 1/len), reduced once. `weight` is
+        this rank's share of the global batch (default 1/`dp_size`), or per replica a function
+        of it (default 1/`replicas`); `tokens` is the number of tokens in the global batch (for
+        metrics). Returns the global loss, or None when a failure interrupted the step: the job
+        recovered in place and `steps()` yields the step to redo next."""
         m = self.member
         if m.comm is None:
             raise RuntimeError("call step() inside `for step in trainer.steps(n)`")
@@ -191,30 +209,38 @@ class Trainer:
             raise SystemExit(f"leto: process {self.job.proc_id} stops: {e}") from None
 
     def _step(
-        self,
-        loss_fn: Callable[[], torch.Tensor] | Sequence[Callable[[], torch.Tensor]],
-        weight: float | None,
-        tokens: int,
+        self, loss_fn: LossFn | Sequence[LossFn], weight: float | Callable[[int], float] | None, tokens: int
     ) -> float:
         """Forward, backward (accumulated), reduce, clip, update, all-gather; the protection
         mode's hooks and the fault-injection points between them, in this order."""
         m = self.member
         if m.watch is not None:
             m.watch.tick()  # progress for the controller's hang check (docs/design.md)
-        w = 1.0 / self.dp_size if weight is None else weight
         micro = [loss_fn] if callable(loss_fn) else list(loss_fn)
         if not micro:
             raise ValueError("step() needs a loss function or a non-empty list of them")
+        work = self._work(micro, weight)
         s, mode, fault, t = m.sharded, m.mode, m.fault, m.sharded.step
         fault("forward", t + 1)
         mode.before_forward(t)
-        loss = self._forward(micro[0])
+        replica, fns, w = work[0]
+        loss = self._forward(fns[0], replica)
         fault("backward", t + 1)
         mode.before_backward(t)
         s.zero_grads()
-        total = self._backward(loss, micro, w / len(micro))
+        losses: dict[int, float] = {}
+        others: dict[int, torch.Tensor] = {}  # the gradients of the other replicas this rank hosts
+        for i, (replica, fns, w) in enumerate(work):
+            if i:
+                others[work[i - 1][0]] = s.flat_grad.clone()
+                s.flat_grad.zero_()
+                loss = self._forward(fns[0], replica)
+            losses[replica] = self._backward(loss, fns, w / len(fns)) / len(fns) * w
         fault("reduce-scatter", t + 1)
-        s.reduce_grads(m.dp_comm, t + 1)
+        if replica < 0:
+            s.reduce_grads(m.dp_comm, t + 1)
+        else:
+            s.reduce_grads(m.dp_comm, t + 1, (replica, others, replica_hosts(self.replicas, self.dp_size)))
         m.gather_rank_state(t + 1)  # held with the gradients: a replay of t+1 finds both
         if self._max_grad_norm is not None:
             self._clip(t + 1)  # in place, before they count as held: a replay reads them clipped
@@ -222,8 +248,7 @@ class Trainer:
         grads = s.grads_of(t + 1)
         # over the world, each replica's loss once: when it returns anywhere, every rank holds its
         # slice's whole gradients, so no recovery finds one slice updating before another's reduction
-        self._loss.fill_(total / len(micro) * w if m.tp_comm is None or m.tp_comm.rank == 0 else 0.0)
-        m.comm.all_reduce(self._loss)
+        self._global_loss(losses)
         mode.after_reduce(t, grads)
         src, dst = s.buf_for(t), s.buf_for(t + 1)
         for c in range(s.n_chunks):
@@ -235,7 +260,6 @@ class Trainer:
         m.dp_comm.all_gather(s.flat_param, s.param_shard)
         mode.after_gather(t)
         s.step = t + 1
-        self.last_loss = float(self._loss.item())
         self._log.record(
             self.rank,
             self.step_count,
@@ -247,7 +271,48 @@ class Trainer:
         m.persist()
         return self.last_loss
 
-    def _forward(self, loss_fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def _work(
+        self, micro: list[LossFn], weight: float | Callable[[int], float] | None
+    ) -> list[tuple[int, list[Callable[[], torch.Tensor]], float]]:
+        """(replica, its micro-batches' loss functions, its weight) for each replica this rank
+        computes: one, numbered -1, for loss functions of the rank's share."""
+        if not _takes_replica(micro[0]):
+            if callable(weight):
+                raise TypeError("a weight function needs loss functions of the replica (lambda replica: ...)")
+            return [(-1, micro, 1.0 / self.dp_size if weight is None else weight)]  # type: ignore[list-item]
+
+        def share(r: int) -> float:
+            return 1.0 / self.replicas if weight is None else weight(r) if callable(weight) else weight
+
+        return [
+            (r, [lambda fn=fn, r=r: fn(r) for fn in micro], share(r))  # type: ignore[misc]
+            for r in hosted(self.replicas, self.dp_size, self.dp_rank)
+        ]
+
+    def _global_loss(self, losses: dict[int, float]) -> None:
+        """`last_loss`: the weighted losses summed over replicas (a world all-reduce, each replica
+        counted on its TP rank 0 only). Per replica in a vector, added in replica order: the same
+        bits whichever processes computed them."""
+        m = self.member
+        counts = m.tp_comm is None or m.tp_comm.rank == 0
+        if -1 in losses:
+            self._loss.fill_(losses[-1] if counts else 0.0)
+            m.comm.all_reduce(self._loss)
+            self.last_loss = float(self._loss.item())
+            return
+        vec = torch.zeros(self.replicas, dtype=torch.float64, device=self.job.device)
+        if counts:
+            for r, value in losses.items():
+                vec[r] = value
+        m.comm.all_reduce(vec)
+        total = 0.0
+        for value in vec.tolist():
+            total += value
+        self.last_loss = total
+
+    def _forward(self, loss_fn: Callable[[], torch.Tensor], replica: int = -1) -> torch.Tensor:
+        if replica >= 0 and self._seed is not None:  # the replica's stream, whichever rank hosts it
+            reseed(self._seed, self.step_count, replica)
         if self._autocast is None:
             return loss_fn()
         with torch.autocast(self.job.device.type, dtype=self._autocast):
@@ -318,3 +383,14 @@ class Trainer:
                 keys.RESULT, json.dumps({"steps": self.step_count, "final_loss": self.last_loss, "digest": digest})
             )
         return digest
+
+
+def _takes_replica(fn: LossFn) -> bool:
+    """Whether a loss function is written per replica (`lambda replica: ...`): it has a
+    positional parameter without a default."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: called without arguments
+        return False
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return any(p.kind in positional and p.default is inspect.Parameter.empty for p in params)
