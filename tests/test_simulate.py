@@ -19,8 +19,10 @@ from leto.simulation.engine import (
     Scenario,
     build_costs,
     closed_form_checkpoint_restart,
+    shrink_throughput,
     simulate,
 )
+from leto.simulation.failures import LLAMA3_MTBF_GPU_HOURS
 from leto.simulation.scaling import checkpoint_write_s
 
 CAL = load_calibration()
@@ -131,6 +133,77 @@ def test_without_spares_leto_shrinks_and_restarts_wait() -> None:
     assert leto.lost["shrink"] > 0.0 and leto.events["shrinks"] > 0
     assert cr.lost["waiting_for_spares"] > 0.0
     assert leto.productivity > cr.productivity
+
+
+@pytest.mark.parametrize(
+    "replicas,short,balanced,exact",
+    [
+        (2, 1, 1 / 2, 1 / 2),
+        (3, 1, 2 / 3, 1 / 2),  # 3 replicas on 2 ranks: one hosts two
+        (3, 2, 1 / 3, 1 / 3),
+        (4, 1, 3 / 4, 1 / 2),
+        (4, 2, 2 / 4, 1 / 2),
+        (4, 3, 1 / 4, 1 / 4),
+        (5, 2, 3 / 5, 1 / 2),
+        (7, 4, 3 / 7, 1 / 3),  # 7 replicas on 3 ranks: 3 + 2 + 2
+        (8, 0, 1.0, 1.0),
+    ],
+)
+def test_shrink_throughput(replicas: int, short: int, balanced: float, exact: float) -> None:
+    for unit in (1, 128):  # the same in replicas or in GPUs of 128-GPU replicas
+        assert shrink_throughput("balanced", replicas * unit, short * unit) == pytest.approx(balanced)
+        assert shrink_throughput("exact", replicas * unit, short * unit) == exact
+    with pytest.raises(ValueError, match="shrink mode"):
+        shrink_throughput("fast", replicas, short)
+
+
+def test_exact_shrink_loses_more_than_balanced() -> None:
+    """A loop with a loss function per replica runs at the busiest rank's pace while shrunk."""
+    runs = {
+        m: simulate(Scenario(gpus=16384, days=30, spares=0, seed=2, shrink=m), POLICIES, CAL)
+        for m in ("balanced", "exact")
+    }
+    balanced, exact = runs["balanced"].results["leto"], runs["exact"].results["leto"]
+    assert balanced.events == exact.events and exact.events["shrinks"] > 0
+    assert exact.lost["shrink"] > 2 * balanced.lost["shrink"] > 0
+    assert exact.productivity < balanced.productivity
+    # only the throughput while shrunk differs: the rest of the time is charged alike
+    assert {k: v for k, v in exact.lost.items() if k != "shrink"} == {
+        k: v for k, v in balanced.lost.items() if k != "shrink"
+    }
+    assert exact.productivity + exact.lost["shrink"] == pytest.approx(
+        balanced.productivity + balanced.lost["shrink"], abs=1e-12
+    )
+    for p in ("checkpoint-restart", "memory-restart"):  # never shrink
+        assert runs["exact"].results[p] == runs["balanced"].results[p]
+
+
+@pytest.mark.parametrize("gpus,mtbf", [(16384, LLAMA3_MTBF_GPU_HOURS), (131072, math.inf)])
+def test_shrink_mode_changes_nothing_without_a_shrink(gpus: int, mtbf: float) -> None:
+    docs = {}
+    for mode in ("balanced", "exact"):
+        res = simulate(Scenario(gpus=gpus, days=30, mtbf_gpu_hours=mtbf, seed=5, shrink=mode), POLICIES, CAL)
+        assert res.results["leto"].events["shrinks"] == 0
+        docs[mode] = res.to_json()
+        assert docs[mode].pop("shrink") == mode
+    assert docs["balanced"] == docs["exact"]
+
+
+def test_cli_shrink_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    prod = {}
+    for mode in ("balanced", "exact"):
+        rc, out, _ = run_cli(capsys, "--gpus", "16384", "--spares", "0", "--seed", "2", "--shrink", mode, "--json")
+        assert rc == 0
+        doc = json.loads(out)
+        assert doc["shrink"] == mode
+        prod[mode] = doc["productivity"]["leto"]
+    rc, out, _ = run_cli(capsys, "--gpus", "16384", "--spares", "0", "--seed", "2", "--json")
+    assert json.loads(out)["shrink"] == "balanced"  # the default
+    assert json.loads(out)["productivity"]["leto"] == prod["balanced"] > prod["exact"]
+    rc, out, _ = run_cli(capsys, "--gpus", "16384", "--shrink", "exact")
+    assert rc == 0 and "shrink exact" in out
+    with pytest.raises(ValueError, match="--shrink"):
+        Scenario(shrink="fast").validate()
 
 
 def test_leto_target_at_131072_gpus() -> None:
@@ -274,6 +347,8 @@ def test_bad_calibration_names_file_and_key(tmp_path: Path, content: str, needle
         (["--mtbf-gpu-hours", "-5"], "--mtbf-gpu-hours"),
         (["--spares", "-1"], "--spares"),
         (["--policy", "magic"], "unknown policy 'magic'"),
+        (["--shrink", "fast"], "--shrink: invalid choice: 'fast'"),
+        (["--shrink"], "--shrink"),
         (["--calibration", "/nonexistent/bench.json"], "/nonexistent/bench.json"),
         (["--set", "warp=9"], "unknown assumption 'warp'"),
         (["--set", "params=lots"], "params"),

@@ -19,6 +19,7 @@ from .calibration import CalibrationError, load_calibration
 from .engine import (
     LOSS_KEYS,
     POLICIES,
+    SHRINK_MODES,
     Scenario,
     SimulationResult,
     SweepPoint,
@@ -96,6 +97,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_float,
         default=None,
         help="hours until a lost node returns to the spare pool (24)",
+    )
+    p.add_argument(
+        "--shrink",
+        choices=SHRINK_MODES,
+        default="balanced",
+        help="how a shrunk Leto job runs: balanced (a loss function of the rank's share, "
+        "the global batch re-split over the replicas left) or exact (a loss function of the "
+        "replica, as in 'leto train': the launch's replicas kept, the busiest rank sets the "
+        "step) (balanced)",
     )
     p.add_argument(
         "--policy",
@@ -181,7 +191,7 @@ def format_table(res: SimulationResult, runtime_s: float) -> str:
         f"{PROG}: {sc.gpus:,} GPUs ({sc.nodes:,} nodes x {sc.gpus_per_node}), {sc.days:g} days, seed {sc.seed}",
         f"failures: {res.failures:,} ({res.node_losing_failures:,} lose the node); per-GPU MTBF "
         f"{sc.mtbf_gpu_hours:,.0f} h -> job MTBF {sc.job_mtbf_s / 60:,.1f} min; spares "
-        f"{sc.spare_nodes:,}, repair {sc.assumptions.repair_hours:g} h",
+        f"{sc.spare_nodes:,}, repair {sc.assumptions.repair_hours:g} h, shrink {sc.shrink}",
         "",
         "lost wall time by cause (fractions of wall time):",
     ]
@@ -269,6 +279,7 @@ def _run(argv: Sequence[str] | None) -> int:
         mtbf_gpu_hours=args.mtbf_gpu_hours,
         spares=args.spares,
         seed=args.seed,
+        shrink=args.shrink,
         assumptions=assumptions,
     )
     try:

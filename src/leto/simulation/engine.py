@@ -16,7 +16,10 @@ Policies:
 * `leto` -- in place: survivors keep running, a shadow trainer adopts the failed rank(s),
   lost optimizer shards are decoded from tier 1 (inside a node) or tier 2 (across nodes),
   only the communicators containing the failed ranks are rebuilt; with no spare left the job
-  shrinks by one model replica per missing node and grows back when a node returns.
+  shrinks by one model replica per missing node and grows back when a node returns. How
+  fast it runs while shrunk depends on the training loop (`shrink_throughput`): `balanced`
+  re-splits the global batch over the replicas left, `exact` keeps the launch's replicas and
+  hosts several on some ranks.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ __all__ = [
     "FailureStream",
     "PolicyCosts",
     "PolicyResult",
+    "SHRINK_MODES",
     "Scenario",
     "SimulationResult",
     "SweepPoint",
@@ -62,6 +66,7 @@ __all__ = [
     "free_host_cores",
     "input_figures",
     "leto_protection",
+    "shrink_throughput",
     "simulate",
     "sweep",
     "sweep_sizes",
@@ -70,11 +75,29 @@ __all__ = [
 POLICIES = ("checkpoint-restart", "memory-restart", "leto")
 MAX_EXPECTED_FAILURES = 1e7
 LOSS_KEYS = ("protection", "lost_work", "detection", "recovery", "waiting_for_spares", "shrink")
+SHRINK_MODES = ("balanced", "exact")
+
+
+def shrink_throughput(mode: str, gpus: int, lost_gpus: int) -> float:
+    """Fraction of full-width throughput of a job of `gpus` GPUs running without `lost_gpus`.
+
+    `balanced` (a loss function of the rank's share): the global batch is re-split over the
+    replicas left, `(R - s) / R`. `exact` (a loss function of the replica): the R replicas of
+    the launch stay, the D = R - s ranks left host ceil or floor of R / D each, and a step
+    takes as long as the busiest: `1 / ceil(R / D)`. R / D = gpus / (gpus - lost_gpus).
+    """
+    if mode == "balanced":
+        return max(0.0, 1.0 - lost_gpus / gpus)
+    if mode == "exact":
+        left = gpus - lost_gpus
+        return 1.0 / -(-gpus // left) if left > 0 else 0.0
+    raise ValueError(f"unknown shrink mode {mode!r} (choose from {', '.join(SHRINK_MODES)})")
 
 
 @dataclass(frozen=True)
 class Scenario:
-    """What to simulate. `spares=None` means ceil(spare_fraction x nodes), at least 1."""
+    """What to simulate. `spares=None` means ceil(spare_fraction x nodes), at least 1;
+    `shrink` is how a shrunk Leto job runs (`shrink_throughput`)."""
 
     gpus: int = 131072
     gpus_per_node: int = 8
@@ -82,6 +105,7 @@ class Scenario:
     mtbf_gpu_hours: float = LLAMA3_MTBF_GPU_HOURS
     spares: int | None = None
     seed: int = 0
+    shrink: str = "balanced"
     replica: int = 0
     assumptions: Assumptions = field(default_factory=Assumptions)
     failure_classes: tuple[FailureClass, ...] = LLAMA3_FAILURES
@@ -110,6 +134,8 @@ class Scenario:
             raise ValueError(f"--spares must be an integer >= 0, got {self.spares!r}")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"--seed must be an integer >= 0, got {self.seed!r}")
+        if self.shrink not in SHRINK_MODES:
+            raise ValueError(f"--shrink must be one of {', '.join(SHRINK_MODES)}, got {self.shrink!r}")
         if free_host_cores(a, g) <= 0:
             raise ValueError(
                 f"no host cores left for protection: host_cores_per_node "
@@ -195,6 +221,7 @@ class PolicyCosts:
     redo_s: float = 0.0
     shrink_nodes: int = 1
     shrink_gpus: int = 0
+    shrink_mode: str = "balanced"
     components: dict[str, float] = field(default_factory=dict)
 
 
@@ -340,6 +367,7 @@ def build_costs(policy: str, sc: Scenario, cal: Calibration) -> PolicyCosts:
             redo_s=redo,
             shrink_nodes=_shrink_nodes(a, sc.gpus_per_node),
             shrink_gpus=_shrink_nodes(a, sc.gpus_per_node) * sc.gpus_per_node,
+            shrink_mode=sc.shrink,
             components={
                 **prot,
                 "rebuild_s": rebuild,
@@ -456,7 +484,7 @@ def _run(
             work += min(rest, pc.work_s)
             prot += max(0.0, rest - pc.work_s)
             rest = 0.0
-        thr = max(0.0, 1.0 - short * pc.shrink_gpus / gpus)
+        thr = shrink_throughput(pc.shrink_mode, gpus, short * pc.shrink_gpus)
         acc["useful"] += work * thr
         acc["shrink"] += work * (1.0 - thr)
         acc["protection"] += prot
@@ -587,6 +615,7 @@ class SimulationResult:
             "job_mtbf_s": sc.job_mtbf_s,
             "spares": sc.spare_nodes,
             "repair_hours": sc.assumptions.repair_hours,
+            "shrink": sc.shrink,
             "step_s": step_time_s(sc.assumptions),
             "failures": self.failures,
             "node_losing_failures": self.node_losing_failures,
