@@ -209,11 +209,13 @@ def test_a_host_that_lost_its_lease_cannot_write(etcd: tuple[str, int]) -> None:
     rev = s.create("control/host/0", "me", lease)
     assert rev is not None and s.create("control/host/0", "again", lease) is None
     child = EtcdStore.from_url(s.url(fence=("control/host/0", rev)), 5.0)
+    twin = child.clone()  # another client (a second concurrent rendezvous), under the same fence
     child.set("k", "1")
     assert child.add("n", 1) == 1
     s.revoke(lease)
     assert s.entry("control/host/0") is None
-    for write in (lambda: child.set("k", "2"), lambda: child.add("n", 1), lambda: child.delete_key("k")):
+    writes = (lambda: child.set("k", "2"), lambda: child.add("n", 1), lambda: child.delete_key("k"))
+    for write in (*writes, lambda: twin.set("k", "2")):
         with pytest.raises(Fenced, match="lost its lease"):
             write()
     assert s.get("k") == b"1" and s.add("n", 0) == 1

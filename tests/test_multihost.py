@@ -170,6 +170,28 @@ def test_a_tensor_parallel_job_survives_the_sigkill_of_a_host(cluster: Cluster, 
     assert sorted(rec["failed_ranks"]) == [2 * node, 2 * node + 1]
 
 
+def test_a_tensor_parallel_job_with_no_shadow_shrinks_across_hosts_to_the_failure_free_digest(
+    cluster: Cluster, tmp_path: Path, launcher
+) -> None:
+    """TP 2 x DP 3 over three hosts with no shadow: a worker host is SIGKILLed with its etcd
+    member, the job goes on with two of its three replicas' processes, one rank of each slice
+    hosting two of the launch's replicas (a member twice of the group of replicas, joined
+    through two etcd clients), and still ends with the failure-free digest."""
+    reference = reference_digest(launcher, tmp_path, *without_flags(JOB, "spares"), *TP)
+    run_dir = tmp_path / "run"
+    hosts = start(cluster, run_dir, *TP, "--spares", "0")
+    at_step(run_dir, 4)
+    node = (coordinator(cluster) + 1) % 3
+    victim = host_of(cluster, run_dir, node)
+    cluster.kill_host(victim)
+    results = finish(hosts, run_dir)
+    assert all(code == 0 for i, (code, _) in enumerate(results) if i != victim), failed(results, victim)
+    s = summary(run_dir)
+    assert s["exit_code"] == 0 and s["digest"] == reference
+    rec = s["recoveries"][0]
+    assert rec["world_size"] == 4 and sorted(rec["failed_ranks"]) == [2 * node, 2 * node + 1], rec
+
+
 @pytest.mark.parametrize("fault", ["cut_link", "freeze"])
 def test_a_host_cut_off_or_frozen_is_fenced_and_never_comes_back(
     cluster: Cluster, tmp_path: Path, reference: str, fault: str

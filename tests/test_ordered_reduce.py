@@ -1,6 +1,7 @@
-"""The ordered all-reduce: the sum of L logical replicas' gradients has the same bits whichever
-processes host the replicas, across real gloo processes on 127.0.0.1; a dead peer is a
-`PeerFailure`, not a hang.
+"""The sum of the L replicas' gradients has the same bits whichever processes host the
+replicas (a shrunk job reduces over a group of the L replicas, each rank a member once per
+replica it hosts), across real gloo processes on 127.0.0.1; a dead peer is a `PeerFailure`,
+not a hang.
 
 Run as a script, this file is one of those processes (see `_worker`)."""
 
@@ -20,7 +21,7 @@ import torch
 
 from leto.runtime.comm import Comm, PeerFailure
 from leto.runtime.env import LOOPBACK, connect, loopback_store, network_env
-from leto.runtime.ordered import hosted, ordered_all_reduce, replica_hosts
+from leto.runtime.ordered import hosted, join_replicas, reduce_replicas, replica_hosts
 
 PROCESSES = 4
 # name -> (logical replicas, gradient numel, host_of); the ranks of a case are 0..max(host_of)
@@ -157,15 +158,23 @@ def test_a_dp_rank_outside_the_group_is_a_value_error(dp_rank: int) -> None:
         hosted(4, 2, dp_rank)
 
 
-def test_gradients_of_replicas_another_rank_hosts_are_a_value_error() -> None:
-    comm = SimpleNamespace(rank=0)
+def test_gradients_of_replicas_the_rank_is_no_member_for_are_a_value_error() -> None:
+    comms = {0: SimpleNamespace(), 1: SimpleNamespace()}
     with pytest.raises(ValueError):
-        ordered_all_reduce(comm, {0: torch.zeros(8), 2: torch.zeros(8)}, [0, 0, 1, 1])  # type: ignore[arg-type]
+        reduce_replicas(SimpleNamespace(), comms, {0: torch.zeros(8), 2: torch.zeros(8)})  # type: ignore[arg-type]
+
+
+def test_a_replica_whose_host_never_joins_fails_the_join_after_the_timeout() -> None:
+    """This process hosts replicas 0 and 1 of 3; nobody hosts replica 2."""
+    store = loopback_store(60)
+    with pytest.raises(PeerFailure, match="joining the group of 3 replicas failed"):
+        join_replicas(store, 0, "replicas", [0, 1], 3, 3.0, lambda: None, None, "gloo")
 
 
 def _failing_reduction(timeout_s: float) -> tuple[list[subprocess.Popen], subprocess.Popen]:
-    """Ranks 0 and 1 start an ordered all-reduce of 3 replicas; rank 2 joins the group and
-    never takes part. Returns once the survivors are in it and rank 2 has joined."""
+    """A shrunk job: ranks 0 and 1 start the reduction of 4 replicas (rank 0 hosting two); rank
+    2 joins the groups and never takes part. Returns once the survivors are in it and rank 2 has
+    joined."""
     store = loopback_store(60)
     addr = f"{LOOPBACK}:{store.port}"
     survivors = [_spawn("survive", addr, r, timeout_s) for r in (0, 1)]
@@ -194,7 +203,7 @@ def test_a_peer_that_never_sends_is_a_peer_failure_after_the_timeout() -> None:
         failures = _failures(survivors)
     finally:
         _stop([*survivors, victim])
-    assert all("all-to-all timed out after 5.0s" in f for f in failures), failures
+    assert all("all-reduce timed out after 5.0s" in f for f in failures), failures
 
 
 def test_a_killed_peer_is_a_peer_failure_at_once() -> None:
@@ -205,7 +214,7 @@ def test_a_killed_peer_is_a_peer_failure_at_once() -> None:
         failures = _failures(survivors)
     finally:
         _stop([*survivors, victim])
-    assert all(f.startswith("all-to-all failed in generation 0") for f in failures), failures
+    assert all(f.startswith("all-reduce failed in generation 0") for f in failures), failures
 
 
 def _worker(mode: str, addr: str, rank: int, arg: str) -> None:
@@ -215,25 +224,40 @@ def _worker(mode: str, addr: str, rank: int, arg: str) -> None:
         for gen, (name, (replicas, numel, host_of)) in enumerate(CASES.items()):
             if rank > max(host_of):
                 continue
-            comm = Comm(store, gen, rank, max(host_of) + 1, 30)
+            dp, comms = _join(store, gen, rank, replicas, host_of, 30)
             grads = {r: gradient(replicas, numel, r) for r in range(replicas) if host_of[r] == rank}
-            ordered_all_reduce(comm, grads, host_of)
+            reduce_replicas(dp, comms, grads)
             torch.save(grads, Path(arg) / f"{name}.{rank}.pt")
-            comm.close()
+            for comm in (dp, *comms.values()):
+                comm.close()
         return
-    comm = Comm(store, 0, rank, 3, float(arg))  # arg: the comm timeout
+    host_of = [0, 0, 1, 2]  # shrunk: rank 0 hosts two replicas, the victim (rank 2) one
+    dp, comms = _join(store, 0, rank, 4, host_of, float(arg))  # arg: the comm timeout
     if mode == "stall":
         print("joined", flush=True)
         time.sleep(600)
         return
-    grads = {rank: gradient(3, 1 << 20, rank)}  # large enough that a send waits for its receiver
+    grads = {r: gradient(4, 1 << 20, r) for r in range(4) if host_of[r] == rank}
     print("reducing", flush=True)
     try:
-        ordered_all_reduce(comm, grads, [0, 1, 2])
+        reduce_replicas(dp, comms, grads)
     except PeerFailure as e:
         print(json.dumps({"failure": str(e)}), flush=True)
         os._exit(0)  # the group is left to its background timeout
-    sys.exit("the reduction finished without its third replica")
+    sys.exit("the reduction finished without the victim's replica")
+
+
+def _join(
+    store: object, gen: int, rank: int, replicas: int, host_of: list[int], timeout_s: float
+) -> tuple[Comm, dict[int, Comm]]:
+    """The DP group of a case and, where it runs on fewer ranks than replicas, this rank's
+    members of the group of all replicas (what `make_comms` builds in a job)."""
+    size = max(host_of) + 1
+    dp = Comm(store, gen, rank, size, timeout_s)
+    if size == replicas:
+        return dp, {}
+    mine = [r for r in range(replicas) if host_of[r] == rank]
+    return dp, join_replicas(store, gen, "replicas", mine, replicas, timeout_s, lambda: None, None, "gloo")
 
 
 if __name__ == "__main__":

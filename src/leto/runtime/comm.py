@@ -129,20 +129,22 @@ class Comm:
         self._wait(self.pg._allgather_base(host_out, host_inp), "all-gather")
         self._back(out, host_out)
 
-    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> None:
-        """Rank r's piece `in_splits[r]` of `inp` goes to rank r, whose `out` holds the pieces of
-        every rank in rank order (`out_splits[q]` elements from rank q)."""
-        host_out, host_inp = self._host(out), self._host(inp)
-        work = self.pg.alltoall_base(host_out, host_inp, out_splits, in_splits, dist.AllToAllOptions())
-        self._wait(work, "all-to-all")
-        self._back(out, host_out)
-
     def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
+        self.start_all_reduce(t, op)()
+
+    def start_all_reduce(self, t: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> Callable[[], None]:
+        """Start an all-reduce of `t`; the returned function waits for it (several groups' reductions
+        can be in flight at once)."""
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
         host = self._host(t)
-        self._wait(self.pg.allreduce([host], opts), "all-reduce")
-        self._back(t, host)
+        work = self.pg.allreduce([host], opts)
+
+        def wait() -> None:
+            self._wait(work, "all-reduce")
+            self._back(t, host)
+
+        return wait
 
     def broadcast(self, t: torch.Tensor, root: int) -> None:
         opts = dist.BroadcastOptions()

@@ -94,6 +94,11 @@ class EtcdStore(EtcdControl, dist.Store):
             self.write_once,
         )
 
+    def clone(self) -> EtcdStore:
+        """Another client with this one's fence (torch's `Store.clone`: a thread of its own that
+        waits on the store while this one does)."""
+        return self.client(self.fence, self.abort)
+
     def close(self) -> None:
         """Stop the mirror's watch, if it has one."""
         if self._mirror is not None:

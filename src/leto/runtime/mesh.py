@@ -8,13 +8,14 @@ contiguous nodes), and the ranks holding the same slice of the model form a DP g
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from leto.protocol.messages import node_of_rank
 from leto.runtime.comm import Comm
+from leto.runtime.ordered import hosted, join_replicas
 
 
 @dataclass(frozen=True)
@@ -90,14 +91,17 @@ def _groups_fit(workers: int, nodes: int, tp: int) -> bool:
 @dataclass
 class MeshComms:
     """The communicators of one generation: `world` (every rank), `tp` (this rank's TP group;
-    None when tp is 1) and `dp` (its DP group; the world Comm itself when tp is 1)."""
+    None when tp is 1), `dp` (its DP group; the world Comm itself when tp is 1) and, while the
+    job runs with fewer DP ranks than the replicas of its launch, `replicas`: this rank's
+    members of the group of all replicas, by the replica it hosts (`leto.runtime.ordered`)."""
 
     world: Comm
     tp: Comm | None
     dp: Comm
+    replicas: dict[int, Comm] = field(default_factory=dict)
 
     def close(self, abandon: bool = False) -> None:
-        for comm in (self.dp, self.tp, self.world):
+        for comm in (*self.replicas.values(), self.dp, self.tp, self.world):
             if comm is not None and comm.pg is not None:
                 comm.close(abandon)
 
@@ -110,23 +114,46 @@ def make_comms(
     abort_check: Callable[[], str | None] = lambda: None,
     device: torch.device | None = None,
     backend: str | None = None,
+    replicas: int | None = None,
 ) -> MeshComms:
-    """Join generation `generation`'s groups: world, then the TP group, then the DP group. A
+    """Join generation `generation`'s groups: world, then the TP group, then the DP group, then,
+    with fewer DP ranks than `replicas`, the group of the replicas (`replicas{tp_rank}`). A
     Comm's constructor blocks until every member of its group has joined, so every rank builds
     them in this one order; a group's members share its name (`tp{dp_rank}`, `dp{tp_rank}`)."""
     world = Comm(store, generation, mesh.rank, mesh.world_size, timeout_s, abort_check, device, backend=backend)
-    if mesh.tp == 1:
-        return MeshComms(world=world, tp=None, dp=world)
-    comms = [world]
+    comms = MeshComms(world=world, tp=None, dp=world)
     try:
-        for name, rank, size in (
-            (f"tp{mesh.dp_rank}", mesh.tp_rank, mesh.tp),
-            (f"dp{mesh.tp_rank}", mesh.dp_rank, mesh.dp),
-        ):
+        if mesh.tp > 1:
             # the world's backend: `backend_for` decides it by the job's world size, not the group's
-            comms.append(Comm(store, generation, rank, size, timeout_s, abort_check, device, name, world.backend))
+            comms.tp = Comm(
+                store,
+                generation,
+                mesh.tp_rank,
+                mesh.tp,
+                timeout_s,
+                abort_check,
+                device,
+                f"tp{mesh.dp_rank}",
+                world.backend,
+            )
+            comms.dp = Comm(
+                store,
+                generation,
+                mesh.dp_rank,
+                mesh.dp,
+                timeout_s,
+                abort_check,
+                device,
+                f"dp{mesh.tp_rank}",
+                world.backend,
+            )
+        if replicas is not None and mesh.dp < replicas:
+            mine = hosted(replicas, mesh.dp, mesh.dp_rank)
+            name = f"replicas{mesh.tp_rank}"
+            comms.replicas = join_replicas(
+                store, generation, name, mine, replicas, timeout_s, abort_check, device, world.backend
+            )
     except BaseException:
-        for comm in comms:
-            comm.close(abandon=True)
+        comms.close(abandon=True)
         raise
-    return MeshComms(world=world, tp=comms[1], dp=comms[2])
+    return comms

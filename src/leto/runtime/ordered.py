@@ -1,22 +1,23 @@
 """A gradient sum whose bits do not depend on how many processes compute it.
 
-The job has a fixed number L of logical data-parallel replicas; after a shrink a process hosts
-several of them. gloo's all-reduce adds in an order that depends on the number of ranks, so a
-shrunk run would drift from a failure-free one by rounding. `ordered_all_reduce` adds every
-element in replica order, ((g0 + g1) + g2) + ..., whatever the hosting: an all-to-all hands each
-of the D processes its segment of every replica's gradient, the process folds them in replica
-order, and an all-gather returns the sums. Two of gloo's own collectives (asynchronous, so an
-abort releases them); each process sends what a ring all-reduce sends, 2(D-1)/D of the gradient
-(times the replicas it hosts, for the all-to-all), and holds one gradient-sized receive buffer.
+The job keeps the L data-parallel replicas of its launch; after a shrink a DP rank hosts
+several of them (`replica_hosts`). gloo's all-reduce adds in an order that depends on the
+number of ranks in the group, and on nothing else, so a shrunk job sums over a group of the L
+replicas: a DP rank joins it once for each replica it hosts (`join_replicas`), and
+`reduce_replicas` runs one all-reduce per hosted replica, all in flight at once. Same group
+size, same algorithm, same bits as at full width, where the DP group itself is that group and
+nothing extra runs: a failure-free step pays nothing for it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
-from leto.runtime.comm import Comm
+from leto.runtime import threads
+from leto.runtime.comm import Comm, PeerFailure
 
 
 def _part(n: int, parts: int, i: int) -> range:
@@ -45,67 +46,54 @@ def hosted(replicas: int, dp_size: int, dp_rank: int) -> range:
     return _part(replicas, dp_size, dp_rank)
 
 
-def ordered_all_reduce(comm: Comm, grads: dict[int, torch.Tensor], host_of: Sequence[int]) -> None:
-    """In place, every tensor of `grads` (logical replica -> its flat gradient, one for each
-    replica this rank hosts) becomes the sum over all len(host_of) logical replicas, each
-    element added in replica order."""
-    n = len(host_of)
-    mine = sorted(grads)
-    if mine != [r for r in range(n) if host_of[r] == comm.rank]:
-        raise ValueError(f"rank {comm.rank} hosts replicas {mine}, not those host_of gives it")
-    if not mine or n == 1:
-        return
-    d, first = comm.world_size, grads[mine[0]]
-    numel = first.numel()
-    if any(g.dim() != 1 or g.numel() != numel or not g.is_contiguous() for g in grads.values()):
-        raise ValueError("every gradient must be a contiguous 1-D tensor of one size")
-    seg = -(-numel // d)  # every rank's segment, the last ones padded
-    # what goes to rank q: segment q of each replica this rank hosts, in replica order
-    if d == 1:
-        inp = None
-    elif len(mine) == 1 and numel == seg * d:
-        inp = first
-    else:
-        inp = torch.zeros(d, len(mine), seg, dtype=first.dtype, device=first.device)
-        for q in range(d):
-            for i, r in enumerate(mine):
-                piece = grads[r][q * seg : (q + 1) * seg]
-                inp[q, i, : piece.numel()] = piece
-    parts = _segments(grads, mine, inp, comm, n, seg, host_of)
-    length = max(0, min(numel, (comm.rank + 1) * seg) - comm.rank * seg)  # of this rank's segment
-    total = parts[0][:length].clone()
-    for part in parts[1:]:  # the fold, in replica order
-        total += part[:length]
-    if d == 1:
-        for r in mine:
-            grads[r].copy_(total)
-        return
-    gathered = first if numel == seg * d else torch.empty(seg * d, dtype=first.dtype, device=first.device)
-    block = torch.zeros(seg, dtype=first.dtype, device=first.device)
-    block[: total.numel()] = total
-    comm.all_gather(gathered, block)
-    for r in mine:
-        if grads[r] is not gathered:
-            grads[r].copy_(gathered[:numel])
+def join_replicas(
+    store: dist.Store,
+    generation: int,
+    name: str,
+    mine: Sequence[int],
+    replicas: int,
+    timeout_s: float,
+    abort_check: Callable[[], str | None],
+    device: torch.device | None,
+    backend: str,
+) -> dict[int, Comm]:
+    """This rank's members of the group `name` of all `replicas` replicas: one Comm for each
+    replica in `mine`, built at once (each constructor waits for the whole group). NCCL cannot
+    hold two ranks of a group on one device, so the group runs on gloo there."""
+    backend = "gloo" if backend == "nccl" else backend
+    box: dict[int, Comm | BaseException] = {}
+
+    def build(r: int, client: dist.Store) -> None:
+        try:
+            box[r] = Comm(client, generation, r, replicas, timeout_s, abort_check, device, name, backend)
+        except BaseException as e:  # handed to the joining thread
+            box[r] = e
+
+    # a store client serves one blocking wait at a time: each concurrent join has its own
+    clients = [store, *(store.clone() for _ in mine[1:])]
+    joiners = [threads.start(build, f"leto-join-replica-{r}", r, c) for r, c in zip(mine, clients)]
+    for t in joiners:
+        t.join(timeout_s + 5)  # each Comm gives up by itself within timeout_s
+    comms = {r: c for r, c in box.items() if isinstance(c, Comm)}
+    if len(comms) < len(mine):
+        for c in comms.values():
+            c.close(abandon=True)
+        why = next((str(e) for e in box.values() if isinstance(e, BaseException)), "timed out")
+        raise PeerFailure(f"joining the group of {replicas} replicas failed: {why}")
+    return comms
 
 
-def _segments(
-    grads: dict[int, torch.Tensor],
-    mine: list[int],
-    inp: torch.Tensor | None,
-    comm: Comm,
-    n: int,
-    seg: int,
-    host_of: Sequence[int],
-) -> list[torch.Tensor]:
-    """This rank's segment of every replica's gradient, in replica order (an all-to-all)."""
-    if inp is None:  # one process hosts every replica
-        return [grads[r][:seg] for r in range(n)]
-    d = comm.world_size
-    hosted_by = [[r for r in range(n) if host_of[r] == q] for q in range(d)]
-    out = torch.empty(n, seg, dtype=inp.dtype, device=inp.device)
-    comm.all_to_all(out.view(-1), inp.reshape(-1), [len(h) * seg for h in hosted_by], [len(mine) * seg] * d)
-    # out holds rank 0's replicas, then rank 1's, ...: put them in replica order
-    order = [r for h in hosted_by for r in h]
-    by_replica = dict(zip(order, out))
-    return [by_replica[r] for r in range(n)]
+def reduce_replicas(dp: Comm, comms: dict[int, Comm], grads: dict[int, torch.Tensor]) -> None:
+    """In place, every tensor of `grads` (replica -> its gradient, one for each replica this DP
+    rank hosts) becomes the sum over all replicas, with the bits of a full-width run: over the
+    DP group where it hosts one replica each (`comms` empty), else over `comms`, the group of
+    all replicas (`join_replicas`)."""
+    if not comms:
+        (grad,) = grads.values()
+        dp.all_reduce(grad)
+        return
+    if sorted(comms) != sorted(grads):
+        raise ValueError(f"gradients of replicas {sorted(grads)}, members of the group for {sorted(comms)}")
+    waits = [comms[r].start_all_reduce(g) for r, g in grads.items()]
+    for wait in waits:
+        wait()

@@ -71,6 +71,7 @@ class RankMember:
         self.comm: Comm | None = None  # the world's
         self.tp_comm: Comm | None = None
         self.dp_comm: Comm | None = None
+        self.replica_comms: dict[int, Comm] = {}  # while shrunk: the group of the launch's replicas
         self.watch: GenerationWatch | None = None
         self.membership: Membership | None = None
         self.mode: Unprotected = Unprotected(sharded)
@@ -127,6 +128,11 @@ class RankMember:
         """Model replicas (the rank's DP group)."""
         return self.world_size // self.tp
 
+    @property
+    def replicas(self) -> int:
+        """The model replicas of the launch: the DP size at full width, fixed for the run."""
+        return self.job.config.training.workers // self.tp
+
     def start(self) -> bool:
         """Before the first step: a zygote forks shadows (and goes on in a fork, a shadow from
         here on), a shadow waits to be adopted, a worker connects. False when this process has
@@ -152,7 +158,8 @@ class RankMember:
             self.membership = read_membership(job.store, 0)
             self.watch = GenerationWatch(os.environ[rt.ENV_STORE], job.proc_id, 0, job.timeout_s)
         abort = self.watch.reason if self.watch else (lambda: None)
-        self._use(make_comms(self._mesh(), job.store, 0, job.timeout_s, abort, job.device, self.backend), adopt=False)
+        comms = make_comms(self._mesh(), job.store, 0, job.timeout_s, abort, job.device, self.backend, self.replicas)
+        self._use(comms, adopt=False)
         self.dp_comm.broadcast(self.flat_param, 0)  # every replica starts from the first one's initialization
         self.sharded.take_master(self.dp_rank)
         self._resume()  # --resume: start from a persistent checkpoint
@@ -181,14 +188,23 @@ class RankMember:
                 self.sharded.fresh_grads()
         job = self.job
         self._use(
-            make_comms(self._mesh(), job.store, generation, job.timeout_s, self.watch.reason, job.device, self.backend),
+            make_comms(
+                self._mesh(),
+                job.store,
+                generation,
+                job.timeout_s,
+                self.watch.reason,
+                job.device,
+                self.backend,
+                self.replicas,
+            ),
             adopt,
         )
 
     def _park_groups(self) -> None:
         """Abandon this generation's groups (world, TP, DP; one Comm without TP)."""
         if self.comm is not None:
-            MeshComms(self.comm, self.tp_comm, self.dp_comm).close(abandon=True)
+            MeshComms(self.comm, self.tp_comm, self.dp_comm, self.replica_comms).close(abandon=True)
 
     def _mesh(self) -> Mesh:
         if self.world_size % self.tp:
@@ -198,7 +214,7 @@ class RankMember:
     def _use(self, comms: MeshComms, adopt: bool) -> None:
         """Train with these groups; with tensor parallelism the model's slice is the TP rank's
         (`adopt`: a shadow may take over any TP coordinate)."""
-        self.comm, self.tp_comm, self.dp_comm = comms.world, comms.tp, comms.dp
+        self.comm, self.tp_comm, self.dp_comm, self.replica_comms = comms.world, comms.tp, comms.dp, comms.replicas
         if self.slices is not None and comms.tp is not None:
             self.slices.join(comms.tp if self.injector is None else _FaultingGroup(comms.tp, self._tp_fault), adopt)
             self.sharded.norm_mask = self.slices.norm_mask(self.sharded.flat_param.numel(), self.job.device)
@@ -272,6 +288,7 @@ class RankMember:
         groups and protection; the process stays, a shadow from here on."""
         self._park_groups()
         self.comm = self.tp_comm = self.dp_comm = None
+        self.replica_comms = {}
         self.mode.close()
         self.mode = Unprotected(self.sharded)
         if self.watch is not None:

@@ -13,7 +13,7 @@ import torch
 from leto.protection.layout import STATE_ROWS, Geometry
 from leto.recovery.rebuild import RecoveryError
 from leto.runtime.comm import Comm
-from leto.runtime.ordered import ordered_all_reduce
+from leto.runtime.ordered import reduce_replicas
 from leto.training.flat import bind_grads, flatten
 from leto.training.optim import MASTER
 from leto.training.param_groups import ParamGroups
@@ -245,26 +245,28 @@ class ShardedState:
         self.flat_grad.zero_()
 
     def reduce_grads(
-        self, comm: Comm, step: int, replicas: tuple[int, dict[int, torch.Tensor], list[int]] | None = None
+        self, comm: Comm, step: int, replicas: tuple[int, dict[int, torch.Tensor], dict[int, Comm]] | None = None
     ) -> None:
         """Reduce `step`'s gradients: all-reduced into `flat_grad` where every rank holds the
         whole gradient, else reduce-scattered into this rank's own gradient buffer.
 
         `replicas` = (the replica whose gradient `flat_grad` holds, the gradients of the other
-        replicas this rank hosts, the DP rank hosting each replica): summed in replica order
-        (`ordered_all_reduce`), the same bits however the replicas are hosted."""
-        if replicas is None:
-            if self.replicated_grads:
-                comm.all_reduce(self.flat_grad)
-                return
-            comm.reduce_scatter(self.grad_buf_for(step).view(-1), self.flat_grad)
-        else:
-            mine, others, host_of = replicas
-            ordered_all_reduce(comm, {**others, mine: self.flat_grad}, host_of)
+        replicas this rank hosts, its members of the group of all replicas while shrunk): summed
+        with the bits of a full-width run (`reduce_replicas`). An all-reduce covers the
+        parameters' elements only, not the padding: gloo cuts a tensor into segments by its
+        size, and the padding depends on the number of shards."""
+        if replicas is not None and replicas[2]:
+            mine, others, group = replicas
+            reduce_replicas(comm, group, {r: g[: self.numel] for r, g in {**others, mine: self.flat_grad}.items()})
             if self.replicated_grads:
                 return
             n = self.shard_elems
             self.grad_buf_for(step).view(-1).copy_(self.flat_grad[comm.rank * n : (comm.rank + 1) * n])
+        elif self.replicated_grads:
+            comm.all_reduce(self.flat_grad[: self.numel])
+            return
+        else:
+            comm.reduce_scatter(self.grad_buf_for(step).view(-1), self.flat_grad)
         self.gbuf_step[step % len(self.gbufs)] = step
 
     def grad_norm(self, comm: Comm, world_size: int, step: int, tp: Comm | None = None) -> float:

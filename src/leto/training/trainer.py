@@ -27,7 +27,7 @@ from leto.runtime import trace
 from leto.runtime.comm import PeerFailure, backend_for, reduction_replicates
 from leto.runtime.env import Job
 from leto.runtime.etcd_store import Fenced
-from leto.runtime.ordered import hosted, replica_hosts
+from leto.runtime.ordered import hosted
 from leto.training.flat import state_digest
 from leto.training.member import RankMember
 from leto.training.metrics import StepLog
@@ -74,8 +74,8 @@ class Trainer:
 
     A loss function of the replica keeps the failure-free bits across a shrink and a grow: the
     global batch stays split over the `replicas` of the launch, each computed on its own by
-    whichever process hosts it now, and their gradients are summed in an order fixed by replica
-    (`leto.runtime.ordered`). A loss function without arguments trains on the rank's share
+    whichever process hosts it now, and their gradients are summed over a group of all the
+    replicas, as at full width (`leto.runtime.ordered`). A loss function without arguments trains on the rank's share
     (`dp_rank` of `dp_size`), re-split at a resize, where the losses track the failure-free run.
 
     Every step (and, per replica, every replica's loss function) starts with torch's, Python's
@@ -159,7 +159,7 @@ class Trainer:
     def replicas(self) -> int:
         """The model replicas of the launch, fixed for the whole run: a loss function of the
         replica (`trainer.step(lambda replica: ...)`) trains on replica's slice of the global batch."""
-        return self.job.config.training.workers // self.member.tp
+        return self.member.replicas
 
     @property
     def step_count(self) -> int:
@@ -237,10 +237,7 @@ class Trainer:
                 loss = self._forward(fns[0], replica)
             losses[replica] = self._backward(loss, fns, w / len(fns)) / len(fns) * w
         fault("reduce-scatter", t + 1)
-        if replica < 0:
-            s.reduce_grads(m.dp_comm, t + 1)
-        else:
-            s.reduce_grads(m.dp_comm, t + 1, (replica, others, replica_hosts(self.replicas, self.dp_size)))
+        s.reduce_grads(m.dp_comm, t + 1, None if replica < 0 else (replica, others, m.replica_comms))
         m.gather_rank_state(t + 1)  # held with the gradients: a replay of t+1 finds both
         if self._max_grad_norm is not None:
             self._clip(t + 1)  # in place, before they count as held: a replay reads them clipped
