@@ -240,6 +240,25 @@ def s_recoveries(run_dir: Path) -> list[dict]:
     return s["recoveries"] + s["resizes"]
 
 
+# `leto train --shrink balanced` re-splits the global batch over the ranks left, summing the same
+# gradients in another order: its losses drift from the failure-free run's by float rounding,
+# amplified at loss spikes (measured over 100 steps: 1.3e-3 relative at worst, ~1e-6 at the median)
+LOSS_RTOL_MAX, LOSS_RTOL_MEDIAN = 1e-2, 1e-4
+
+
+def check_trajectory(launcher: Launcher, tmp_path: Path, run_dir: Path, *job: str) -> None:
+    """The losses of the run in `run_dir` track a failure-free run of `job` (a balanced shrink)."""
+    ref = tmp_path / "ref"
+    res, _ = train(launcher, ref, *job, "--protection", "off")
+    assert res.returncode == 0, res.stderr[-3000:]
+    want, got = losses(ref), losses(run_dir)
+    # a step finished by the recovery itself (its gradients were complete) has no loss record
+    assert max(got) == max(want) and len(set(want) - set(got)) <= len(s_recoveries(run_dir))
+    rel = sorted(abs(got[s] - want[s]) / want[s] for s in got)
+    assert rel[-1] <= LOSS_RTOL_MAX, f"loss differs by {rel[-1]:.2e} relative"
+    assert rel[len(rel) // 2] <= LOSS_RTOL_MEDIAN, f"median loss difference {rel[len(rel) // 2]:.2e} relative"
+
+
 def check_resized_exactly(launcher: Launcher, tmp_path: Path, run_dir: Path, summary: dict, *job: str) -> None:
     """The run in `run_dir` (shrunk and maybe grown back) ended with the digest of a failure-free
     run of `job`, and every step it recorded had that run's loss, bit for bit."""

@@ -15,6 +15,7 @@ from conftest import (
     JOB,
     check_recovered,
     check_resized_exactly,
+    check_trajectory,
     processes_left,
     read_procs,
     reference_digest,
@@ -213,6 +214,19 @@ def test_with_no_shadow_left_the_survivors_take_over_the_lost_shard(launcher, tm
     assert rec["lost_steps"] == 0 and not s["resizes"]
     assert "shrinking to 3 ranks" in res.stdout
     check_resized_exactly(launcher, tmp_path, tmp_path / "run", s, *job)
+    assert not processes_left(tmp_path / "run")
+
+
+def test_a_balanced_shrink_re_splits_the_batch_over_the_ranks_left(launcher, tmp_path: Path) -> None:
+    """`--shrink balanced`: the 3 ranks left train on 11, 11 and 10 of the 32 rows, one replica
+    each, and the losses track the failure-free run."""
+    job = ("--workers", "4", "--nodes", "2", "--spares", "0", "--steps", "24", "--seed", "0")
+    res, s = train(
+        launcher, tmp_path / "run", *job, "--shrink", "balanced", "--inject", "kill:rank=1:step=8:phase=update"
+    )
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    assert s["recoveries"][0]["world_size"] == 3 and "shrinking to 3 ranks" in res.stdout
+    check_trajectory(launcher, tmp_path, tmp_path / "run", *job)
     assert not processes_left(tmp_path / "run")
 
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from leto.config import JobConfig
 from leto.errors import UsageError
 from leto.training.model import PRESETS
+from leto.training.train_gpt import SHRINK_MODES
 from leto.training.trainer import DEFAULT_CHUNK_BYTES
 
 ENV_PERSIST_DEFAULT = "LETO_PERSIST_DEFAULT"  # the default of --persist (on | off), e.g. for a test suite
@@ -291,6 +292,14 @@ def build_parser() -> _Parser:
         help="rows (sequences) of the global batch, split over the workers [the model preset's]",
     )
     _add_options(train, TRAIN_OPTIONS, TRAIN_DEFAULTS)
+    train.add_argument(
+        "--shrink",
+        choices=SHRINK_MODES,
+        default="exact",
+        help="with no shadow left: each rank left computes the launch's replicas it hosts, keeping "
+        "the failure-free bits (exact), or the global batch is re-split over the ranks left, balancing "
+        "the work (balanced) [exact]",
+    )
     train.add_argument(
         "--chunk-bytes",
         type=int,
@@ -722,7 +731,7 @@ def _train(args: argparse.Namespace) -> int:
         str(args.chunk_bytes),
         *rows_flag,
     ]
-    command = [*trajectory[:2], "--steps", str(args.steps), *trajectory[2:]]
+    command = [*trajectory[:2], "--steps", str(args.steps), *trajectory[2:], "--shrink", args.shrink]
     run_dir, code = _job(args, command, trajectory, "leto train", args.steps)  # --steps may change on resume
     path = run_dir / "summary.json"
     summary = json.loads(path.read_text()) if path.exists() else None  # another host's coordinator wrote it

@@ -20,6 +20,10 @@ from leto.training.optim import AdamW, warmup_cosine
 from leto.training.tensor_parallel import pending_group
 from leto.training.trainer import DEFAULT_CHUNK_BYTES, Trainer
 
+# with no shadow left: "exact" keeps the launch's replicas (the failure-free bits, up to twice as
+# long a step while shrunk), "balanced" re-splits the global batch over the ranks left
+SHRINK_MODES = ("exact", "balanced")
+
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="leto.training.train_gpt")
@@ -30,6 +34,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES)
     p.add_argument("--rows", type=int, default=None, help="rows of the global batch [the preset's]")
     p.add_argument("--max-grad-norm", type=float, default=None, help="clip to this global norm [no clipping]")
+    p.add_argument("--shrink", choices=SHRINK_MODES, default="exact", help="how a shrunk job splits its work [exact]")
     return p.parse_args(argv)
 
 
@@ -57,8 +62,12 @@ def main(argv: list[str] | None = None) -> None:
     device, replicas = trainer.job.device, trainer.replicas
     share = lambda replica: sampler.share(replica, replicas)  # noqa: E731
     for step in trainer.steps(args.steps):
-        # per replica of the launch: the failure-free bits survive a shrink and a grow
-        trainer.step(lambda replica: model(*sampler.batch_on(device, step, replica, replicas)), share, tokens)
+        if args.shrink == "exact":  # per replica of the launch: the failure-free bits survive a shrink
+            trainer.step(lambda replica: model(*sampler.batch_on(device, step, replica, replicas)), share, tokens)
+        else:  # this rank's share of the global batch, re-split when the job shrinks
+            dp_rank, dp_size = trainer.dp_rank, trainer.dp_size
+            x, y = sampler.batch_on(device, step, dp_rank, dp_size)
+            trainer.step(lambda: model(x, y), sampler.share(dp_rank, dp_size), tokens)
     if trainer.job.rank is None or trainer.job.run_dir is None:  # a shadow never adopted has no rank
         return
     state = trainer.state_dict()  # with --tp a collective: every rank calls it
