@@ -110,16 +110,17 @@ class Comm:
             time.sleep(delay)
             delay = min(delay * 2, 1e-3)
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, used: int | None = None) -> None:
         """out = this rank's slice of the element-wise sum of `inp` over ranks; `inp` is clobbered.
 
         gloo's reduce-scatter runs synchronously inside `wait()` (so it cannot be aborted) and
-        measured 2x slower than its ring all-reduce on loopback, so on gloo it is an all-reduce.
+        measured 2x slower than its ring all-reduce on loopback, so on gloo it is an all-reduce,
+        of the first `used` elements where only they carry data (the rest being zero everywhere).
         """
         if self.backend == "nccl":
             self._wait(self.pg._reduce_scatter_base(out, inp), "reduce-scatter")
             return
-        self.all_reduce(inp)
+        self.all_reduce(inp[:used])
         n = out.numel()
         out.copy_(inp[self.rank * n : (self.rank + 1) * n])
 

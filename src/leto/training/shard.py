@@ -266,7 +266,7 @@ class ShardedState:
             comm.all_reduce(self.flat_grad[: self.numel])
             return
         else:
-            comm.reduce_scatter(self.grad_buf_for(step).view(-1), self.flat_grad)
+            comm.reduce_scatter(self.grad_buf_for(step).view(-1), self.flat_grad, self.numel)
         self.gbuf_step[step % len(self.gbufs)] = step
 
     def grad_norm(self, comm: Comm, world_size: int, step: int, tp: Comm | None = None) -> float:
