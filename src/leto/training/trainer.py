@@ -75,8 +75,9 @@ class Trainer:
     A loss function of the replica keeps the failure-free bits across a shrink and a grow: the
     global batch stays split over the `replicas` of the launch, each computed on its own by
     whichever process hosts it now, and their gradients are summed over a group of all the
-    replicas, as at full width (`leto.runtime.ordered`). A loss function without arguments trains on the rank's share
-    (`dp_rank` of `dp_size`), re-split at a resize, where the losses track the failure-free run.
+    replicas, as at full width (`leto.runtime.ordered`). A loss function without arguments
+    trains on the rank's share (`dp_rank` of `dp_size`), re-split at a resize, where the losses
+    only track the failure-free run.
 
     Every step (and, per replica, every replica's loss function) starts with torch's, Python's
     and NumPy's global generators reseeded from (`seed`, step, DP rank or replica), so dropout
@@ -158,7 +159,8 @@ class Trainer:
     @property
     def replicas(self) -> int:
         """The model replicas of the launch, fixed for the whole run: a loss function of the
-        replica (`trainer.step(lambda replica: ...)`) trains on replica's slice of the global batch."""
+        replica (`trainer.step(lambda replica: ...)`) trains on that replica's slice of the global
+        batch."""
         return self.member.replicas
 
     @property
