@@ -153,19 +153,26 @@ def test_sigkill_of_every_process_of_a_host_and_its_etcd_member(
 TP = ("--tp", "2", "--persist", "off")  # each host holds one TP group (a model replica)
 
 
-def test_a_tensor_parallel_job_survives_the_sigkill_of_a_host(cluster: Cluster, tmp_path: Path, launcher) -> None:
-    """TP 2 x DP 3 over three hosts: a worker host's processes and its etcd member are SIGKILLed,
-    taking a whole TP group; shadows on the survivors adopt both of its ranks, and the job ends
-    with the failure-free digest of the same layout."""
-    reference = reference_digest(launcher, tmp_path, *without_flags(JOB, "spares"), *TP)
+def _kill_a_worker_host(cluster: Cluster, tmp_path: Path, *flags: str) -> tuple[Path, int]:
+    """Run the job with `flags`, SIGKILL a worker host (not the coordinator's) at step 4 with its
+    etcd member, and wait for the others to finish with code 0; the run folder and the lost node."""
     run_dir = tmp_path / "run"
-    hosts = start(cluster, run_dir, *TP)
+    hosts = start(cluster, run_dir, *flags)
     at_step(run_dir, 4)
     node = (coordinator(cluster) + 1) % 3
     victim = host_of(cluster, run_dir, node)
     cluster.kill_host(victim)
     results = finish(hosts, run_dir)
     assert all(code == 0 for i, (code, _) in enumerate(results) if i != victim), failed(results, victim)
+    return run_dir, node
+
+
+def test_a_tensor_parallel_job_survives_the_sigkill_of_a_host(cluster: Cluster, tmp_path: Path, launcher) -> None:
+    """TP 2 x DP 3 over three hosts: a worker host's processes and its etcd member are SIGKILLed,
+    taking a whole TP group; shadows on the survivors adopt both of its ranks, and the job ends
+    with the failure-free digest of the same layout."""
+    reference = reference_digest(launcher, tmp_path, *without_flags(JOB, "spares"), *TP)
+    run_dir, node = _kill_a_worker_host(cluster, tmp_path, *TP)
     rec = _recovered(cluster, run_dir, node, reference)
     assert sorted(rec["failed_ranks"]) == [2 * node, 2 * node + 1]
 
@@ -178,14 +185,7 @@ def test_a_tensor_parallel_job_with_no_shadow_shrinks_across_hosts_to_the_failur
     hosting two of the launch's replicas (a member twice of the group of replicas, joined
     through two etcd clients), and still ends with the failure-free digest."""
     reference = reference_digest(launcher, tmp_path, *without_flags(JOB, "spares"), *TP)
-    run_dir = tmp_path / "run"
-    hosts = start(cluster, run_dir, *TP, "--spares", "0")
-    at_step(run_dir, 4)
-    node = (coordinator(cluster) + 1) % 3
-    victim = host_of(cluster, run_dir, node)
-    cluster.kill_host(victim)
-    results = finish(hosts, run_dir)
-    assert all(code == 0 for i, (code, _) in enumerate(results) if i != victim), failed(results, victim)
+    run_dir, node = _kill_a_worker_host(cluster, tmp_path, *TP, "--spares", "0")
     s = summary(run_dir)
     assert s["exit_code"] == 0 and s["digest"] == reference
     rec = s["recoveries"][0]

@@ -124,29 +124,13 @@ def make_comms(
     comms = MeshComms(world=world, tp=None, dp=world)
     try:
         if mesh.tp > 1:
-            # the world's backend: `backend_for` decides it by the job's world size, not the group's
-            comms.tp = Comm(
-                store,
-                generation,
-                mesh.tp_rank,
-                mesh.tp,
-                timeout_s,
-                abort_check,
-                device,
-                f"tp{mesh.dp_rank}",
-                world.backend,
-            )
-            comms.dp = Comm(
-                store,
-                generation,
-                mesh.dp_rank,
-                mesh.dp,
-                timeout_s,
-                abort_check,
-                device,
-                f"dp{mesh.tp_rank}",
-                world.backend,
-            )
+            for attr, name, rank, size in (
+                ("tp", f"tp{mesh.dp_rank}", mesh.tp_rank, mesh.tp),
+                ("dp", f"dp{mesh.tp_rank}", mesh.dp_rank, mesh.dp),
+            ):
+                # the world's backend: `backend_for` decides it by the job's world size, not the group's
+                comm = Comm(store, generation, rank, size, timeout_s, abort_check, device, name, world.backend)
+                setattr(comms, attr, comm)
         if replicas is not None and mesh.dp < replicas:
             mine = hosted(replicas, mesh.dp, mesh.dp_rank)
             name = f"replicas{mesh.tp_rank}"

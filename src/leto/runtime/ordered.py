@@ -20,8 +20,9 @@ from leto.runtime import threads
 from leto.runtime.comm import Comm, PeerFailure
 
 
-def _part(n: int, parts: int, i: int) -> range:
-    """Part `i` of `range(n)` cut into `parts` contiguous pieces whose sizes differ by at most one."""
+def contiguous_part(n: int, parts: int, i: int) -> range:
+    """Part `i` of `range(n)` cut into `parts` contiguous pieces whose sizes differ by at most
+    one, the first `n % parts` pieces the longer (rows of a batch, replicas, pipeline stages)."""
     base, extra = divmod(n, parts)
     start = i * base + min(i, extra)
     return range(start, start + base + (1 if i < extra else 0))
@@ -35,7 +36,7 @@ def _check(replicas: int, dp_size: int) -> None:
 def replica_hosts(replicas: int, dp_size: int) -> list[int]:
     """host_of[l]: the DP rank that computes logical replica l (contiguous, balanced blocks)."""
     _check(replicas, dp_size)
-    return [d for d in range(dp_size) for _ in _part(replicas, dp_size, d)]
+    return [d for d in range(dp_size) for _ in contiguous_part(replicas, dp_size, d)]
 
 
 def hosted(replicas: int, dp_size: int, dp_rank: int) -> range:
@@ -43,7 +44,7 @@ def hosted(replicas: int, dp_size: int, dp_rank: int) -> range:
     _check(replicas, dp_size)
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"DP rank {dp_rank} is not one of {dp_size}")
-    return _part(replicas, dp_size, dp_rank)
+    return contiguous_part(replicas, dp_size, dp_rank)
 
 
 def join_replicas(

@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from leto.runtime.ordered import contiguous_part
+
 
 def split_rows(global_rows: int, world_size: int, rank: int) -> range:
     """The rows of the global batch that `rank` trains on (contiguous, sizes differ by at most one)."""
-    base, extra = divmod(global_rows, world_size)
-    start = rank * base + min(rank, extra)
-    return range(start, start + base + (1 if rank < extra else 0))
+    return contiguous_part(global_rows, world_size, rank)
 
 
 class Sampler:

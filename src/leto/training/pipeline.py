@@ -32,6 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from leto.runtime.comm import Comm
+from leto.runtime.ordered import contiguous_part
 from leto.training.model import GPT
 
 TIED = "wte.weight"  # the token embedding, also the LM head: a copy on the first and the last stage
@@ -46,9 +47,7 @@ def stage_layers(n_layer: int, stages: int, stage: int) -> range:
         raise ValueError(f"{n_layer} blocks do not split into {stages} pipeline stages")
     if not 0 <= stage < stages:
         raise ValueError(f"stage {stage} is not one of {stages} pipeline stages")
-    per, extra = divmod(n_layer, stages)
-    start = stage * per + min(stage, extra)
-    return range(start, start + per + (stage < extra))
+    return contiguous_part(n_layer, stages, stage)
 
 
 class GPTStage(nn.Module):
