@@ -55,15 +55,27 @@ def test_after_a_shrink_shadows_grow_the_job_back_as_new_last_ranks() -> None:
 def test_with_tensor_parallelism_a_replica_without_shadows_for_all_its_lost_ranks_is_dropped_whole() -> None:
     """TP 2: replica 0 is ranks 0-1, replica 1 ranks 2-3. One shadow for losses in both replicas:
     replica 0 (first) is adopted; replica 1 leaves, its live rank 3 demoted to a shadow."""
-    new, adopted = next_membership(MEMBERSHIP, {1, 2}, set(), [Spare("s0", 0)], "two ranks died", tp=2)
+    new, adopted = next_membership(MEMBERSHIP, {1, 2}, set(), [Spare("s0", 0)], "two ranks died", replica_ranks=2)
     assert adopted == {1: Spare("s0", 0)}
     assert new.proc_of_rank == ("w0", "s0") and new.node_of_rank == (0, 0)
     assert new.demoted == ("w3",) and new.failed_ranks == (1, 2)
 
 
 def test_with_tensor_parallelism_the_job_grows_back_by_whole_tp_groups_on_one_node() -> None:
-    shrunk, _ = next_membership(MEMBERSHIP, {2, 3}, {1}, [], "node 1 lost", tp=2)
+    shrunk, _ = next_membership(MEMBERSHIP, {2, 3}, {1}, [], "node 1 lost", replica_ranks=2)
     assert shrunk.proc_of_rank == ("w0", "w1") and shrunk.demoted == ()
     assert grow_membership(shrunk, [Spare("s5", 1)], tp=2) is None  # half a TP group cannot join
     grown = grow_membership(shrunk, [Spare("s5", 1), Spare("s6", 0), Spare("s7", 0)], tp=2)
     assert grown.proc_of_rank == ("w0", "w1", "s6", "s7") and grown.node_of_rank == (0, 0, 0, 0)
+
+
+def test_with_pipeline_parallelism_a_whole_replica_of_stages_is_dropped_and_grows_back_whole() -> None:
+    """TP 2 x PP 2: a replica is 4 ranks (two stages of a TP pair). A lost rank without a shadow
+    drops its whole replica; the job grows back only by a whole replica, each TP pair on one node."""
+    eight = Membership(0, (0, 0, 1, 1, 2, 2, 3, 3), tuple(f"w{i}" for i in range(8)), (), (), "")
+    shrunk, _ = next_membership(eight, {5}, set(), [], "rank 5 died", replica_ranks=4)
+    assert shrunk.proc_of_rank == ("w0", "w1", "w2", "w3") and shrunk.demoted == ("w4", "w6", "w7")
+    three = [Spare("a", 2), Spare("b", 2), Spare("c", 3)]
+    assert grow_membership(shrunk, three, tp=2, replica_ranks=4) is None  # not a whole replica
+    grown = grow_membership(shrunk, [*three, Spare("d", 3), Spare("e", 2)], tp=2, replica_ranks=4)
+    assert grown.proc_of_rank[4:] == ("a", "b", "c", "d") and grown.node_of_rank[4:] == (2, 2, 3, 3)

@@ -42,18 +42,19 @@ def micro_batches(m: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 
 
 def reference(m: int) -> tuple[float, dict[str, torch.Tensor]]:
-    """The whole model's mean loss over the micro-batches and its gradients, accumulated; on one
-    intra-op thread, as the stages run (a LayerNorm's backward sums in another order on two)."""
+    """The whole model's mean loss over the micro-batches (each weighted 1/m) and its gradients,
+    accumulated; on one intra-op thread, as the stages run (a LayerNorm's backward sums in
+    another order on two)."""
     full, losses, threads = model(), [], torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         for x, y in zip(*micro_batches(m)):
             loss = full(x, y)
-            (loss / m).backward()
-            losses.append(loss.item())
+            (loss * (1.0 / m)).backward()
+            losses.append(loss.item() * (1.0 / m))
     finally:
         torch.set_num_threads(threads)
-    return sum(losses) / m, {n: p.grad for n, p in full.named_parameters()}
+    return sum(losses), {n: p.grad for n, p in full.named_parameters()}
 
 
 def test_blocks_are_cut_into_contiguous_balanced_runs() -> None:

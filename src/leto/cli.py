@@ -104,9 +104,17 @@ JOB_OPTIONS = (
     _opt(
         "--tp",
         "mesh.tp",
-        "tensor-parallel ranks per model replica; world = DP x TP, TP innermost, inside one node",
+        "tensor-parallel ranks per pipeline stage; world = DP x PP x TP, TP innermost, inside one node",
         type=int,
         metavar="T",
+    ),
+    _opt(
+        "--pp",
+        "mesh.pp",
+        "pipeline stages per model replica (the model cut into stages of whole blocks, 1F1B schedule); "
+        "with it leto train's --workers defaults to two replicas at least",
+        type=int,
+        metavar="P",
     ),
     _opt("--run-dir", None, "output folder", type=Path, default=None, shown="a new one under ./runs"),
     _opt("--timeout", "timeouts.collective_s", "collective and store timeout in seconds", type=_finite),
@@ -291,6 +299,13 @@ def build_parser() -> _Parser:
         default=None,
         help="rows (sequences) of the global batch, split over the workers [the model preset's]",
     )
+    train.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        metavar="M",
+        help="with --pp: micro-batches of each replica's batch in the pipeline schedule [2 x --pp]",
+    )
     _add_options(train, TRAIN_OPTIONS, TRAIN_DEFAULTS)
     train.add_argument(
         "--shrink",
@@ -402,9 +417,31 @@ def _check_job(args: argparse.Namespace, prog: str) -> None:
 def _check_mesh(args: argparse.Namespace, prog: str) -> None:
     from leto.runtime.mesh import layout_problem
 
-    problem = layout_problem(args.workers, args.nodes, args.tp)
+    problem = layout_problem(args.workers, args.nodes, args.tp, args.pp)
     if problem is not None:
         raise UsageError(f"{prog}: error: {problem}")
+
+
+def _check_pipeline(args: argparse.Namespace, rows: int) -> None:
+    """`leto train --pp P --microbatches M`: P stages of whole blocks, M micro-batches of at
+    least one row in every replica's batch (sets the default M, 2 x P)."""
+    if args.microbatches is None:
+        args.microbatches = 2 * args.pp if args.pp > 1 else 1
+    elif args.pp == 1 and args.microbatches != 1:
+        raise UsageError("leto train: error: --microbatches is for a pipeline: it needs --pp 2 or more")
+    if args.microbatches < 1:
+        raise UsageError(f"leto train: error: --microbatches must be at least 1, got {args.microbatches}")
+    layers = PRESETS[args.model].n_layer
+    if args.pp > layers:
+        raise UsageError(
+            f"leto train: error: --pp {args.pp}: model {args.model!r} has {layers} blocks, fewer than the stages"
+        )
+    per_replica = rows // (args.workers // (args.tp * args.pp))
+    if args.microbatches > per_replica:
+        raise UsageError(
+            f"leto train: error: --microbatches {args.microbatches} exceeds the {per_replica} rows of a "
+            f"replica's batch (--rows {rows} over {args.workers // (args.tp * args.pp)} replicas)"
+        )
 
 
 def _check_rdzv(args: argparse.Namespace, prog: str) -> None:
@@ -493,7 +530,20 @@ def _start(args: argparse.Namespace, command: list[str], prog: str, config: JobC
 _ATTEMPT_ONLY = ("help", "cmd", "resume", "run_dir", "persist_dir", "rdzv", "job_id", "inject")
 # What the trajectory is made of: given with --resume, they must agree with the record (another
 # value would not continue the same training); every other flag may change on resume.
-_TRAJECTORY = ("workers", "tp", "seed", "model", "lr", "rows", "chunk_bytes", "module", "script", "script_args")
+_TRAJECTORY = (
+    "workers",
+    "tp",
+    "pp",
+    "microbatches",
+    "seed",
+    "model",
+    "lr",
+    "rows",
+    "chunk_bytes",
+    "module",
+    "script",
+    "script_args",
+)
 
 
 def _recordable(parser: _Parser, args: argparse.Namespace) -> dict:
@@ -687,6 +737,7 @@ def _train(args: argparse.Namespace) -> int:
             f"leto train: error: --workers ({args.workers}) exceeds the global batch of "
             f"{rows} rows of model {args.model!r}"
         )
+    _check_pipeline(args, rows)
     if args.chunk_bytes < 12 or args.chunk_bytes % 12:
         raise UsageError(f"leto train: error: --chunk-bytes must be a positive multiple of 12, got {args.chunk_bytes}")
     if args.lr <= 0:
@@ -718,6 +769,8 @@ def _train(args: argparse.Namespace) -> int:
     except CorpusError as e:
         raise UsageError(f"leto train: error: {e}") from e
     rows_flag = ["--rows", str(args.rows)] if args.rows is not None else []
+    if args.pp > 1:
+        rows_flag += ["--microbatches", str(args.microbatches)]
     trajectory = [
         "-m",
         "leto.training.train_gpt",
@@ -798,6 +851,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd in parser.commands:
             if args.resume is not None:
                 args = _with_record(parser, argv, args)
+            elif args.cmd == "train" and args.pp > 1 and "workers" not in _given(argv, "train"):
+                args.workers = max(args.workers, 2 * args.tp * args.pp)  # the built-in job: two replicas at least
             args.recorded = _recordable(parser, args)
         return {"run": _run, "train": _train, "bench": _bench, "data": _data}[args.cmd](args)
     except UsageError as e:

@@ -32,9 +32,15 @@ class TrainingConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class MeshConfig:
-    """How the ranks are laid out: world = DP x TP, TP innermost (`runtime/mesh.py`)."""
+    """How the ranks are laid out: world = DP x PP x TP, TP innermost (`runtime/mesh.py`)."""
 
-    tp: int = 1  # tensor-parallel ranks per model replica, inside one node (--tp)
+    tp: int = 1  # tensor-parallel ranks per pipeline stage, inside one node (--tp)
+    pp: int = 1  # pipeline stages per model replica (--pp)
+
+    @property
+    def replica_ranks(self) -> int:
+        """Ranks per model replica (one pipeline of `pp` stages of `tp` ranks each)."""
+        return self.tp * self.pp
 
 
 @dataclass(frozen=True, kw_only=True)

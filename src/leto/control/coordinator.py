@@ -359,7 +359,9 @@ class Coordinator:
         spares = self.spares.for_ranks(len(lost_ranks), down, lost_nodes | self.dead_keeper_nodes)
         cause = "; ".join(sorted({why for _, why in failed}))
         try:
-            new, adopted = next_membership(self.membership, lost_ranks, lost_nodes, spares, cause, self.cfg.mesh.tp)
+            new, adopted = next_membership(
+                self.membership, lost_ranks, lost_nodes, spares, cause, self.cfg.mesh.replica_ranks
+            )
         except LookupError as e:
             self.display.show(notices.CannotRecover(str(e)))
             return 1
@@ -468,7 +470,9 @@ class Coordinator:
         warm = self.spares.warm(self.dead_keeper_nodes)
         if not warm or self.membership.generation >= MAX_GENERATIONS:
             return
-        new = grow_membership(self.membership, warm[: workers - len(self.members)], self.cfg.mesh.tp)
+        new = grow_membership(
+            self.membership, warm[: workers - len(self.members)], self.cfg.mesh.tp, self.cfg.mesh.replica_ranks
+        )
         if new is None:
             return
         t = time.time()

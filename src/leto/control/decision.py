@@ -21,22 +21,23 @@ def next_membership(
     failed_nodes: set[int],
     spares: list[Spare],
     cause: str,
-    tp: int = 1,
+    replica_ranks: int = 1,
 ) -> tuple[Membership, dict[int, Spare]]:
     """Generation g+1 and the spare adopting each failed rank: a shadow on the same node preferred
     (its keeper holds the tier-1 parity), else on the node with the fewest ranks. Failed ranks
     left without a shadow are dropped (the survivors take over their shards and the ranks after
-    them move down); with tensor parallelism (`tp` > 1) a whole model replica (TP group) is
-    adopted or dropped, and the dropped replica's live ranks become shadows (`demoted`).
+    them move down); with model parallelism (`replica_ranks` = tp x pp > 1) a whole model
+    replica is adopted or dropped, and the dropped replica's live ranks become shadows (`demoted`).
     LookupError when no rank is left."""
     free = list(spares)
     node_of_rank, proc_of_rank = list(membership.node_of_rank), list(membership.proc_of_rank)
     adopted: dict[int, Spare] = {}
     dropped: list[int] = []
-    for replica in sorted({r // tp for r in failed_ranks}):
-        lost = sorted(r for r in failed_ranks if r // tp == replica)
+    k = replica_ranks
+    for replica in sorted({r // k for r in failed_ranks}):
+        lost = sorted(r for r in failed_ranks if r // k == replica)
         if len(free) < len(lost):
-            dropped += lost if tp == 1 else range(replica * tp, (replica + 1) * tp)
+            dropped += lost if k == 1 else range(replica * k, (replica + 1) * k)
             continue
         for r in lost:
             load = {n: node_of_rank.count(n) for n in set(node_of_rank)}
@@ -60,12 +61,15 @@ def next_membership(
     return new, adopted
 
 
-def grow_membership(membership: Membership, spares: list[Spare], tp: int = 1) -> Membership | None:
-    """Generation g+1 with `spares` joining as new ranks at the end (after a shrink); with tensor
-    parallelism in whole TP groups, each on one node where the spares allow. None when too few
-    spares to add one."""
+def grow_membership(
+    membership: Membership, spares: list[Spare], tp: int = 1, replica_ranks: int | None = None
+) -> Membership | None:
+    """Generation g+1 with `spares` joining as new ranks at the end (after a shrink); with model
+    parallelism in whole replicas of `replica_ranks` (default `tp`), each TP group on one node
+    where the spares allow. None when too few spares to add one."""
     joining: list[Spare] = []
-    if tp == 1:
+    unit = tp if replica_ranks is None else replica_ranks
+    if unit == 1:
         joining = list(spares)
     else:
         by_node: dict[int, list[Spare]] = {}
@@ -78,6 +82,7 @@ def grow_membership(membership: Membership, spares: list[Spare], tp: int = 1) ->
             joining += group[:whole]
             rest += group[whole:]
         joining += rest[: len(rest) // tp * tp]
+        joining = joining[: len(joining) // unit * unit]
     if not joining:
         return None
     return Membership(

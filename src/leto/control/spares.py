@@ -82,7 +82,7 @@ class Spares:
     def replenish(self, down: set[int], missing: int = 0) -> None:
         """Keep --spares shadows: fork new ones from a warm zygote of the node (milliseconds),
         else start them from scratch; restart zygotes that died on live nodes (not `down`). With
-        tensor parallelism and `missing` ranks (after a shrink) at least one TP group's worth, so
+        model parallelism and `missing` ranks (after a shrink) at least one replica's worth, so
         a whole replica can rejoin."""
         live = [p for p in self.processes.views.values() if p.role in ("shadow", "zygote") and p.alive]
         if self.zygotes_wanted():
@@ -91,7 +91,7 @@ class Spares:
                     self.processes.spawn("zygote", None, n)
         wanted = self.cfg.recovery.spares
         if wanted and missing:
-            wanted = max(wanted, self.cfg.mesh.tp)
+            wanted = max(wanted, self.cfg.mesh.replica_ranks)
         for _ in range(wanted - sum(p.role == "shadow" for p in live)):
             node = self.spare_node(down)
             if self.fork(node) is None:

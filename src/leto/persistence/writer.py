@@ -95,7 +95,8 @@ class Persister:
         self.root = Path(cfg.dir)
         self.every, self.first = (cfg.every, 0) if cfg.every else (None, 0)
         self.write_s = job.config.timeouts.persist_write_s
-        self.tp = job.config.mesh.tp  # recorded in the markers: a part holds a slice of the model
+        # recorded in the markers: a part holds a slice of the model (one of tp x pp per replica)
+        self.tp = job.config.mesh.replica_ranks
         self.pending: _Write | None = None
         self.step_times: list[float] = []
         self._t_last: float | None = None

@@ -6,7 +6,11 @@ process and its heartbeat thread live on: a deadlock only progress can reveal) o
 (SIGKILL every process of node N: workers, shadows, keeper). Step S is the 1-based step being
 computed; the phase is where in it (default forward): forward, backward, tp-forward and
 tp-backward (with tensor parallelism: inside the first TP all-reduce of the forward or backward
-pass, its peers already in it), reduce-scatter, grads (staging gradient chunks), update (the
+pass, its peers already in it), pp-warmup, pp-steady, pp-cooldown (with pipeline stages: as the
+stage's part of the 1F1B schedule enters that phase), pp-send, pp-recv (as the stage posts a
+micro-batch's activations or gradients to a neighbour, or a receive from one; chunk=C picks the
+micro-batch, default the middle one), tied (the tied embedding's gradient sum between the first
+and last stage), reduce-scatter, grads (staging gradient chunks), update (the
 chunked optimizer update), all-gather, parity (staging the state deltas of the previous step,
 which happens at the start of step S), recovery (while joining the first recovery at or after
 step S). In the chunked phases the failure hits just
@@ -32,6 +36,12 @@ PHASES = (
     "backward",
     "tp-forward",
     "tp-backward",
+    "pp-warmup",
+    "pp-steady",
+    "pp-cooldown",
+    "pp-send",
+    "pp-recv",
+    "tied",
     "reduce-scatter",
     "grads",
     "update",
@@ -39,7 +49,8 @@ PHASES = (
     "parity",
     "recovery",
 )
-CHUNKED = ("grads", "update", "parity")  # phases that run chunk by chunk (chunk=C picks the boundary)
+# phases that run chunk by chunk (chunk=C picks the boundary) or micro-batch by micro-batch
+CHUNKED = ("grads", "update", "parity", "pp-send", "pp-recv")
 
 
 @dataclass(frozen=True)

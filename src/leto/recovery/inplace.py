@@ -181,10 +181,12 @@ def protection_source(m: Member, membership: Membership, reports: dict[int, Keep
     used_gen = used.pop()
     m.sharded.settle_reshard(used_gen)
     layout = read_message(store, Layout.from_json, keys.layout(used_gen))
-    roles = assign_roles(read_membership(store, used_gen), membership, m.tp)  # the writers of the protection data
+    # the writers of the protection data
+    roles = assign_roles(read_membership(store, used_gen), membership, m.replica_ranks)
     me = roles.old_rank_of.get(m.rank)
     if me is None and not roles.reshard and m.sharded.geometry != layout.geometry:
-        m.sharded.allocate(layout.world_size // m.tp)  # a shadow built for another world size adopts a rank
+        # a shadow built for another world size adopts a rank
+        m.sharded.allocate(layout.world_size // m.replica_ranks)
     if me is not None and m.sharded.geometry != layout.geometry:
         raise RecoveryError(
             f"rank {m.rank} holds its shard in geometry {m.sharded.geometry}, the protection data "
@@ -212,7 +214,7 @@ def bring_to_step(m: Member, gen: int, src: Source, recipe: RebuildRecipe, held:
     m.restore_rank_state(T, _lineage(m.job.store, gen, m.rank, m.job.proc_id, src.roles))
 
     def lost_grad(r: int, c: int) -> torch.Tensor:  # lost rank r's gradient chunk c of step T (its slice's)
-        lo = (r // m.tp * g.n_chunks + c) * g.chunk_elems
+        lo = (r // m.replica_ranks * g.n_chunks + c) * g.chunk_elems
         return grads[lo : lo + g.chunk_elems]
 
     if src.me is not None:
@@ -268,7 +270,7 @@ def install(m: Member, gen: int, src: Source, rb: Rebuilder, point: Point) -> to
         return shard
     for r, q in src.roles.holder.items():
         if q == m.rank and r in src.roles.lost:
-            shard = rb.shard_at(r, g.n_chunks, g.chunk_elems, s.update_chunk, point.grad_of, r // m.tp)
+            shard = rb.shard_at(r, g.n_chunks, g.chunk_elems, s.update_chunk, point.grad_of, r // m.replica_ranks)
             s.install(shard, T, m.dp_rank)
     s.step = T
     s.gather_params(m.dp_comm)
@@ -404,19 +406,19 @@ def _reshard(
     all-reduce over the slice's DP group (each is held by exactly one of its processes; XOR with
     zeros keeps every bit, -0.0 included), then cut into this rank's shard of the new DP size.
     Returns (new shard, all parameters of the slice)."""
-    layout, s, tp = src.layout, m.sharded, m.tp
+    layout, s, k = src.layout, m.sharded, m.replica_ranks
     g = layout.geometry
-    mine = m.rank % tp  # the slice: a resize moves whole replicas, so it keeps its TP coordinate
-    full = torch.zeros(layout.world_size // tp, g.n_chunks, 3, g.chunk_elems)
+    mine = m.rank % k  # the slice: a resize moves whole replicas, so it keeps its coordinates
+    full = torch.zeros(layout.world_size // k, g.n_chunks, 3, g.chunk_elems)
     if src.me is not None:
-        if src.me % tp != mine:
-            raise RecoveryError(f"rank {m.rank} holds slice {src.me % tp} of the old layout, not {mine}")
-        full[src.me // tp].copy_(s.state_at(T))
+        if src.me % k != mine:
+            raise RecoveryError(f"rank {m.rank} holds slice {src.me % k} of the old layout, not {mine}")
+        full[src.me // k].copy_(s.state_at(T))
     for r in src.roles.lost:
         if src.roles.holder[r] == m.rank:
-            if r % tp != mine:
-                raise RecoveryError(f"rank {m.rank} holds slice {mine}, asked to rebuild rank {r} of slice {r % tp}")
-            full[r // tp].copy_(rb.shard_at(r, g.n_chunks, g.chunk_elems, s.update_chunk, grad_of, r // tp))
+            if r % k != mine:
+                raise RecoveryError(f"rank {m.rank} holds slice {mine}, asked to rebuild rank {r} of slice {r % k}")
+            full[r // k].copy_(rb.shard_at(r, g.n_chunks, g.chunk_elems, s.update_chunk, grad_of, r // k))
     m.dp_comm.all_reduce(full.view(torch.int32), torch.distributed.ReduceOp.BXOR)
     return s.cut(full, m.dp_size, m.dp_rank)
 
@@ -428,23 +430,23 @@ def _held_gradients(m: Member, layout: Layout) -> tuple[int, int]:
     step's update started nowhere (see `Trainer._step`), so it is redone."""
     if layout.protects_grads or layout.protect_every > 1:
         return -1, -1
-    W, s, tp = m.world_size, m.sharded, m.tp
+    W, s, k = m.world_size, m.sharded, m.replica_ranks
     mine = s.grad_step if s.grad_step is not None and s.geometry == layout.geometry else -1
-    keys_ = torch.full((tp,), -1, dtype=torch.int64)
-    keys_[m.rank % tp] = mine * W + (W - 1 - m.rank) if mine >= 0 else -1
+    keys_ = torch.full((k,), -1, dtype=torch.int64)
+    keys_[m.rank % k] = mine * W + (W - 1 - m.rank) if mine >= 0 else -1
     m.comm.all_reduce(keys_, torch.distributed.ReduceOp.MAX)
     got = keys_.tolist()
-    if min(got) < 0 or len({k // W for k in got}) != 1:
+    if min(got) < 0 or len({g // W for g in got}) != 1:
         return -1, -1
-    k = got[m.rank % tp]
-    return k // W, W - 1 - k % W
+    top = got[m.rank % k]
+    return top // W, W - 1 - top % W
 
 
 def _share_grads(m: Member, layout: Layout, step: int, holder: int) -> torch.Tensor:
     """The whole reduced gradient of `step` of this rank's slice, broadcast over its DP group
     from `holder` (a world rank holding it)."""
-    shards = layout.world_size // m.tp
-    return m.sharded.receive_grads(m.dp_comm, layout.geometry, shards, step, holder // m.tp)
+    shards = layout.world_size // m.replica_ranks
+    return m.sharded.receive_grads(m.dp_comm, layout.geometry, shards, step, holder // m.replica_ranks)
 
 
 def _agree_on_corruption(m: Member, layout: Layout, corrupt: set[tuple[str, int]]) -> dict[str, list[int]]:

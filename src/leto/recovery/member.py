@@ -65,8 +65,9 @@ class Member(Protocol):
     @property
     def world_size(self) -> int: ...
     @property
-    def tp(self) -> int:
-        """Ranks per TP group (1: none); world rank r holds slice r % tp, shard r // tp of it."""
+    def replica_ranks(self) -> int:
+        """Ranks per model replica (tp x pp); world rank r holds slice r % replica_ranks of the
+        model, shard r // replica_ranks of that slice's state."""
 
     @property
     def dp_rank(self) -> int:

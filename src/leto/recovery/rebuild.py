@@ -76,11 +76,12 @@ class Roles:
     reshard: bool  # the new generation shards the state differently
 
 
-def assign_roles(writers: Membership, new: Membership, tp: int = 1) -> Roles:
+def assign_roles(writers: Membership, new: Membership, replica_ranks: int = 1) -> Roles:
     """Survivors keep their own shard; a newcomer at a lost rank's number adopts it (same world
     size: no resharding). Otherwise (shrink, grow) the lost shards are decoded by survivors (one
     on the same node preferred: node-local tier-1 traffic) and the whole state is resharded;
-    with tensor parallelism (`tp` > 1) by a survivor holding the same slice (rank % tp)."""
+    with model parallelism (`replica_ranks` = tp x pp > 1) by a survivor holding the same slice
+    of the model (rank % replica_ranks)."""
     old_rank_of = {
         q: writers.proc_of_rank.index(p) for q, p in enumerate(new.proc_of_rank) if p in writers.proc_of_rank
     }
@@ -98,9 +99,10 @@ def assign_roles(writers: Membership, new: Membership, tp: int = 1) -> Roles:
     candidates = sorted(old_rank_of) or newcomers
     load = dict.fromkeys(candidates + newcomers, 0)
     for r in lost:
-        same_slice = [q for q in candidates if q % tp == r % tp] or [q for q in newcomers if q % tp == r % tp]
+        k = replica_ranks
+        same_slice = [q for q in candidates if q % k == r % k] or [q for q in newcomers if q % k == r % k]
         if not same_slice:
-            raise RecoveryError(f"no member of the new generation holds slice {r % tp} of lost rank {r}")
+            raise RecoveryError(f"no member of the new generation holds slice {r % k} of lost rank {r}")
         q = min(same_slice, key=lambda q: (new.node_of_rank[q] != writers.node_of_rank[r], load[q], q))
         holder[r] = q
         load[q] += 1

@@ -52,9 +52,10 @@ class Job:
 
     @property
     def mesh(self) -> Mesh | None:
-        """This rank's place in the DP x TP mesh of the current generation; None for a shadow
-        that has not adopted a rank."""
-        return None if self.rank is None else Mesh.of(self.rank, self.world_size, self.config.mesh.tp)
+        """This rank's place in the DP x PP x TP mesh of the current generation; None for a
+        shadow that has not adopted a rank."""
+        mesh = self.config.mesh
+        return None if self.rank is None else Mesh.of(self.rank, self.world_size, mesh.tp, mesh.pp)
 
     @property
     def is_shadow(self) -> bool:

@@ -28,6 +28,7 @@ from leto.runtime.comm import Comm, PeerFailure
 from leto.runtime.env import Job
 from leto.runtime.membership import GenerationWatch, read_membership
 from leto.runtime.mesh import Mesh, MeshComms, make_comms
+from leto.training.pipeline import stages_gather
 from leto.training.protection_modes import Unprotected, mode_for
 from leto.training.rank_state import RankState
 from leto.training.shard import ShardedState
@@ -49,8 +50,11 @@ class RankMember:
     membership, the protection mode of its generation (`mode`) and its persistent checkpoints.
 
     With tensor parallelism (`slices`: its model slice's layout) it also has a TP group
-    (`tp_comm`) and a DP group (`dp_comm`), over which `sharded` is sharded; with tp 1 `tp_comm`
-    is None and `dp_comm` is `comm`."""
+    (`tp_comm`), with pipeline stages a pipeline (`pp_comm`) and, on the first and last stage,
+    the embedding group (`embedding_comm`), and a DP group (`dp_comm`), over which `sharded` is
+    sharded; with one rank per replica `tp_comm` and `pp_comm` are None and `dp_comm` is `comm`.
+    `restage(stage)`, where the trainer sets it, rebuilds the model as another pipeline stage (a
+    shadow adopting a rank)."""
 
     def __init__(
         self,
@@ -71,6 +75,10 @@ class RankMember:
         self.comm: Comm | None = None  # the world's
         self.tp_comm: Comm | None = None
         self.dp_comm: Comm | None = None
+        self.pp_comm: Comm | None = None
+        self.embedding_comm: Comm | None = None
+        self.restage: Callable[[int], None] | None = None
+        self.tied_plain: range | None = None  # the last stage's copy of a tied weight, in its plain flat state
         self.replica_comms: dict[int, Comm] = {}  # while shrunk: the group of the launch's replicas
         self.watch: GenerationWatch | None = None
         self.membership: Membership | None = None
@@ -119,19 +127,29 @@ class RankMember:
         return self.job.config.mesh.tp
 
     @property
+    def pp(self) -> int:
+        """Pipeline stages per replica (1: no pipeline)."""
+        return self.job.config.mesh.pp
+
+    @property
+    def replica_ranks(self) -> int:
+        """Ranks per model replica (tp x pp)."""
+        return self.job.config.mesh.replica_ranks
+
+    @property
     def dp_rank(self) -> int:
         """This rank's model replica: its shard of the state and its slice of the data."""
-        return self.rank // self.tp
+        return self.rank // self.replica_ranks
 
     @property
     def dp_size(self) -> int:
         """Model replicas (the rank's DP group)."""
-        return self.world_size // self.tp
+        return self.world_size // self.replica_ranks
 
     @property
     def replicas(self) -> int:
         """The model replicas of the launch: the DP size at full width, fixed for the run."""
-        return self.job.config.training.workers // self.tp
+        return self.job.config.training.workers // self.replica_ranks
 
     def start(self) -> bool:
         """Before the first step: a zygote forks shadows (and goes on in a fork, a shadow from
@@ -204,20 +222,29 @@ class RankMember:
     def _park_groups(self) -> None:
         """Abandon this generation's groups (world, TP, DP; one Comm without TP)."""
         if self.comm is not None:
-            MeshComms(self.comm, self.tp_comm, self.dp_comm, self.replica_comms).close(abandon=True)
+            MeshComms(
+                self.comm, self.tp_comm, self.dp_comm, self.replica_comms, self.pp_comm, self.embedding_comm
+            ).close(abandon=True)
 
     def _mesh(self) -> Mesh:
-        if self.world_size % self.tp:
-            raise RecoveryError(f"a world of {self.world_size} ranks does not split into TP groups of {self.tp}")
-        return Mesh.of(self.rank, self.world_size, self.tp)
+        if self.world_size % self.replica_ranks:
+            raise RecoveryError(
+                f"a world of {self.world_size} ranks does not split into replicas of {self.replica_ranks} ranks"
+            )
+        return Mesh.of(self.rank, self.world_size, self.tp, self.pp)
 
     def _use(self, comms: MeshComms, adopt: bool) -> None:
-        """Train with these groups; with tensor parallelism the model's slice is the TP rank's
-        (`adopt`: a shadow may take over any TP coordinate)."""
+        """Train with these groups; the model's slice is the rank's coordinates' (`adopt`: a
+        shadow may take over any TP coordinate and pipeline stage)."""
         self.comm, self.tp_comm, self.dp_comm, self.replica_comms = comms.world, comms.tp, comms.dp, comms.replicas
+        self.pp_comm, self.embedding_comm = comms.pp, comms.embedding
+        if adopt and self.restage is not None:
+            self.restage(self._mesh().pp_rank)
+        mask = None
         if self.slices is not None and comms.tp is not None:
             self.slices.join(comms.tp if self.injector is None else _FaultingGroup(comms.tp, self._tp_fault), adopt)
-            self.sharded.norm_mask = self.slices.norm_mask(self.sharded.flat_param.numel(), self.job.device)
+            mask = self.slices.norm_mask(self.sharded.flat_param.numel(), self.job.device)
+        self.sharded.count_in_norm(mask)
 
     def protect(self, generation: int, base_step: int, state: torch.Tensor | None = None, wait: bool = True) -> None:
         """Start protection of this generation: encode the full state at `base_step` (this
@@ -287,7 +314,7 @@ class RankMember:
         """Its model replica was dropped in `generation` (a shrink by whole TP groups): leave the
         groups and protection; the process stays, a shadow from here on."""
         self._park_groups()
-        self.comm = self.tp_comm = self.dp_comm = None
+        self.comm = self.tp_comm = self.dp_comm = self.pp_comm = self.embedding_comm = None
         self.replica_comms = {}
         self.mode.close()
         self.mode = Unprotected(self.sharded)
@@ -332,8 +359,8 @@ class RankMember:
             gen += 1
         return False
 
-    def fault(self, phase: str, step: int, chunk: int | None = None) -> None:
-        """A fault injection point (--inject)."""
+    def fault(self, phase: str, step: int, chunk: int | None = None, of: int | None = None) -> None:
+        """A fault injection point (--inject): chunk `chunk` of `of` (default: of the shard's)."""
         self._at = (phase, step)
         if self.injector is not None:
             self.injector.at(
@@ -342,7 +369,7 @@ class RankMember:
                 self.rank,
                 self.membership.node_of_rank if self.membership else (),
                 chunk,
-                self.sharded.n_chunks,
+                self.sharded.n_chunks if of is None else of,
             )
 
     def _tp_fault(self) -> None:
@@ -387,6 +414,8 @@ class RankMember:
         full = self.sharded.full_state(self.dp_comm, self.dp_size)
         if self.tp_comm is not None:
             full = self.slices.gather(full, self.tp_comm)
+        if self.pp_comm is not None:
+            full = stages_gather(full, self.pp_comm, self.tied_plain)
         return full
 
     def persist(self) -> None:
@@ -402,7 +431,9 @@ class RankMember:
             return
         s = self.sharded
         try:  # with tensor parallelism: this rank's slice, sharded over its DP group
-            got = loader.load(*target, self.rank, self.world_size, s.numel, s.n_chunks, s.chunk_elems, self.tp)
+            got = loader.load(
+                *target, self.rank, self.world_size, s.numel, s.n_chunks, s.chunk_elems, self.replica_ranks
+            )
         except CheckpointError as e:  # a corrupt or hostile checkpoint: the job stops with one line
             self.job.store.set(keys.FATAL, f"rank {self.rank}: {RESUME_FAILED} {e}")
             os._exit(1)  # at once: an orderly exit tears down gloo's threads noisily

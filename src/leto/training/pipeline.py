@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -105,8 +106,15 @@ class _Neighbours:
     """One stage's messages to and from the stages before and after it, over the pipeline's
     Comm (stage index = rank). A message's tag is its micro-batch and direction."""
 
-    def __init__(self, comm: Comm, s: int, stages: int, like: torch.Tensor, point: Callable[[str, int], None]):
-        self.comm, self.s, self.stages, self.like, self.point = comm, s, stages, like, point
+    def __init__(
+        self,
+        comm: Comm,
+        s: int,
+        stages: int,
+        empty: Callable[[int], torch.Tensor],
+        point: Callable[[str, int], None],
+    ):
+        self.comm, self.s, self.stages, self.empty, self.point = comm, s, stages, empty, point
 
     def __call__(
         self,
@@ -131,7 +139,7 @@ class _Neighbours:
         for mb, peer, direction, edge in ((fwd_in, self.s - 1, _FORWARD, first), (bwd_in, self.s + 1, _BACKWARD, last)):
             if mb is not None and not edge:
                 self.point("pp-recv", mb)
-                got[direction] = torch.empty_like(self.like)
+                got[direction] = self.empty(mb)
                 recvs.append((got[direction], peer, 2 * mb + direction))
         self.comm.exchange(sends, recvs, f"pipeline stage {self.s} send/receive")
         return got.get(_FORWARD), got.get(_BACKWARD)
@@ -144,22 +152,28 @@ def one_f_one_b(
     stages: int,
     micro_inputs: Sequence[torch.Tensor],
     micro_targets: Sequence[torch.Tensor],
-    act_shape: Sequence[int],
+    act_shape: Sequence[int] | Callable[[int], Sequence[int]],
     point: Callable[[str, int], None] = _nowhere,
+    weights: Sequence[float] | None = None,
 ) -> float | None:
     """Forward and backward M = len(micro_inputs) micro-batches through this stage, 1F1B: warm-up
     (P - s - 1 forwards), steady state (one forward, one backward), cool-down (the backwards
     left). Stage 0 reads `micro_inputs`, the last stage `micro_targets`; activations (and their
-    gradients) between stages have shape `act_shape` and the stage's parameters' dtype. Each
-    micro-batch's loss counts 1/M, so the gradients accumulate (into `.grad`) to those of the
-    mean. Returns the mean loss on the last stage, None elsewhere. `point(phase, micro-batch)`
-    is called as each phase starts (every phase, even an empty one, with the first micro-batch
-    it would forward or backward) and before each send and receive (see `PHASES`)."""
+    gradients) between stages have shape `act_shape` (or `act_shape(micro-batch)`) and the
+    stage's parameters' dtype. Micro-batch i's loss counts `weights[i]` (default 1/M), so the
+    gradients accumulate (into `.grad`) to those of the weighted sum. Returns that weighted sum
+    of the losses on the last stage, None elsewhere. `point(phase, micro-batch)` is called as
+    each phase starts (every phase, even an empty one, with the first micro-batch it would
+    forward or backward) and before each send and receive (see `PHASES`)."""
     s, M = stage_index, len(micro_inputs)
     first, last = s == 0, s == stages - 1
     warmup = min(stages - s - 1, M)
+    weights = [1.0 / M] * M if weights is None else list(weights)
     param = next(stage.parameters())
-    talk = _Neighbours(comm, s, stages, torch.empty(act_shape, dtype=param.dtype, device=param.device), point)
+    shape_of = act_shape if callable(act_shape) else lambda mb: act_shape
+    talk = _Neighbours(
+        comm, s, stages, lambda mb: torch.empty(shape_of(mb), dtype=param.dtype, device=param.device), point
+    )
     in_flight: deque[tuple[torch.Tensor | None, torch.Tensor]] = deque()  # (input, output) per micro-batch
     losses: list[float] = []
 
@@ -168,8 +182,8 @@ def one_f_one_b(
         inp = micro_inputs[mb] if x is None else x
         y = stage(inp, micro_targets[mb]) if last else stage(inp)
         if last:
-            losses.append(y.item())
-            y = y / M
+            losses.append(y.item() * weights[mb])
+            y = y * weights[mb]
         in_flight.append((x, y))
         return y
 
@@ -192,4 +206,100 @@ def one_f_one_b(
     for b in range(M - warmup, M):
         _, dy = talk(bwd_in=b)
         talk(bwd_out=(backward(dy), b))
-    return sum(losses) / M if last else None
+    return sum(losses) if last else None
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """A model in `stages` pipeline stages, as `leto.Trainer` takes it (instead of a module):
+
+    >>> pipe = Pipeline(lambda s: MyStage(s), stages=job.config.mesh.pp, microbatches=8,
+    ...                 act_shape=lambda x: (x.shape[0], seq, hidden))
+    >>> trainer = Trainer(pipe, job, AdamW(lr=1e-3))
+    >>> trainer.step(lambda replica: (inputs, targets))   # the replica's whole batch
+
+    `build(s)` returns stage s, the same (same parameter values) every time it is called in any
+    process: a process builds its own stage, and a shadow builds the stage of the rank it
+    adopts. Stage 0 takes the inputs, the last stage returns the loss given the targets
+    (`stage(x, targets)`), every other stage maps activations to activations. `act_shape(x)`:
+    the shape of the activations between stages for a micro-batch of inputs `x`. `tied`: the
+    name of a parameter held by the first and the last stage as one tied weight (summed
+    gradients, counted once), or None."""
+
+    build: Callable[[int], nn.Module]
+    stages: int
+    microbatches: int
+    act_shape: Callable[[torch.Tensor], Sequence[int]]
+    tied: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.stages < 1 or self.microbatches < 1:
+            raise ValueError(f"a pipeline needs stages and microbatches >= 1, got {self.stages}, {self.microbatches}")
+
+    def largest_stage(self) -> int:
+        """Trainable elements of the largest stage (built on the meta device: shapes only)."""
+        with torch.device("meta"):
+            return max(
+                sum(p.numel() for p in self.build(s).parameters() if p.requires_grad) for s in range(self.stages)
+            )
+
+    def stage_shapes(self, stage: int) -> list[tuple[str, torch.Size]]:
+        """Stage `stage`'s state dict entries: names and shapes (built on the meta device)."""
+        with torch.device("meta"):
+            return [(k, v.shape) for k, v in self.build(stage).state_dict().items()]
+
+
+def tied_range(module: nn.Module, params: Sequence[torch.Tensor], name: str | None) -> range | None:
+    """Where parameter `name` of `module` lies among `params` laid end to end (a flat buffer's
+    elements), or None if the module has no such trainable parameter."""
+    if name is None:
+        return None
+    target = dict(module.named_parameters()).get(name)
+    offset = 0
+    for p in params:
+        if p is target:
+            return range(offset, offset + p.numel())
+        offset += p.numel()
+    return None
+
+
+def gpt_pipeline(make: Callable[[], GPT], stages: int, microbatches: int) -> Pipeline:
+    """The built-in GPT in `stages` stages: `make()` returns the full (TP-cut) model, seeded, so
+    every stage is cut from the same initialization."""
+
+    def build(s: int) -> GPTStage:
+        return GPTStage(make(), s, stages)
+
+    def act_shape(x: torch.Tensor) -> tuple[int, ...]:
+        cfg = probe.cfg
+        return (x.shape[0], x.shape[1], cfg.n_embd)
+
+    with torch.device("meta"):
+        probe = make()
+    return Pipeline(build, stages, microbatches, act_shape, tied=TIED)
+
+
+def stages_gather(state: dict[str, torch.Tensor], group: Comm, tied: range | None) -> dict[str, torch.Tensor]:
+    """The whole model's flat state from this stage's `state` (flat tensors of one size, each
+    over the stage's parameters in order) and the other stages' (a collective of the pipeline):
+    the stages' tensors end to end, in stage order, without the last stage's copy of the tied
+    weight (`tied`: where it lies in this stage's tensors, on the last stage)."""
+    local = torch.stack([t.reshape(-1) for t in state.values()])
+    ends = (-1, -1) if tied is None else (tied.start, tied.stop)
+    me = torch.tensor([local.shape[1], *ends], device=local.device)
+    sizes = torch.empty(group.world_size * 3, dtype=torch.int64, device=local.device)
+    group.all_gather(sizes, me)
+    meta = sizes.view(group.world_size, 3).tolist()
+    width = max(n for n, _, _ in meta)
+    padded = torch.zeros(local.shape[0], width, dtype=local.dtype, device=local.device)
+    padded[:, : local.shape[1]] = local
+    out = torch.empty(group.world_size, *padded.shape, dtype=local.dtype, device=local.device)
+    group.all_gather(out.view(-1), padded.view(-1))
+    parts = []
+    for s, (n, lo, hi) in enumerate(meta):
+        keep = out[s, :, :n]
+        if s == group.world_size - 1 and s > 0 and lo >= 0:
+            keep = torch.cat([keep[:, :lo], keep[:, hi:]], dim=1)
+        parts.append(keep)
+    whole = torch.cat(parts, dim=1)
+    return {name: whole[i].clone() for i, name in enumerate(state)}

@@ -41,9 +41,14 @@ class ShardedState:
         protection: bool,
         replicated_grads: bool,
         protect_every: int,
+        layout_numel: int = 0,
     ) -> None:
         self.params, self.groups, self.chunk_elems, self.device = params, groups, chunk_elems, device
         self.numel = sum(p.numel() for p in params)
+        # the elements the shards are laid out for: with pipeline stages the largest stage's, so
+        # every rank of the job has one geometry (protection codes across ranks' equal shards)
+        self.layout_numel = max(self.numel, layout_numel)
+        self.uncounted: range | None = None  # flat elements no global norm counts (a tied copy)
         self.replicated_grads = replicated_grads
         # every-step protection with replicated gradients updates the one shard in place, handing
         # each chunk's delta over as it is computed (docs/protection.md, "One step, in order")
@@ -84,6 +89,25 @@ class ShardedState:
         self.gbuf_step = [-1] * self.grad_copies  # the step each gradient buffer holds
         self.param_shard = torch.zeros(self.shard_elems, device=dev)
 
+    def rebind(self, params: list[torch.Tensor], groups: ParamGroups, uncounted: range | None) -> None:
+        """Hold other parameters of at most `layout_numel` elements (a shadow adopting another
+        pipeline stage) in the same buffers: their values come from the recovery."""
+        numel = sum(p.numel() for p in params)
+        if numel > self.layout_numel:
+            raise RecoveryError(f"a stage of {numel} elements does not fit a layout of {self.layout_numel}")
+        self.params, self.groups, self.numel, self.uncounted = params, groups, numel, uncounted
+        self.flat_param = flatten(params, self.flat_param.numel(), self.device)
+        self.fresh_grads()
+
+    def count_in_norm(self, mask: torch.Tensor | None) -> None:
+        """Count the elements of `mask` (1.0; None: all) in a global gradient norm, except
+        `uncounted`."""
+        if self.uncounted is not None:
+            if mask is None:
+                mask = torch.ones(self.flat_param.numel(), dtype=torch.float64, device=self.device)
+            mask[self.uncounted.start : self.uncounted.stop] = 0.0
+        self.norm_mask = mask
+
     def fresh_grads(self) -> None:
         """Give the gradients a new flat buffer. After a failure, a reduction abandoned in a gloo
         thread may still write into the old one (it stays with the parked process group)."""
@@ -97,7 +121,7 @@ class ShardedState:
 
     def geometry_for(self, shards: int) -> Geometry:
         """The chunking of a shard when the state is split over `shards` ranks."""
-        return Geometry(-(-self.numel // (shards * self.chunk_elems)), self.chunk_elems)
+        return Geometry(-(-self.layout_numel // (shards * self.chunk_elems)), self.chunk_elems)
 
     def offset_of(self, c: int, rank: int | None = None) -> int:
         """The flat element index of chunk `c` of `rank`'s shard (default: the one held)."""
@@ -269,13 +293,13 @@ class ShardedState:
             comm.reduce_scatter(self.grad_buf_for(step).view(-1), self.flat_grad, self.numel)
         self.gbuf_step[step % len(self.gbufs)] = step
 
-    def grad_norm(self, comm: Comm, world_size: int, step: int, tp: Comm | None = None) -> float:
+    def grad_norm(self, comm: Comm, world_size: int, step: int, *model_parallel: Comm | None) -> float:
         """The global norm of `step`'s reduced gradients (the same bits on every rank, in both
         reduction paths and whatever the number of shards: per-chunk sums of squares, added in
         chunk order; a collective where the gradients are reduce-scattered). `comm` is the
-        group the state is sharded over (`world_size` ranks); with tensor parallelism `tp` is the
-        TP group, whose ranks' sums are added too, each counting only the elements of
-        `norm_mask`."""
+        group the state is sharded over (`world_size` ranks); `model_parallel` are the groups
+        holding the model's other slices (TP, then the pipeline's stages), whose ranks' sums
+        are added too, each counting only the elements of `norm_mask`."""
         if self.replicated_grads:
             parts = self._squares(self.flat_grad, 0).view(-1, self.chunk_elems).sum(dim=1)
         else:
@@ -283,10 +307,11 @@ class ShardedState:
             grads = self.grads_of(step).view(-1)
             mine = self._squares(grads, self.rank * self.shard_elems).view(-1, self.chunk_elems).sum(dim=1)
             comm.all_gather(parts, mine)
-        if tp is not None:
-            every = torch.zeros(tp.world_size * parts.numel(), dtype=torch.float64, device=parts.device)
-            tp.all_gather(every, parts)
-            parts = every
+        for group in model_parallel:
+            if group is not None:
+                every = torch.zeros(group.world_size * parts.numel(), dtype=torch.float64, device=parts.device)
+                group.all_gather(every, parts)
+                parts = every
         total = 0.0
         for x in parts.tolist():
             total += x
@@ -295,7 +320,10 @@ class ShardedState:
     def _squares(self, grads: torch.Tensor, offset: int) -> torch.Tensor:
         """The squares (float64) of `grads`, flat elements from `offset` on, where they count."""
         sq = grads.double().pow(2)
-        return sq if self.norm_mask is None else sq * self.norm_mask[offset : offset + grads.numel()]
+        if self.norm_mask is not None:  # past the mask: padding, whose gradients are zero
+            mask = self.norm_mask[offset : offset + grads.numel()]
+            sq[: mask.numel()].mul_(mask)
+        return sq
 
     def scale_grads(self, step: int, coef: float) -> None:
         """Scale `step`'s reduced gradients (all of them where they are replicated) by `coef`."""

@@ -1,5 +1,5 @@
 """The built-in job of `leto train`: a GPT on the King James Bible, sharded data parallel (and
-tensor parallel with `--tp`)."""
+tensor parallel with `--tp`, in pipeline stages with `--pp`)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from leto.training.corpus import load_tokens
 from leto.training.data import Sampler
 from leto.training.model import GPT, PRESETS, tensor_parallel_gpt
 from leto.training.optim import AdamW, warmup_cosine
+from leto.training.pipeline import gpt_pipeline
 from leto.training.tensor_parallel import pending_group
 from leto.training.trainer import DEFAULT_CHUNK_BYTES, Trainer
 
@@ -35,6 +36,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rows", type=int, default=None, help="rows of the global batch [the preset's]")
     p.add_argument("--max-grad-norm", type=float, default=None, help="clip to this global norm [no clipping]")
     p.add_argument("--shrink", choices=SHRINK_MODES, default="exact", help="how a shrunk job splits its work [exact]")
+    p.add_argument("--microbatches", type=int, default=1, help="with --pp: micro-batches per replica's batch [1]")
     return p.parse_args(argv)
 
 
@@ -43,16 +45,22 @@ def build(args: argparse.Namespace, job: leto.Job) -> tuple[Trainer, GPT, Sample
     cfg = PRESETS[args.model]
     if args.rows is not None:
         cfg = dataclasses.replace(cfg, batch_size=args.rows)
-    torch.manual_seed(args.seed)
-    model = GPT(cfg)
-    if job.config.mesh.tp > 1:  # every rank cuts its slice from the same seeded model
-        tensor_parallel_gpt(model, pending_group(job))
+
+    def make() -> GPT:  # every rank cuts its slice (and stage) from the same seeded model
+        torch.manual_seed(args.seed)
+        model = GPT(cfg)
+        if job.config.mesh.tp > 1:
+            tensor_parallel_gpt(model, pending_group(job))
+        return model
+
+    pp = job.config.mesh.pp
+    model = make() if pp == 1 else gpt_pipeline(make, pp, args.microbatches)
     optimizer = AdamW(lr=warmup_cosine(args.lr, warmup=min(20, args.steps // 10), total=args.steps))
     trainer = Trainer(
         model, job, optimizer, chunk_bytes=args.chunk_bytes, seed=args.seed, max_grad_norm=args.max_grad_norm
     )
     sampler = Sampler(load_tokens(), cfg.block_size, cfg.batch_size, args.seed)
-    return trainer, model, sampler, cfg.batch_size * cfg.block_size
+    return trainer, trainer.model, sampler, cfg.batch_size * cfg.block_size
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -61,19 +69,21 @@ def main(argv: list[str] | None = None) -> None:
     trainer, model, sampler, tokens = build(args, leto.init())
     device, replicas = trainer.job.device, trainer.replicas
     share = lambda replica: sampler.share(replica, replicas)  # noqa: E731
+    # with pipeline stages the trainer runs the stages on the batch; without, the model computes the loss
+    run = (lambda batch: batch) if trainer.pipeline is not None else (lambda batch: model(*batch))
     for step in trainer.steps(args.steps):
         if args.shrink == "exact":  # per replica of the launch: the failure-free bits survive a shrink
-            trainer.step(lambda replica: model(*sampler.batch_on(device, step, replica, replicas)), share, tokens)
+            trainer.step(lambda replica: run(sampler.batch_on(device, step, replica, replicas)), share, tokens)
         else:  # this rank's share of the global batch, re-split when the job shrinks
             dp_rank, dp_size = trainer.dp_rank, trainer.dp_size
-            x, y = sampler.batch_on(device, step, dp_rank, dp_size)
-            trainer.step(lambda: model(x, y), sampler.share(dp_rank, dp_size), tokens)
+            batch = sampler.batch_on(device, step, dp_rank, dp_size)
+            trainer.step(lambda: run(batch), sampler.share(dp_rank, dp_size), tokens)
     if trainer.job.rank is None or trainer.job.run_dir is None:  # a shadow never adopted has no rank
         return
     state = trainer.state_dict()  # with --tp a collective: every rank calls it
     if trainer.job.rank == 0:
         save_model(state, trainer.job.run_dir / "model.pt")
-        if trainer.member.tp_comm is not None:  # the TP model's forward is a collective: sample the full one
+        if trainer.member.replica_ranks > 1:  # a slice's forward is a collective: sample the full model
             model = GPT(model.cfg).to(trainer.job.device)
             model.load_state_dict(state)
         console.say(f"sample: {sample(model)!r}")

@@ -8,14 +8,17 @@ parameters are all-gathered. The step is here; the state and its buffers are in
 mode adds to the step in `leto.training.protection_modes`.
 
 With tensor parallelism (`--tp T`, a model whose layers are cut with
-`leto.training.tensor_parallel`) each rank holds its TP slice of the model, and ZeRO-1 runs per
-slice over the rank's DP group; the gradient norm and the digest cover the whole model.
+`leto.training.tensor_parallel`) each rank holds its TP slice of the model, and with pipeline
+stages (`--pp P`, the model given as a `leto.training.pipeline.Pipeline`) its stage's slice;
+ZeRO-1 runs per slice over the rank's DP group; the gradient norm and the digest cover the
+whole model.
 """
 
 from __future__ import annotations
 
 import inspect
 import json
+import math
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -27,15 +30,16 @@ from leto.runtime import trace
 from leto.runtime.comm import PeerFailure, backend_for, reduction_replicates
 from leto.runtime.env import Job
 from leto.runtime.etcd_store import Fenced
-from leto.runtime.ordered import hosted
+from leto.runtime.ordered import contiguous_part, hosted
 from leto.training.flat import state_digest
 from leto.training.member import RankMember
 from leto.training.metrics import StepLog
 from leto.training.optim import AdamW, Optimizer
 from leto.training.param_groups import ParamGroups
+from leto.training.pipeline import Pipeline, one_f_one_b, stages_gather, tied_range
 from leto.training.rank_state import RankState, Stateful, reseed
 from leto.training.shard import ShardedState
-from leto.training.tensor_parallel import gather_full_state_dict
+from leto.training.tensor_parallel import gather_full_state_dict, tp_layout
 from leto.training.tp_slices import SliceLayout
 
 LossFn = Callable[[], torch.Tensor] | Callable[[int], torch.Tensor]
@@ -46,6 +50,8 @@ DEFAULT_CHUNK_BYTES = 12 * 16384  # 192 KiB: 16384 elements of (master, exp_avg,
 PUBLIC_API = (
     "job",
     "model",
+    "pipeline",
+    "stage",
     "member",
     "rank",
     "world_size",
@@ -92,7 +98,7 @@ class Trainer:
 
     def __init__(
         self,
-        model: nn.Module,
+        model: nn.Module | Pipeline,
         job: Job,
         optimizer: Optimizer | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -105,34 +111,78 @@ class Trainer:
             raise ValueError(f"chunk size must be a positive multiple of {STATE_ROWS * 4} bytes, got {chunk_bytes}")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be positive, got {max_grad_norm}")
+        mesh = job.config.mesh
+        self.pipeline, self.stage, layout_numel = _pipeline_of(model, job, param_groups)
+        if self.pipeline is not None:
+            model = self.pipeline.build(self.stage)
         self.job, self.model = job, model.to(job.device)
-        params = [p for p in model.parameters() if p.requires_grad]
-        groups = ParamGroups(params, optimizer or AdamW(), param_groups or [])
+        self._optimizer = optimizer or AdamW()
+        params = _trainable(model)
+        groups = ParamGroups(params, self._optimizer, param_groups or [])
         self._seed, self._max_grad_norm, self._autocast = seed, max_grad_norm, autocast
         self.grad_norm = float("nan")  # the last step's global gradient norm (before clipping)
         rank_state = RankState(model)
+        if self.pipeline is not None and rank_state.buffers:
+            raise ValueError("pipeline stages with persistent buffers are not supported: make them non-persistent")
         backend = backend_for(job.device, job.world_size)
         # on gloo every rank holds the whole reduced gradient: the keepers need no copy of it
-        tp = job.config.mesh.tp
-        # (with tensor parallelism: where a slice has DP peers to hold it)
-        replicated_grads = reduction_replicates(backend) and not job.config.protection.grads and job.world_size > tp
+        # (with model parallelism: where a slice has DP peers to hold it)
+        replicated_grads = (
+            reduction_replicates(backend) and not job.config.protection.grads and job.world_size > mesh.replica_ranks
+        )
         sharded = ShardedState(
             params,
             groups,
             chunk_bytes // (STATE_ROWS * 4),
             job.device,
-            job.world_size // tp,
+            job.world_size // mesh.replica_ranks,
             protection=job.config.protection.enabled,
             replicated_grads=replicated_grads,
             protect_every=job.config.protection.every,
+            layout_numel=layout_numel,
         )
         slices = None
-        if tp > 1:
-            slices = SliceLayout(model, params, 0 if job.mesh is None else job.mesh.tp_rank, tp)
+        if mesh.tp > 1:
+            slices = SliceLayout(model, params, 0 if job.mesh is None else job.mesh.tp_rank, mesh.tp)
         self.member = RankMember(job, sharded, rank_state, backend, slices)  # what recovery and harnesses work with
+        if self.pipeline is not None:
+            self.member.restage = self._restage
+            self._mark_tied()
         self._loss = torch.zeros(1, device=job.device)
         self.last_loss = float("nan")  # the last step's global loss
         self._log = StepLog(job)
+
+    def _restage(self, stage: int) -> None:
+        """Become pipeline stage `stage` (a shadow adopting a rank of another stage): its module,
+        bound to the same buffers; the values come from the recovery."""
+        if stage == self.stage:
+            return
+        model = self.pipeline.build(stage).to(self.job.device)
+        params = _trainable(model)
+        m = self.member
+        m.sharded.rebind(params, ParamGroups(params, self._optimizer, []), None)
+        if m.slices is not None:
+            m.slices = SliceLayout(model, params, m.slices.tp_rank, m.slices.tp)
+        self.model, self.stage = model, stage
+        self._mark_tied()
+
+    def _mark_tied(self) -> None:
+        """On the last of several stages: its copy of the tied weight counts in no global norm
+        and is left out of the whole model's state."""
+        pipe, m = self.pipeline, self.member
+        last = pipe.stages > 1 and self.stage == pipe.stages - 1
+        where = tied_range(self.model, m.sharded.params, pipe.tied) if last else None
+        m.sharded.uncounted = where
+        m.tied_plain = None
+        if where is not None:  # its place among the plain (TP-unsharded) parameters
+            tp, layout = self.job.config.mesh.tp, tp_layout(self.model)
+            offset = 0
+            for name, p in self.model.named_parameters():
+                if name == pipe.tied:
+                    m.tied_plain = range(offset, offset + p.numel() * (tp if layout.get(name) else 1))
+                    break
+                if p.requires_grad:
+                    offset += p.numel() * (tp if layout.get(name) else 1)
 
     @property
     def rank(self) -> int:
@@ -226,7 +276,8 @@ class Trainer:
         fault("forward", t + 1)
         mode.before_forward(t)
         replica, fns, w = work[0]
-        loss = self._forward(fns[0], replica)
+        if self.pipeline is None:
+            loss = self._forward(fns[0], replica)
         fault("backward", t + 1)
         mode.before_backward(t)
         s.zero_grads()
@@ -236,6 +287,10 @@ class Trainer:
             if i:
                 others[work[i - 1][0]] = s.flat_grad.clone()
                 s.flat_grad.zero_()
+            if self.pipeline is not None:
+                losses[replica] = self._pipeline_pass(fns, replica, w, t + 1)
+                continue
+            if i:
                 loss = self._forward(fns[0], replica)
             losses[replica] = self._backward(loss, fns, w / len(fns)) / len(fns) * w
         fault("reduce-scatter", t + 1)
@@ -293,7 +348,7 @@ class Trainer:
         counted on its TP rank 0 only). Per replica in a vector, added in replica order: the same
         bits whichever processes computed them."""
         m = self.member
-        counts = m.tp_comm is None or m.tp_comm.rank == 0
+        counts = (m.tp_comm is None or m.tp_comm.rank == 0) and (m.pp_comm is None or m.pp_comm.rank == m.pp - 1)
         if -1 in losses:
             self._loss.fill_(losses[-1] if counts else 0.0)
             m.comm.all_reduce(self._loss)
@@ -317,6 +372,42 @@ class Trainer:
         with torch.autocast(self.job.device.type, dtype=self._autocast):
             return loss_fn()
 
+    def _pipeline_pass(self, fns: list[Callable[[], torch.Tensor]], replica: int, weight: float, step: int) -> float:
+        """This stage's part of one replica's forward and backward passes, 1F1B over the
+        pipeline's micro-batches (each weighted by its rows), then the tied weight's gradient
+        summed over the embedding group. The replica's weighted loss on the last stage, else 0."""
+        m, pipe = self.member, self.pipeline
+        if len(fns) != 1:
+            raise ValueError("with a pipeline, give one batch function per step: the pipeline cuts its micro-batches")
+        if replica >= 0 and self._seed is not None:
+            reseed(self._seed, self.step_count, replica)
+        x, y = fns[0]()  # type: ignore[misc]
+        rows, M = x.shape[0], pipe.microbatches
+        if rows < M:
+            raise ValueError(f"a batch of {rows} rows does not split into {M} micro-batches")
+        parts = [contiguous_part(rows, M, i) for i in range(M)]
+        xs, ys = [x[r.start : r.stop] for r in parts], [y[r.start : r.stop] for r in parts]
+
+        def point(phase: str, mb: int) -> None:
+            m.fault(phase, step, mb if phase in ("pp-send", "pp-recv") else None, M)
+
+        with torch.autocast(self.job.device.type, dtype=self._autocast, enabled=self._autocast is not None):
+            loss = one_f_one_b(
+                self.model,
+                m.pp_comm if m.pp_comm is not None else m.comm,
+                self.stage,
+                pipe.stages,
+                xs,
+                ys,
+                lambda mb: pipe.act_shape(xs[mb]),
+                point,
+                [weight * len(r) / rows for r in parts],
+            )
+        if m.embedding_comm is not None:
+            m.fault("tied", step)
+            m.embedding_comm.all_reduce(dict(self.model.named_parameters())[pipe.tied].grad)
+        return 0.0 if loss is None else loss
+
     def _backward(self, loss: torch.Tensor, micro: list[Callable[[], torch.Tensor]], wm: float) -> float:
         """Backward passes of the first micro-batch's `loss` and of the others' (each weighted
         `wm`) into the flat gradients: one reduction per optimizer step. The sum of the losses."""
@@ -332,7 +423,7 @@ class Trainer:
         """Scale the reduced gradients of `step` to a global norm of at most `max_grad_norm`
         (`clip_grad_norm_` semantics)."""
         m = self.member
-        self.grad_norm = m.sharded.grad_norm(m.dp_comm, self.dp_size, step, m.tp_comm)
+        self.grad_norm = m.sharded.grad_norm(m.dp_comm, self.dp_size, step, m.tp_comm, m.pp_comm)
         coef = min(1.0, self._max_grad_norm / (self.grad_norm + 1e-6))
         if coef < 1.0:
             m.sharded.scale_grads(step, coef)
@@ -364,9 +455,34 @@ class Trainer:
         model without Leto (`model.load_state_dict(...)`). With tensor parallelism it is the
         full, unsharded model, loadable into the plain one, and a collective of the rank's TP
         group (every rank of it calls it)."""
-        tp = self.member.tp_comm
-        state = self.model.state_dict() if tp is None else gather_full_state_dict(self.model, tp)
+        m = self.member
+        state = self.model.state_dict() if m.tp_comm is None else gather_full_state_dict(self.model, m.tp_comm)
+        if m.pp_comm is not None:
+            state = self._stages_state_dict(state)
         return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+
+    def _stages_state_dict(self, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The whole model's state dict from this stage's (plain, TP-unsharded) and the other
+        stages' (a collective of the pipeline): each stage's names and shapes are known from
+        building it on the meta device, its values come from the stage; the tied weight is the
+        first stage's."""
+        if any(v.dtype != torch.float32 for v in mine.values()):
+            raise TypeError("the state dict of a pipeline's stages must be float32 to be gathered")
+        flat = torch.cat([v.reshape(-1) for v in mine.values()])
+        whole = stages_gather({"v": flat}, self.member.pp_comm, None)["v"]
+        tp, out, offset = self.job.config.mesh.tp, {}, 0
+        for s in range(self.pipeline.stages):
+            with torch.device("meta"):
+                stage = self.pipeline.build(s)
+            layout = tp_layout(stage)
+            for name, v in stage.state_dict().items():
+                shape = list(v.shape)
+                if (spec := layout.get(name)) is not None:
+                    shape[spec.dim] *= tp
+                n = math.prod(shape)
+                out.setdefault(name, whole[offset : offset + n].view(shape))
+                offset += n
+        return out
 
     def digest(self) -> str:
         """sha256 of the step, all parameters, all optimizer state and the module buffers;
@@ -382,6 +498,27 @@ class Trainer:
                 keys.RESULT, json.dumps({"steps": self.step_count, "final_loss": self.last_loss, "digest": digest})
             )
         return digest
+
+
+def _trainable(model: nn.Module) -> list[torch.Tensor]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _pipeline_of(
+    model: nn.Module | Pipeline, job: Job, param_groups: list[dict] | None
+) -> tuple[Pipeline | None, int, int]:
+    """(the pipeline or None, this process's stage, the largest stage's elements): a shadow
+    builds stage 0 until it adopts a rank."""
+    pp = job.config.mesh.pp
+    if not isinstance(model, Pipeline):
+        if pp > 1:
+            raise ValueError(f"--pp {pp} needs the model as a leto.training.pipeline.Pipeline of {pp} stages")
+        return None, 0, 0
+    if model.stages != pp:
+        raise ValueError(f"a pipeline of {model.stages} stages in a job with --pp {pp}")
+    if param_groups:
+        raise ValueError("param_groups are not supported with a pipeline: each stage's parameters are its own")
+    return model, 0 if job.mesh is None else job.mesh.pp_rank, model.largest_stage()
 
 
 def _takes_replica(fn: LossFn) -> bool:
