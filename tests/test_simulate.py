@@ -19,11 +19,15 @@ from leto.simulation.engine import (
     Scenario,
     build_costs,
     closed_form_checkpoint_restart,
+    policies_for,
     shrink_throughput,
     simulate,
+    stage_loss_cost,
+    sweep_sizes,
 )
 from leto.simulation.failures import LLAMA3_MTBF_GPU_HOURS
 from leto.simulation.scaling import checkpoint_write_s
+from leto.simulation.stage_loss import Mesh, stage_loss
 
 CAL = load_calibration()
 
@@ -174,7 +178,7 @@ def test_exact_shrink_loses_more_than_balanced() -> None:
     assert exact.productivity + exact.lost["shrink"] == pytest.approx(
         balanced.productivity + balanced.lost["shrink"], abs=1e-12
     )
-    for p in ("checkpoint-restart", "memory-restart"):  # never shrink
+    for p in ("checkpoint-restart", "memory-restart", "torchft"):  # never host a dropped replica
         assert runs["exact"].results[p] == runs["balanced"].results[p]
 
 
@@ -213,6 +217,132 @@ def test_leto_target_at_131072_gpus() -> None:
     assert res.to_json()["gap_vs_checkpoint_restart"]["leto"] > 0
 
 
+# ---------------------------------------------------------------- the mesh: what losing a stage costs
+
+
+def on_mesh(pp: int, *, tp: int = 8, gpus: int = 16384, **kw: object) -> Scenario:
+    return Scenario(gpus=gpus, assumptions=Assumptions(tp=tp, pp=pp), **kw)  # type: ignore[arg-type]
+
+
+def price(policy: str, sc: Scenario) -> dict[str, float]:
+    """What losing one rank of one stage costs `policy` on `sc` (first order)."""
+    m = Mesh(sc.assumptions.tp, sc.assumptions.pp, sc.gpus // (sc.assumptions.tp * sc.assumptions.pp))
+    return stage_loss_cost(build_costs(policy, sc, CAL), stage_loss(policy, m), sc.gpus)
+
+
+@pytest.mark.parametrize("tp,pp,dp", [(8, 1, 16), (8, 4, 4), (4, 16, 2), (1, 2, 3)])
+def test_which_ranks_each_policy_restarts_when_a_stage_loses_a_rank(tp: int, pp: int, dp: int) -> None:
+    m = Mesh(tp, pp, dp)
+    everything = stage_loss("checkpoint-restart", m)
+    assert everything == stage_loss("memory-restart", m)
+    assert (everything.restarted_gpus, everything.restarted_stages) == (tp * pp * dp, pp)
+    assert everything.stall_groups == (tp * pp * dp,) and everything.out_gpus == 0
+    replica = stage_loss("torchft", m)  # the lost rank's whole pipeline, every stage of it
+    assert (replica.restarted_gpus, replica.restarted_stages, replica.out_gpus) == (tp * pp, pp, tp * pp)
+    assert replica.stall_groups == (dp,)  # the others only re-form their replica group
+    assert replica.out_groups == (tp, pp, dp)
+    in_place = stage_loss("leto", m)  # one rank, adopted in place; its TP, PP and DP groups
+    assert (in_place.restarted_gpus, in_place.restarted_stages, in_place.out_gpus) == (1, 1, 0)
+    assert in_place.stall_groups == (tp, pp, dp)
+    with pytest.raises(ValueError, match="unknown policy"):
+        stage_loss("pray", m)
+
+
+def test_a_replica_restart_costs_more_with_more_stages_leto_in_place_does_not() -> None:
+    """At a fixed job size: torchft takes a whole pipeline out, so its GPU-seconds out per
+    failure grow with pp; Leto restarts one rank whatever the stage count, and its stall does not
+    grow (a deeper pipeline means a smaller data-parallel group to rebuild); a full restart is
+    the same on any mesh."""
+    prices = {pp: {p: price(p, on_mesh(pp)) for p in POLICIES} for pp in (2, 4, 8, 16, 32)}
+    out = [prices[pp]["torchft"]["out_gpus"] * prices[pp]["torchft"]["out_s"] for pp in sorted(prices)]
+    assert all(a < b for a, b in zip(out, out[1:], strict=False))
+    for pp, by_policy in prices.items():
+        assert by_policy["torchft"]["out_gpus"] == 8 * pp
+        assert by_policy["leto"]["restarted_gpus"] == 1 and by_policy["leto"]["out_gpus"] == 0
+        assert by_policy["leto"]["gpu_hours"] < by_policy["torchft"]["gpu_hours"]
+        assert by_policy["checkpoint-restart"] == prices[2]["checkpoint-restart"] | {"restarted_stages": pp}
+    leto_stall = [prices[pp]["leto"]["stall_s"] for pp in sorted(prices)]
+    assert all(a >= b for a, b in zip(leto_stall, leto_stall[1:], strict=False))
+    # Leto's stall is its detection, rebuild (fixed + init of tp + pp + dp ranks), decode,
+    # weights from a peer, redone steps and half a step in flight: the rebuild's groups are the mesh's
+    sc = on_mesh(16)
+    pc = build_costs("leto", sc, CAL)
+    a = sc.assumptions
+    assert pc.components["rebuild_s"] == pytest.approx(
+        CAL.leto_rebuild_fixed_s + a.comm_init_s_per_rank * (8 + 16 + sc.gpus // 128)
+    )
+
+
+def test_without_spares_a_lost_node_costs_a_whole_replica() -> None:
+    """Same failures (common random numbers), deeper pipelines: the restart-based policies
+    restart everything whatever the mesh; Leto shrinks by, and torchft waits with, a whole
+    replica of tp x pp GPUs, so their shrink loss grows with pp."""
+    runs = {pp: simulate(on_mesh(pp, days=30, spares=0, seed=2), POLICIES, CAL) for pp in (4, 8, 16, 32)}
+    assert len({r.failures for r in runs.values()}) == 1
+    for p in ("checkpoint-restart", "memory-restart"):
+        assert len({r.results[p].productivity for r in runs.values()}) == 1
+    for p in ("torchft", "leto"):
+        shrink = [runs[pp].results[p].lost["shrink"] for pp in sorted(runs)]
+        assert 0 < shrink[0] and all(a < b for a, b in zip(shrink, shrink[1:], strict=False)), (p, shrink)
+        assert all(r.results[p].events["max_dropped_replicas"] >= 1 for r in runs.values())
+    # with spares Leto never runs short whatever the mesh; torchft still runs without the
+    # restarting replica, the longer the deeper the pipeline
+    spared = {pp: simulate(on_mesh(pp, days=30, seed=2), POLICIES, CAL) for pp in (4, 32)}
+    assert all(r.results["leto"].lost["shrink"] == 0 for r in spared.values())
+    assert 0 < spared[4].results["torchft"].lost["shrink"] < spared[32].results["torchft"].lost["shrink"]
+
+
+@pytest.mark.parametrize(
+    "tp,pp,unit_gpus",
+    [(8, 16, 128), (4, 1, 8), (4, 3, 24), (2, 1, 8), (16, 1, 16)],  # 8-GPU nodes
+)
+def test_a_shrink_drops_whole_replicas_on_whole_nodes(tp: int, pp: int, unit_gpus: int) -> None:
+    sc = on_mesh(pp, tp=tp, gpus=4800 if unit_gpus == 24 else 4096)
+    for policy in ("leto", "torchft"):
+        pc = build_costs(policy, sc, CAL)
+        lost_node = pc.shrink_gpus if policy == "leto" else pc.out_node_gpus
+        assert lost_node == unit_gpus
+        assert lost_node % (tp * pp) == 0 and lost_node % 8 == 0
+    assert build_costs("leto", sc, CAL).shrink_nodes == unit_gpus // 8
+    res = simulate(dataclasses.replace(sc, days=60, spares=0, seed=3), ["leto", "torchft"], CAL)
+    assert res.results["leto"].events["max_dropped_replicas"] >= unit_gpus // (tp * pp)
+
+
+def test_torchft_needs_a_peer_replica(capsys: pytest.CaptureFixture[str]) -> None:
+    one_replica = Scenario(gpus=128)
+    assert "torchft" not in policies_for(one_replica)
+    assert set(simulate(one_replica, calibration=CAL).results) == set(POLICIES) - {"torchft"}
+    with pytest.raises(ValueError, match="at least 2 model replicas"):
+        simulate(one_replica, ["torchft"], CAL)
+    rc, _, err = run_cli(capsys, "--gpus", "128", "--policy", "torchft")
+    assert rc == 2 and "at least 2 model replicas" in err
+    assert sweep_sizes(Scenario(assumptions=Assumptions(tp=8, pp=256)))[0] == 4096  # two replicas
+    # two replicas, no spares: both can be out at once, and the time still adds up
+    res = simulate(Scenario(gpus=256, days=3000, spares=0, seed=1), ["torchft"], CAL).results["torchft"]
+    assert res.events["all_replicas_out"] > 0 and res.lost["waiting_for_spares"] > 0
+    assert res.productivity + sum(res.lost.values()) == pytest.approx(1.0, abs=1e-9)
+
+
+def test_cli_mesh_flags_equal_set_and_show_the_mesh(capsys: pytest.CaptureFixture[str]) -> None:
+    docs = []
+    for argv in (["--tp", "4", "--pp", "8"], ["--set", "tp=4", "--set", "pp=8"], ["--pp", "8", "--set", "tp=4"]):
+        rc, out, _ = run_cli(capsys, "--gpus", "8192", "--seed", "4", "--json", *argv)
+        assert rc == 0
+        doc = json.loads(out)
+        doc.pop("runtime_s")
+        docs.append(doc)
+    assert docs[0] == docs[1] == docs[2]
+    assert docs[0]["mesh"] == {"tp": 4, "pp": 8, "dp": 256, "replica_gpus": 32}
+    rc, out, _ = run_cli(capsys, "--gpus", "8192", "--seed", "4", "--json")
+    assert json.loads(out)["productivity"] != docs[0]["productivity"]  # the flags do something
+    rc, out, _ = run_cli(capsys, "--gpus", "8192", "--tp", "4", "--pp", "8")
+    assert rc == 0
+    assert "mesh: tp 4 x pp 8 = 32 GPUs a replica (a pipeline of 8 stages of 4 GPUs), dp 256 replicas" in out
+    assert "losing one rank of one pipeline stage" in out
+    torchft_row = next(line for line in out.splitlines() if line.startswith("torchft ") and "of 8" in line)
+    assert " 32 " in torchft_row  # restarts, and keeps out, the 32 GPUs of its pipeline
+
+
 # ---------------------------------------------------------------- CLI output
 
 
@@ -226,7 +356,9 @@ def test_json_output_schema(capsys: pytest.CaptureFixture[str]) -> None:
     assert set(doc["lost"]) == set(POLICIES)
     for lost in doc["lost"].values():
         assert set(lost) == set(LOSS_KEYS)
-    assert set(doc["gap_vs_checkpoint_restart"]) == {"memory-restart", "leto"}
+    assert set(doc["gap_vs_checkpoint_restart"]) == {"memory-restart", "torchft", "leto"}
+    assert doc["mesh"] == {"tp": 8, "pp": 16, "dp": 128, "replica_gpus": 128}
+    assert set(doc["stage_loss"]) == set(POLICIES)
     assert doc["failures"] >= doc["node_losing_failures"] >= 0
 
 
@@ -341,6 +473,12 @@ def test_bad_calibration_names_file_and_key(tmp_path: Path, content: str, needle
         (["--gpus", "many"], "--gpus"),
         (["--gpus", "1028"], "--gpus-per-node"),
         (["--gpus", "1000"], "tp*pp"),
+        (["--gpus", "1024", "--pp", "3"], "--pp 3"),
+        (["--gpus", "1024", "--tp", "3"], "--tp 3"),
+        (["--pp", "0"], "--pp"),
+        (["--tp", "-2"], "--tp"),
+        (["--pp", "two"], "--pp"),
+        (["--pp", "4", "--set", "pp=8"], "--pp 4 and --set pp=8 disagree"),
         (["--gpus-per-node", "3"], "--gpus-per-node"),
         (["--days", "0"], "--days"),
         (["--days", "1e9"], "too many"),

@@ -64,6 +64,12 @@ class Assumptions:
         "ProcessGroupNCCL default timeout, 10 min "
         "(torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp; pytorch PR #110947)",
     )
+    torchft_timeout_s: float = _f(
+        60.0,
+        "s",
+        "torchft Manager default timeout for collectives and quorum, 60 s (torchft/manager.py, "
+        "Manager(timeout=timedelta(seconds=60))): how long torchft's survivors wait on a lost host or a hang",
+    )
     # Leto protection layout
     tier1_group: int = _f(0, "ranks", "tier-1 erasure group inside a node; 0 = gpus per node (decode reads the group)")
     tier2_k: int = _f(8, "nodes", "ASSUMPTION: tier-2 Reed-Solomon data nodes per stripe")

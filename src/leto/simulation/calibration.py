@@ -104,12 +104,16 @@ class Calibration:
         return self.memcpy_gbps * GB
 
     @property
+    def torchft_reconfigure_s(self) -> float:
+        """torchft's in-place reconfiguration: kill -> survivors commit, minus its heartbeat."""
+        return max(0.0, self.torchft_commit_s - self.torchft_heartbeat_s)
+
+    @property
     def leto_rebuild_fixed_s(self) -> float:
         """Size-independent part of Leto's in-place group rebuild (shadow already running)."""
         if self.leto_rebuild_s is not None:
             return self.leto_rebuild_s
-        # torchft: kill -> survivors commit, minus its heartbeat = in-place reconfiguration
-        return max(0.0, self.torchft_commit_s - self.torchft_heartbeat_s)
+        return self.torchft_reconfigure_s  # the same in-place reconfiguration, until measured
 
     @property
     def leto_restore_bps(self) -> float | None:

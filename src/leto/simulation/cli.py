@@ -24,6 +24,7 @@ from .engine import (
     SimulationResult,
     SweepPoint,
     input_figures,
+    mesh_json,
     simulate,
     sweep,
     sweep_sizes,
@@ -73,11 +74,25 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog=PROG,
         description="Project the productivity of a synchronous training job on a large cluster "
-        "under checkpoint-restart, memory-restart and Leto, from measured component "
+        "under checkpoint-restart, memory-restart, torchft and Leto, from measured component "
         "costs and published failure data (docs/simulation.md).",
     )
+    a = Assumptions()
     p.add_argument("--gpus", type=_positive_int, default=131072, help="GPUs in the job (131072)")
     p.add_argument("--gpus-per-node", type=_positive_int, default=8, help="GPUs per node (8)")
+    p.add_argument(
+        "--tp",
+        type=_positive_int,
+        default=None,
+        help=f"tensor-parallel degree: GPUs of one pipeline stage (as --set tp=; {a.tp})",
+    )
+    p.add_argument(
+        "--pp",
+        type=_positive_int,
+        default=None,
+        help=f"pipeline-parallel degree: stages of one model replica (as --set pp=; {a.pp}); "
+        "a replica is tp x pp GPUs and --gpus must be a multiple of it",
+    )
     p.add_argument("--days", type=_positive_float, default=30.0, help="simulated wall time (30)")
     p.add_argument(
         "--mtbf-gpu-hours",
@@ -112,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=None,
         metavar="POLICY",
-        help=f"policy to simulate, repeatable or comma-separated: {', '.join(POLICIES)} (default: all)",
+        help=f"policy to simulate, repeatable or comma-separated: {', '.join(POLICIES)} (default: all; "
+        "torchft only with at least two model replicas)",
     )
     p.add_argument(
         "--calibration",
@@ -139,9 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _policies(raw: list[str] | None) -> list[str]:
+def _policies(raw: list[str] | None) -> list[str] | None:
+    """The policies named with --policy; None = all that apply to the scenario."""
     if not raw:
-        return list(POLICIES)
+        return None
     out: list[str] = []
     for item in raw:
         for name in filter(None, (s.strip() for s in item.split(","))):
@@ -154,7 +171,7 @@ def _policies(raw: list[str] | None) -> list[str]:
     return out
 
 
-def _assumptions(sets: list[str], repair_hours: float | None) -> Assumptions:
+def _assumptions(sets: list[str], repair_hours: float | None, mesh: dict[str, int | None]) -> Assumptions:
     overrides: dict[str, str] = {}
     for item in sets:
         key, sep, value = item.partition("=")
@@ -163,6 +180,12 @@ def _assumptions(sets: list[str], repair_hours: float | None) -> Assumptions:
         overrides[key.strip()] = value.strip()
     if repair_hours is not None:
         overrides["repair_hours"] = repr(repair_hours)
+    for key, value in mesh.items():
+        if value is None:
+            continue
+        if key in overrides and overrides[key] != str(value):
+            raise UsageError(f"--{key} {value} and --set {key}={overrides[key]} disagree")
+        overrides[key] = str(value)
     try:
         return with_overrides(Assumptions(), overrides)
     except ValueError as e:
@@ -187,8 +210,11 @@ def _pct(x: float) -> str:
 def format_table(res: SimulationResult, runtime_s: float) -> str:
     """Human-readable report of one simulation."""
     sc = res.scenario
+    mesh = mesh_json(sc)
     lines = [
         f"{PROG}: {sc.gpus:,} GPUs ({sc.nodes:,} nodes x {sc.gpus_per_node}), {sc.days:g} days, seed {sc.seed}",
+        f"mesh: tp {mesh['tp']} x pp {mesh['pp']} = {mesh['replica_gpus']:,} GPUs a replica (a pipeline of "
+        f"{mesh['pp']} stages of {mesh['tp']} GPUs), dp {mesh['dp']:,} replicas",
         f"failures: {res.failures:,} ({res.node_losing_failures:,} lose the node); per-GPU MTBF "
         f"{sc.mtbf_gpu_hours:,.0f} h -> job MTBF {sc.job_mtbf_s / 60:,.1f} min; spares "
         f"{sc.spare_nodes:,}, repair {sc.assumptions.repair_hours:g} h, shrink {sc.shrink}",
@@ -200,17 +226,14 @@ def format_table(res: SimulationResult, runtime_s: float) -> str:
         [p, _pct(r.productivity), *(_pct(r.lost[k]) for k in LOSS_KEYS), r.dominant_loss]
         for p, r in res.results.items()
     ]
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(heads)]
-    lines.append("  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(heads, widths, strict=True))))
-    for row in rows:
-        lines.append(
-            "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
-        )
+    lines.extend(_aligned(heads, rows))
     cr = res.results.get("checkpoint-restart")
     if cr is not None:
         for p, r in res.results.items():
             if p != "checkpoint-restart":
                 lines.append(f"{p} vs checkpoint-restart: {100 * (r.productivity - cr.productivity):+.2f} points")
+    lines.append("")
+    lines.extend(_stage_loss_table(res))
     lines.append("")
     lines.append("per-event costs at this size (s):")
     for p, r in res.results.items():
@@ -218,6 +241,38 @@ def format_table(res: SimulationResult, runtime_s: float) -> str:
         lines.append(f"  {p}: {parts}")
     lines.append(f"(simulated in {runtime_s:.2f} s)")
     return "\n".join(lines)
+
+
+def _aligned(heads: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(heads)]
+    return [
+        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+        for row in (heads, *rows)
+    ]
+
+
+def _stage_loss_table(res: SimulationResult) -> list[str]:
+    """What losing one rank of one pipeline stage costs each policy (first order)."""
+    heads = ["policy", "restarts GPUs", "stages", "group ranks built", "all GPUs stall", "out GPUs", "out for", "GPU-h"]
+    rows = []
+    for p, r in res.results.items():
+        c = r.stage_loss
+        rows.append(
+            [
+                p,
+                f"{int(c['restarted_gpus']):,}",
+                f"{int(c['restarted_stages'])} of {res.scenario.assumptions.pp}",
+                f"{int(c['rebuilt_group_ranks']):,}",
+                f"{c['stall_s']:.2f} s",
+                f"{int(c['out_gpus']):,}" if c["out_gpus"] else "-",
+                f"{c['out_s']:.2f} s" if c["out_gpus"] else "-",
+                f"{c['gpu_hours']:,.1f}",
+            ]
+        )
+    return [
+        "losing one rank of one pipeline stage (a process failure, node kept; first order, docs/simulation.md):",
+        *_aligned(heads, rows),
+    ]
 
 
 def write_plot(path: Path, points: list[SweepPoint], sc: Scenario, policies: Sequence[str]) -> None:
@@ -260,8 +315,8 @@ def _run(argv: Sequence[str] | None) -> int:
     if args.list_assumptions:
         print(_list_assumptions())
         return 0
-    policies = _policies(args.policy)
-    assumptions = _assumptions(args.set, args.repair_hours)
+    chosen = _policies(args.policy)
+    assumptions = _assumptions(args.set, args.repair_hours, {"tp": args.tp, "pp": args.pp})
     plot = Path(args.plot) if args.plot else None
     if plot is not None:
         if plot.suffix.lower() not in {".png", ".pdf", ".svg"}:
@@ -282,14 +337,13 @@ def _run(argv: Sequence[str] | None) -> int:
         shrink=args.shrink,
         assumptions=assumptions,
     )
+    started = time.perf_counter()
     try:
-        sc.validate()
+        res = simulate(sc, chosen, calibration)
     except ValueError as e:
         raise UsageError(str(e)) from None
-
-    started = time.perf_counter()
-    res = simulate(sc, policies, calibration)
     runtime = time.perf_counter() - started
+    policies = list(res.results)
     series: list[SweepPoint] = []
     if args.sweep or plot is not None:
         series = sweep(sc, sweep_sizes(sc), policies, calibration)

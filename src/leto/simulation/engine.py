@@ -1,4 +1,4 @@
-"""Discrete-event simulation of one synchronous training job under three recovery policies.
+"""Discrete-event simulation of one synchronous training job under four recovery policies.
 
 The job-level failure stream is the superposition of per-GPU Poisson processes, so it is
 drawn directly: `K ~ Poisson(N x rate x horizon)` failure times, uniform on the horizon,
@@ -13,10 +13,14 @@ Policies:
   load) and loses the work since the last checkpoint; a lost node needs a spare or waits.
 * `memory-restart` -- Gemini-like: a checkpoint to CPU memory (local + peer copy) every
   step; a failure still restarts the whole job, but loads from memory and loses <= 1 step.
+* `torchft` -- replica fault tolerance: a failure of any rank restarts that rank's whole model
+  replica (tp x pp GPUs, every stage of its pipeline), which heals from a peer replica while the
+  others reconfigure and go on without it, losing the step in flight.
 * `leto` -- in place: survivors keep running, a shadow trainer adopts the failed rank(s),
   lost optimizer shards are decoded from tier 1 (inside a node) or tier 2 (across nodes),
-  only the communicators containing the failed ranks are rebuilt; with no spare left the job
-  shrinks by one model replica per missing node and grows back when a node returns. How
+  only the communicators containing the failed ranks (its TP, PP and DP groups) are rebuilt;
+  with no spare left the job shrinks by the model replica(s) holding the missing node (tp x pp
+  GPUs: every stage of a pipeline) and grows back when nodes return. How
   fast it runs while shrunk depends on the training loop (`shrink_throughput`): `balanced`
   re-splits the global batch over the replicas left, `exact` keeps the launch's replicas and
   hosts several on some ranks.
@@ -47,6 +51,7 @@ from .scaling import (
     step_time_s,
     weight_bytes_per_gpu,
 )
+from .stage_loss import StageLoss, mesh_of, stage_loss
 from .units import DAY, GB, HOUR
 
 __all__ = [
@@ -66,13 +71,16 @@ __all__ = [
     "free_host_cores",
     "input_figures",
     "leto_protection",
+    "mesh_json",
+    "policies_for",
     "shrink_throughput",
     "simulate",
+    "stage_loss_cost",
     "sweep",
     "sweep_sizes",
 ]
 
-POLICIES = ("checkpoint-restart", "memory-restart", "leto")
+POLICIES = ("checkpoint-restart", "memory-restart", "torchft", "leto")
 MAX_EXPECTED_FAILURES = 1e7
 LOSS_KEYS = ("protection", "lost_work", "detection", "recovery", "waiting_for_spares", "shrink")
 SHRINK_MODES = ("balanced", "exact")
@@ -123,8 +131,8 @@ class Scenario:
         replica = a.tp * a.pp
         if self.gpus % replica:
             raise ValueError(
-                f"--gpus {self.gpus} is not a multiple of tp*pp = {replica} (one model replica; "
-                f"change with --set tp=... --set pp=...)"
+                f"--gpus {self.gpus} is not a multiple of tp*pp = {a.tp}*{a.pp} = {replica} (one model "
+                f"replica: a pipeline of --pp {a.pp} stages of --tp {a.tp} GPUs)"
             )
         if not (math.isfinite(self.days) and self.days > 0):
             raise ValueError(f"--days must be a positive number, got {self.days!r}")
@@ -207,6 +215,9 @@ class PolicyCosts:
 
     `work_s` of useful compute is committed by `commit_s` of protection (checkpoint-restart:
     the Daly interval and the checkpoint; others: one step and its per-step protection).
+    A shrink drops `shrink_gpus` GPUs (`shrink_nodes` nodes) until enough nodes are back. With
+    `out_s > 0` (torchft) a failure also leaves `out_gpus` GPUs (`out_node_gpus` when the node
+    is lost) out of the job for `out_s` after detection, or until a spare node arrives.
     """
 
     policy: str
@@ -222,17 +233,21 @@ class PolicyCosts:
     shrink_nodes: int = 1
     shrink_gpus: int = 0
     shrink_mode: str = "balanced"
+    replica_gpus: int = 1
+    out_s: float = 0.0
+    out_gpus: int = 0
+    out_node_gpus: int = 0
     components: dict[str, float] = field(default_factory=dict)
 
 
-def _shrink_nodes(a: Assumptions, gpus_per_node: int) -> int:
-    """Nodes that leave the job when one node is lost and no spare is left.
+def _replica_unit_gpus(a: Assumptions, gpus_per_node: int) -> int:
+    """GPUs that leave the job with a lost node: whole replicas on whole nodes.
 
-    The job drops the model replica(s) holding the lost node: a replica of tp x pp GPUs spans
-    tp*pp / gpus_per_node nodes (its healthy nodes become spares); a replica smaller than a
-    node drops with the node.
+    The model replicas holding the lost node go (a replica of tp x pp GPUs spans several nodes,
+    whose healthy ones become spares; a node holds several replicas smaller than itself): the
+    least common multiple of the replica and the node.
     """
-    return max(1, (a.tp * a.pp) // gpus_per_node)
+    return math.lcm(a.tp * a.pp, gpus_per_node)
 
 
 def _exposed(a: Assumptions, background_s: float, step_s: float) -> float:
@@ -285,17 +300,25 @@ def leto_protection(sc: Scenario, cal: Calibration) -> dict[str, float]:
 
 
 def build_costs(policy: str, sc: Scenario, cal: Calibration) -> PolicyCosts:
-    """Scale the calibrated component costs to `sc` for `policy`."""
+    """Scale the calibrated component costs to `sc` for `policy`.
+
+    The communicators a failure makes each policy build are the mesh's (`stage_loss`).
+    """
     a, n = sc.assumptions, sc.gpus
     net, pcie = a.net_gbps_per_gpu * GB, a.pcie_gbps * GB
     step = step_time_s(a)
+    mesh = mesh_of(a, n)
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r} (choose from {', '.join(POLICIES)})")
+    loss = stage_loss(policy, mesh)
+    unit = _replica_unit_gpus(a, sc.gpus_per_node)
     if policy == "checkpoint-restart":
         delta = checkpoint_write_s(a, cal, n)
         tau = daly_interval_s(delta, sc.job_mtbf_s)
         if math.isinf(tau):  # no failures: never checkpoint
             delta = 0.0
         load = checkpoint_read_s(a, cal, n)
-        init = comm_init_s(a, n)
+        init = comm_init_s(a, sum(loss.stall_groups))
         restart = cal.cr_restart_fixed_s + init + load
         return PolicyCosts(
             policy,
@@ -322,7 +345,7 @@ def build_costs(policy: str, sc: Scenario, cal: Calibration) -> PolicyCosts:
         else:
             local = b / cal.host_bps + b / pcie
         remote = b / net + b / pcie
-        init = comm_init_s(a, n)
+        init = comm_init_s(a, sum(loss.stall_groups))
         fixed = cal.mr_restart_fixed_s
         return PolicyCosts(
             policy,
@@ -340,12 +363,37 @@ def build_costs(policy: str, sc: Scenario, cal: Calibration) -> PolicyCosts:
                 "restart_s": fixed + init + local,
             },
         )
+    if policy == "torchft":
+        reconfigure = cal.torchft_reconfigure_s + comm_init_s(a, sum(loss.stall_groups))
+        replica_state = checkpoint_bytes_per_gpu(a, mesh.replica_gpus)  # not sharded across replicas
+        heal = replica_state / net
+        replica_init = comm_init_s(a, sum(loss.out_groups))
+        out = cal.cr_restart_fixed_s + replica_init + heal
+        return PolicyCosts(
+            policy,
+            step,
+            0.0,
+            (cal.torchft_heartbeat_s, a.torchft_timeout_s, a.torchft_timeout_s),
+            reconfigure,
+            reconfigure,
+            grow_s=reconfigure,
+            replica_gpus=mesh.replica_gpus,
+            out_s=out,
+            out_gpus=loss.out_gpus,
+            out_node_gpus=unit,
+            components={
+                "reconfigure_s": reconfigure,
+                "replica_restart_fixed_s": cal.cr_restart_fixed_s,
+                "replica_comm_init_s": replica_init,
+                "heal_from_peer_s": heal,
+                "replica_out_s": out,
+            },
+        )
     if policy == "leto":
         b = optimizer_bytes_per_gpu(a, n)
         w = weight_bytes_per_gpu(a)
         k1 = a.tier1_group or sc.gpus_per_node
-        groups = dp_degree(a, n) + a.pp + a.tp  # communicators that contain the failed rank
-        rebuild = cal.leto_rebuild_fixed_s + comm_init_s(a, groups)
+        rebuild = cal.leto_rebuild_fixed_s + comm_init_s(a, sum(loss.stall_groups))
         measured = cal.leto_restore_bps
         tier1 = b / measured if measured else b * k1 / cal.host_bps
         tier2 = b * a.tier2_k / net
@@ -365,9 +413,10 @@ def build_costs(policy: str, sc: Scenario, cal: Calibration) -> PolicyCosts:
             shrink_recover_s=rebuild + tier2 + h2d,
             grow_s=rebuild + b / net + h2d + weights,
             redo_s=redo,
-            shrink_nodes=_shrink_nodes(a, sc.gpus_per_node),
-            shrink_gpus=_shrink_nodes(a, sc.gpus_per_node) * sc.gpus_per_node,
+            shrink_nodes=unit // sc.gpus_per_node,
+            shrink_gpus=unit,
             shrink_mode=sc.shrink,
+            replica_gpus=mesh.replica_gpus,
             components={
                 **prot,
                 "rebuild_s": rebuild,
@@ -379,7 +428,30 @@ def build_costs(policy: str, sc: Scenario, cal: Calibration) -> PolicyCosts:
                 "recover_node_s": rebuild + tier2 + h2d + weights,
             },
         )
-    raise ValueError(f"unknown policy {policy!r} (choose from {', '.join(POLICIES)})")
+    raise AssertionError(policy)
+
+
+def stage_loss_cost(pc: PolicyCosts, loss: StageLoss, gpus: int) -> dict[str, float]:
+    """First-order price of losing one rank of one stage to a process failure (node kept).
+
+    Every GPU stalls for the exit detection, the recovery, the redone steps and on average half
+    a commit unit of lost work (half the checkpoint interval for checkpoint-restart, half a step
+    for the others); `out_gpus` stay out `out_s` longer and, on rejoining, stall every GPU for
+    `grow_s` (torchft). One failure at a time, no spare needed; the event loop charges the rest.
+    """
+    stall = pc.detect_s[0] + pc.recover_s + pc.redo_s + (pc.work_s + pc.commit_s) / 2
+    rejoin = pc.grow_s if loss.out_gpus else 0.0
+    gpu_s = gpus * (stall + rejoin) + loss.out_gpus * pc.out_s
+    return {
+        "restarted_gpus": loss.restarted_gpus,
+        "restarted_stages": loss.restarted_stages,
+        "rebuilt_group_ranks": sum(loss.stall_groups),
+        "stalled_gpus": gpus,
+        "stall_s": stall + rejoin,
+        "out_gpus": loss.out_gpus,
+        "out_s": pc.out_s if loss.out_gpus else 0.0,
+        "gpu_hours": gpu_s / HOUR,
+    }
 
 
 RECORDED_ONLY = frozenset(
@@ -451,9 +523,18 @@ def input_figures(sc: Scenario, cal: Calibration) -> dict[str, dict[str, object]
 def _run(
     pc: PolicyCosts, fs: FailureStream, horizon: float, spares: int, repair_s: float, gpus: int
 ) -> tuple[dict[str, float], dict[str, int]]:
-    """Walk failures and spare returns; return time per category and event counts."""
+    """Walk failures, spare returns and replica rejoins; return time per category and event counts."""
     acc = dict.fromkeys(("useful", *LOSS_KEYS), 0.0)
-    counts = {"failures": 0, "node_losses": 0, "shrinks": 0, "grows": 0, "waits": 0, "max_dropped_replicas": 0}
+    counts = {
+        "failures": 0,
+        "node_losses": 0,
+        "shrinks": 0,
+        "grows": 0,
+        "waits": 0,
+        "replica_restarts": 0,
+        "all_replicas_out": 0,
+        "max_dropped_replicas": 0,
+    }
     times: list[float] = fs.times.tolist()
     lost: list[bool] = fs.node_lost.tolist()
     det: list[int] = fs.detection.tolist()
@@ -461,12 +542,17 @@ def _run(
     inf = math.inf
 
     repairs: list[float] = []
+    rejoins: list[tuple[float, int]] = []  # (time, GPUs): a restarted replica is back (torchft)
+    waiting: list[int] = []  # GPUs of restarting replicas waiting for a spare node (torchft)
     free = spares
     missing = 0  # nodes a restart-based job waits for
-    short = 0  # shrink units (replicas) a shrunk Leto job runs without
+    short = 0  # GPUs the job runs without: dropped replicas (leto) or restarting ones (torchft)
     running, run_start = True, 0.0
     d_start = det_end = fill_t = charged = 0.0
     rec = redo = 0.0
+
+    def blocked() -> bool:  # every replica is out: nothing left to run
+        return pc.out_s > 0 and short >= gpus
 
     def charge_run(start: float, end: float, tail: bool) -> None:
         length = end - start
@@ -484,7 +570,7 @@ def _run(
             work += min(rest, pc.work_s)
             prot += max(0.0, rest - pc.work_s)
             rest = 0.0
-        thr = shrink_throughput(pc.shrink_mode, gpus, short * pc.shrink_gpus)
+        thr = shrink_throughput(pc.shrink_mode, gpus, min(short, gpus))
         acc["useful"] += work * thr
         acc["shrink"] += work * (1.0 - thr)
         acc["protection"] += prot
@@ -492,11 +578,13 @@ def _run(
 
     def charge_down(t: float) -> None:
         nonlocal charged
-        rs = max(det_end, fill_t) if missing == 0 else inf
+        stopped = missing or blocked()
+        rs = inf if stopped else max(det_end, fill_t)
+        wait = "recovery" if stopped and not missing and rejoins else "waiting_for_spares"
         lo_t = charged
         for lo, hi, key in (
             (d_start, det_end, "detection"),
-            (det_end, rs, "waiting_for_spares"),
+            (det_end, rs, wait),
             (rs, rs + rec, "recovery"),
             (rs + rec, rs + rec + redo, "lost_work"),
         ):
@@ -505,12 +593,16 @@ def _run(
                 acc[key] += span
         charged = t
 
+    def note_dropped() -> None:
+        counts["max_dropped_replicas"] = max(counts["max_dropped_replicas"], short // pc.replica_gpus)
+
     i, n = 0, len(times)
     while True:
         tf = times[i] if i < n else inf
         tr = repairs[0] if repairs else inf
-        tu = inf if running or missing else max(det_end, fill_t) + rec + redo
-        t = min(tf, tr, tu)
+        tj = rejoins[0][0] if rejoins else inf
+        tu = inf if running or missing or blocked() else max(det_end, fill_t) + rec + redo
+        t = min(tf, tr, tj, tu)
         if t >= horizon:
             if running:
                 charge_run(run_start, horizon, tail=True)
@@ -521,6 +613,18 @@ def _run(
             charge_down(tu)
             running, run_start = True, tu
             continue
+        if t == tj:
+            counts["grows"] += 1
+            if running:  # the others reconfigure to take it back
+                charge_run(run_start, tj, tail=False)
+                running, rec, redo = False, pc.grow_s, 0.0
+                d_start = det_end = fill_t = charged = tj
+            else:  # rejoins within the recovery under way
+                charge_down(tj)
+                if blocked():
+                    fill_t = tj
+            short -= heapq.heappop(rejoins)[1]
+            continue
         if t == tr:
             heapq.heappop(repairs)
             if missing:
@@ -528,8 +632,13 @@ def _run(
                 if not missing:
                     fill_t = tr
                 continue
+            if waiting:  # a replica waiting for a node restarts on it
+                if not running:
+                    charge_down(tr)  # the job may have waited for this node
+                heapq.heappush(rejoins, (tr + pc.out_s, waiting.pop(0)))
+                continue
             free += 1
-            if short and free >= pc.shrink_nodes:
+            if pc.shrink and short and free >= pc.shrink_nodes:
                 counts["grows"] += 1
                 if running:  # grow back: charge at the old throughput, then reconfigure
                     charge_run(run_start, tr, tail=False)
@@ -537,7 +646,7 @@ def _run(
                     d_start = det_end = fill_t = charged = tr
                 # while down, the replica rejoins within the recovery under way
                 free -= pc.shrink_nodes
-                short -= 1
+                short -= pc.shrink_gpus
             continue
         # a failure
         i += 1
@@ -547,17 +656,33 @@ def _run(
         else:
             charge_down(tf)
         new_rec = pc.recover_s
+        detected = tf + pc.detect_s[det[i - 1]]
         if lost[i - 1]:
             counts["node_losses"] += 1
             heapq.heappush(repairs, tf + repair_s)
+        if pc.out_s > 0:  # the failed rank's replica restarts and stays out until healed
+            counts["replica_restarts"] += 1
+            out = pc.out_node_gpus if lost[i - 1] else pc.out_gpus
+            if not lost[i - 1]:
+                heapq.heappush(rejoins, (detected + pc.out_s, out))
+            elif free:
+                free -= 1
+                heapq.heappush(rejoins, (detected + pc.out_s, out))
+            else:
+                waiting.append(out)
+                counts["waits"] += 1
+            short += out
+            counts["all_replicas_out"] += blocked()
+            note_dropped()
+        elif lost[i - 1]:
             if free:
                 free -= 1
                 new_rec = pc.recover_node_s
-            elif pc.shrink and (short + 1) * pc.shrink_gpus < gpus:
-                short += 1
+            elif pc.shrink and short + pc.shrink_gpus < gpus:
+                short += pc.shrink_gpus
                 free += pc.shrink_nodes - 1  # healthy nodes of the dropped replica
                 counts["shrinks"] += 1
-                counts["max_dropped_replicas"] = max(counts["max_dropped_replicas"], short)
+                note_dropped()
                 new_rec = pc.shrink_recover_s
             else:
                 missing += 1
@@ -567,7 +692,7 @@ def _run(
         redo = pc.redo_s
         running = False
         d_start = charged = tf
-        det_end = tf + pc.detect_s[det[i - 1]]
+        det_end = detected
         if not missing:
             fill_t = tf
     return acc, counts
@@ -578,19 +703,27 @@ def _run(
 
 @dataclass(frozen=True)
 class PolicyResult:
-    """Outcome of one policy: productivity and lost time as fractions of wall time."""
+    """Outcome of one policy: productivity and lost time as fractions of wall time; what losing
+    one rank of a stage costs it (`stage_loss_cost`)."""
 
     policy: str
     productivity: float
     lost: dict[str, float]
     events: dict[str, int]
     costs: dict[str, float]
+    stage_loss: dict[str, float] = field(default_factory=dict)
 
     @property
     def dominant_loss(self) -> str:
         """The loss category that cost the most wall time ("none" if nothing was lost)."""
         key = max(self.lost, key=lambda k: self.lost[k])
         return key if self.lost[key] > 0 else "none"
+
+
+def mesh_json(sc: Scenario) -> dict[str, int]:
+    """The job's mesh: tp x pp GPUs a replica (one pipeline of pp stages), dp replicas."""
+    m = mesh_of(sc.assumptions, sc.gpus)
+    return {"tp": m.tp, "pp": m.pp, "dp": m.dp, "replica_gpus": m.replica_gpus}
 
 
 @dataclass(frozen=True)
@@ -616,6 +749,7 @@ class SimulationResult:
             "spares": sc.spare_nodes,
             "repair_hours": sc.assumptions.repair_hours,
             "shrink": sc.shrink,
+            "mesh": mesh_json(sc),
             "step_s": step_time_s(sc.assumptions),
             "failures": self.failures,
             "node_losing_failures": self.node_losing_failures,
@@ -624,6 +758,7 @@ class SimulationResult:
             "dominant_loss": {p: r.dominant_loss for p, r in self.results.items()},
             "events": {p: r.events for p, r in self.results.items()},
             "costs_s": {p: r.costs for p, r in self.results.items()},
+            "stage_loss": {p: r.stage_loss for p, r in self.results.items()},
         }
         cr = self.results.get("checkpoint-restart")
         if cr is not None:
@@ -633,14 +768,29 @@ class SimulationResult:
         return doc
 
 
+def policies_for(sc: Scenario) -> tuple[str, ...]:
+    """The policies that apply to `sc`: torchft heals a replica from a peer, so it needs two."""
+    if dp_degree(sc.assumptions, sc.gpus) < 2:
+        return tuple(p for p in POLICIES if p != "torchft")
+    return POLICIES
+
+
 def simulate(
-    sc: Scenario, policies: Sequence[str] = POLICIES, calibration: Calibration | None = None
+    sc: Scenario, policies: Sequence[str] | None = None, calibration: Calibration | None = None
 ) -> SimulationResult:
-    """Simulate `policies` on one shared failure stream of `sc`."""
+    """Simulate `policies` (default: those that apply, `policies_for`) on one shared failure
+    stream of `sc`."""
     sc.validate()
+    policies = policies_for(sc) if policies is None else policies
     for p in policies:
         if p not in POLICIES:
             raise ValueError(f"unknown policy {p!r} (choose from {', '.join(POLICIES)})")
+    if "torchft" in policies and "torchft" not in policies_for(sc):
+        a = sc.assumptions
+        raise ValueError(
+            f"torchft heals a restarted replica from a peer and needs at least 2 model replicas: "
+            f"--gpus {sc.gpus} holds one replica of tp*pp = {a.tp * a.pp} GPUs"
+        )
     cal = calibration if calibration is not None else load_calibration()
     fs = draw_failures(sc)
     horizon = sc.horizon_s
@@ -650,17 +800,21 @@ def simulate(
         pc = build_costs(p, sc, cal)
         acc, counts = _run(pc, fs, horizon, sc.spare_nodes, repair_s, sc.gpus)
         lost = {k: acc[k] / horizon for k in LOSS_KEYS}
-        results[p] = PolicyResult(p, acc["useful"] / horizon, lost, counts, pc.components)
+        price = stage_loss_cost(pc, stage_loss(p, mesh_of(sc.assumptions, sc.gpus)), sc.gpus)
+        results[p] = PolicyResult(p, acc["useful"] / horizon, lost, counts, pc.components, price)
     return SimulationResult(sc, results, len(fs.times), int(fs.node_lost.sum()))
 
 
 def sweep_sizes(sc: Scenario, lo: int = 1024, hi: int = 131072) -> list[int]:
-    """Powers of two from `lo` to `hi`, rounded down to whole nodes and model replicas."""
-    unit = math.lcm(sc.gpus_per_node, sc.assumptions.tp * sc.assumptions.pp)
+    """Powers of two from `lo` to `hi`, rounded down to whole nodes and model replicas, at
+    least two replicas (what every policy needs)."""
+    replica = sc.assumptions.tp * sc.assumptions.pp
+    unit = math.lcm(sc.gpus_per_node, replica)
+    smallest = math.lcm(sc.gpus_per_node, 2 * replica)
     sizes: list[int] = []
     n = lo
     while n <= hi:
-        sizes.append(max(unit, n // unit * unit))
+        sizes.append(max(smallest, n // unit * unit))
         n *= 2
     return sorted(set(sizes))
 
