@@ -13,7 +13,7 @@ from leto.training.trainer import PUBLIC_API
 
 def test_the_package_exports_what_it_lists() -> None:
     names = {n for n, v in vars(leto).items() if not n.startswith("_") and not inspect.ismodule(v)}
-    assert names == set(leto.__all__) == {"SGD", "Adam", "AdamW", "Job", "Trainer", "init"}
+    assert names == set(leto.__all__) == {"SGD", "Adam", "AdamW", "Job", "Pipeline", "Trainer", "init"}
 
 
 def test_a_trainer_shows_only_its_public_api() -> None:
