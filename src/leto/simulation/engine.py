@@ -615,8 +615,8 @@ def _run(
             continue
         if t == tj:
             counts["grows"] += 1
-            if running:  # the others reconfigure to take it back
-                charge_run(run_start, tj, tail=False)
+            if running:  # taken back at the next quorum, between steps: the step in flight counts
+                charge_run(run_start, tj, tail=True)
                 running, rec, redo = False, pc.grow_s, 0.0
                 d_start = det_end = fill_t = charged = tj
             else:  # rejoins within the recovery under way
