@@ -192,6 +192,25 @@ def test_a_tensor_parallel_job_with_no_shadow_shrinks_across_hosts_to_the_failur
     assert rec["world_size"] == 4 and sorted(rec["failed_ranks"]) == [2 * node, 2 * node + 1], rec
 
 
+# TP 2 x PP 2 x DP 3: each host holds one pipeline (two stages of a TP pair each); each stage's DP
+# group spans the three hosts
+PP = ("--workers", "12", "--tp", "2", "--pp", "2", "--microbatches", "2", "--persist", "off")
+
+
+def test_a_pipeline_job_survives_the_sigkill_of_a_host(cluster: Cluster, tmp_path: Path, launcher) -> None:
+    """TP 2 x PP 2 x DP 3 over three hosts: a worker host's processes and its etcd member are
+    SIGKILLed, taking a whole pipeline (both stages); shadows on the survivors, one warm and the
+    others forked during the recovery, build and adopt its four ranks, their shards decoded from
+    tier 2 across hosts, and the job ends with the failure-free digest of the same layout."""
+    reference = reference_digest(launcher, tmp_path, *without_flags(JOB, "spares"), *PP)
+    run_dir, node = _kill_a_worker_host(cluster, tmp_path, *PP)
+    s = summary(run_dir)
+    assert s["exit_code"] == 0 and s["digest"] == reference
+    rec = s["recoveries"][0]
+    assert sorted(rec["failed_ranks"]) == list(range(4 * node, 4 * node + 4)), rec
+    assert rec["failed_nodes"] == [node] and rec["world_size"] == 12 and rec["tier"] == "tier2", rec
+
+
 @pytest.mark.parametrize("fault", ["cut_link", "freeze"])
 def test_a_host_cut_off_or_frozen_is_fenced_and_never_comes_back(
     cluster: Cluster, tmp_path: Path, reference: str, fault: str
