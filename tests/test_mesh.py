@@ -1,5 +1,5 @@
-"""The DP x TP mesh: coordinates, layouts refused at launch, and its communicators across real
-processes."""
+"""The DP x PP x TP mesh: coordinates, layouts refused at launch, and its communicators across
+real processes."""
 
 from __future__ import annotations
 
@@ -37,16 +37,33 @@ def test_coordinates_of_an_8_rank_world_with_tp_4() -> None:
         assert m.tp_group[m.tp_rank] == r and m.dp_group[m.dp_rank] == r
 
 
+def test_coordinates_of_an_8_rank_world_with_tp_2_and_pp_2() -> None:
+    """DP outermost, then the stage, TP innermost: a replica (a pipeline) is 4 contiguous ranks."""
+    meshes = [Mesh.of(r, 8, 2, 2) for r in range(8)]
+    assert [(m.dp_rank, m.pp_rank, m.tp_rank) for m in meshes] == [
+        (d, p, t) for d in range(2) for p in range(2) for t in range(2)
+    ]
+    m = meshes[5]  # replica 1, stage 0, TP rank 1
+    assert m.tp_group == (4, 5) and m.pp_group == (5, 7) and m.dp_group == (1, 5)
+    assert (m.slice, m.replica_ranks, m.world_size, m.rank) == (1, 4, 8, 5)
+    for r, m in enumerate(meshes):
+        assert m.rank == r and m.tp_group[m.tp_rank] == r and m.pp_group[m.pp_rank] == r
+        assert m.dp_group[m.dp_rank] == r and r % 4 == m.slice
+
+
 def test_tp_1_is_data_parallel_only() -> None:
     m = Mesh.of(2, 4, 1)
     assert (m.tp, m.dp, m.tp_rank, m.dp_rank) == (1, 4, 0, 2)
     assert m.tp_group == (2,) and m.dp_group == (0, 1, 2, 3)
 
 
-@pytest.mark.parametrize("rank, world, tp", [(0, 4, 3), (4, 4, 2), (-1, 4, 2), (0, 4, 0), (0, 0, 1)])
-def test_a_bad_mesh_is_a_value_error(rank: int, world: int, tp: int) -> None:
+@pytest.mark.parametrize(
+    "rank, world, tp, pp",
+    [(0, 4, 3, 1), (4, 4, 2, 1), (-1, 4, 2, 1), (0, 4, 0, 1), (0, 0, 1, 1), (0, 6, 2, 2), (0, 4, 1, 0)],
+)
+def test_a_bad_mesh_is_a_value_error(rank: int, world: int, tp: int, pp: int) -> None:
     with pytest.raises(ValueError):
-        Mesh.of(rank, world, tp)
+        Mesh.of(rank, world, tp, pp)
 
 
 def test_the_mesh_is_a_config_section_of_its_own() -> None:
@@ -61,6 +78,20 @@ def test_the_mesh_is_a_config_section_of_its_own() -> None:
     [
         (["train", "--tp", "3"], "leto train: error: --workers (4) must be a multiple of --tp (3)"),
         (["train", "--tp", "0"], "leto train: error: --tp must be at least 1, got 0"),
+        (["train", "--pp", "0"], "leto train: error: --pp must be at least 1, got 0"),
+        (
+            ["train", "--workers", "6", "--tp", "2", "--pp", "2"],
+            "leto train: error: --workers (6) must be a multiple of --tp x --pp (2 x 2 = 4)",
+        ),
+        (["train", "--pp", "5"], "leto train: error: --pp 5: model 'tiny' has 4 blocks, fewer than the stages"),
+        (
+            ["train", "--microbatches", "2"],
+            "leto train: error: --microbatches is for a pipeline: it needs --pp 2 or more",
+        ),
+        (
+            ["train", "--pp", "2", "--microbatches", "17"],
+            "leto train: error: --microbatches 17 exceeds the 16 rows of a replica's batch (--rows 32 over 2 replicas)",
+        ),
         (
             ["train", "--tp", "4", "--protection", "off"],
             "leto train: error: --tp 4: TP group 0 (ranks 0-3) spans nodes 0-1 of --nodes 2, and a TP group "
@@ -88,7 +119,7 @@ def test_the_world_tp_and_dp_comms_of_a_4_rank_tp_2_world_reduce_within_their_gr
     script = str(REPO / "tests" / "scripts" / "mesh_comms.py")
     procs = [
         subprocess.Popen(
-            [sys.executable, script, f"{LOOPBACK}:{store.port}", str(r), "4", "2"],
+            [sys.executable, script, f"{LOOPBACK}:{store.port}", str(r), "4", "2", "1"],
             cwd=REPO,
             env=env,
             stdout=subprocess.PIPE,
@@ -113,4 +144,41 @@ def test_the_world_tp_and_dp_comms_of_a_4_rank_tp_2_world_reduce_within_their_gr
             "tp": sum(10**q for q in m.tp_group),
             "dp": sum(10**q for q in m.dp_group),
         }
-        assert got[r]["ranks"] == {"tp": [m.tp_rank, 2], "dp": [m.dp_rank, 2]}
+        assert got[r]["ranks"] == {"world": [r, 4], "tp": [m.tp_rank, 2], "dp": [m.dp_rank, 2]}
+
+
+def test_the_pipeline_and_embedding_comms_of_a_tp_2_pp_2_world_reduce_within_their_groups() -> None:
+    """Eight real processes (DP 2 x PP 2 x TP 2): over the pipeline an all-reduce of 10**rank
+    sums the rank's stages of its replica at its TP coordinate; the embedding group is the
+    first and the last stage of that pipeline; DP the same slice of both replicas."""
+    store = loopback_store(60)
+    env = dict(os.environ, **network_env(LOOPBACK))
+    script = str(REPO / "tests" / "scripts" / "mesh_comms.py")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, f"{LOOPBACK}:{store.port}", str(r), "8", "2", "2"],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(8)
+    ]
+    try:
+        outs = [p.communicate(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0] * 8, [err for _, err in outs]
+    got = {r["rank"]: r for r in (json.loads(out.strip().splitlines()[-1]) for out, _ in outs)}
+    for r in range(8):
+        m = Mesh.of(r, 8, 2, 2)
+        want = {"world": sum(10**q for q in range(8))}
+        for name in ("tp", "pp", "dp"):
+            want[name] = sum(10**q for q in getattr(m, f"{name}_group"))
+        want["embedding"] = sum(10**q for q in m.pp_group)  # two stages: the first is the last's neighbour
+        assert got[r]["sums"] == want
+        assert got[r]["ranks"]["pp"] == [m.pp_rank, 2] and got[r]["ranks"]["embedding"] == [m.pp_rank, 2]
