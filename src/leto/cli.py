@@ -300,6 +300,13 @@ def build_parser() -> _Parser:
         help="rows (sequences) of the global batch, split over the workers [the model preset's]",
     )
     train.add_argument(
+        "--max-grad-norm",
+        type=_finite,
+        default=None,
+        metavar="N",
+        help="clip the gradients to this global norm (over every shard, TP slice and stage) [no clipping]",
+    )
+    train.add_argument(
         "--microbatches",
         type=int,
         default=None,
@@ -341,7 +348,13 @@ def build_parser() -> _Parser:
         "--tp",
         type=int,
         default=1,
-        help="overhead, recovery: tensor-parallel ranks per model replica (world = DP x TP, inside nodes) [1]",
+        help="overhead, recovery: tensor-parallel ranks per pipeline stage (world = DP x PP x TP, inside nodes) [1]",
+    )
+    bench.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        help="overhead, recovery: pipeline stages per model replica, with 2 x P micro-batches [1]",
     )
     # overhead only (docs/benchmarks.md, "Protection overhead")
     bench.add_argument(
@@ -742,6 +755,8 @@ def _train(args: argparse.Namespace) -> int:
         raise UsageError(f"leto train: error: --chunk-bytes must be a positive multiple of 12, got {args.chunk_bytes}")
     if args.lr <= 0:
         raise UsageError(f"leto train: error: --lr must be positive, got {args.lr}")
+    if args.max_grad_norm is not None and args.max_grad_norm <= 0:
+        raise UsageError(f"leto train: error: --max-grad-norm must be positive, got {args.max_grad_norm}")
     if not 0 <= args.seed < 2**63:
         raise UsageError(f"leto train: error: --seed must be in 0..2**63-1, got {args.seed}")
     from leto.recovery.inject import parse as parse_inject
@@ -771,6 +786,8 @@ def _train(args: argparse.Namespace) -> int:
     rows_flag = ["--rows", str(args.rows)] if args.rows is not None else []
     if args.pp > 1:
         rows_flag += ["--microbatches", str(args.microbatches)]
+    if args.max_grad_norm is not None:
+        rows_flag += ["--max-grad-norm", str(args.max_grad_norm)]
     trajectory = [
         "-m",
         "leto.training.train_gpt",
