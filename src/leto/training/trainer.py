@@ -403,7 +403,7 @@ class Trainer:
                 point,
                 [weight * len(r) / rows for r in parts],
             )
-        if m.embedding_comm is not None:
+        if m.embedding_comm is not None and pipe.tied is not None:
             m.fault("tied", step)
             m.embedding_comm.all_reduce(dict(self.model.named_parameters())[pipe.tied].grad)
         return 0.0 if loss is None else loss
