@@ -25,8 +25,8 @@ def test_nodes_keep_tp_groups_inside_them() -> None:
 
 
 def test_systems_without_tensor_parallelism_are_skipped_with_the_reason() -> None:
-    assert recovery.tp_skipped(1) == {}
-    skipped = recovery.tp_skipped(2)
+    assert recovery.mesh_skipped(1) == {}
+    skipped = recovery.mesh_skipped(2)
     assert set(skipped) == {"torchft", "nvrx"}
     assert all("--tp 2" in why for why in skipped.values())
 
@@ -44,8 +44,10 @@ def test_a_mesh_that_does_not_fit_is_refused_before_any_run(tmp_path: Path, monk
         productivity.main(argparse.Namespace(steps=8, trials=1, out=tmp_path, workers=4, model="tiny", tp=2))
 
 
-def test_every_system_gets_the_mesh(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Leto's job is built with the mesh, and a baseline is asked for it (not run here)."""
+@pytest.mark.parametrize("pp", [1, 2])
+def test_every_system_gets_the_mesh(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pp: int) -> None:
+    """Leto's job is built with the mesh, and a baseline is asked for it (not run here); with
+    pipeline stages, both get the micro-batches too."""
     seen: dict[str, object] = {}
 
     def leto_job(config: object) -> int:
@@ -58,11 +60,14 @@ def test_every_system_gets_the_mesh(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(runs, "run_job", leto_job)
     monkeypatch.setattr(runs, "run_baseline", baseline)
-    cfg = runs.JobConfig(tp=2)
+    cfg = runs.JobConfig(tp=2) if pp == 1 else runs.JobConfig(workers=8, tp=2, pp=pp, microbatches=4)
     for system in (System("leto", "leto", 1), System("checkpoint-restart", "checkpoint-restart")):
         runs.run_system(system, cfg, tmp_path / system.name, runs.NoInjector(), limit_s=30)
-    assert seen["leto"].mesh.tp == 2 and seen["leto"].training.workers == 4  # type: ignore[attr-defined]
-    assert seen["checkpoint-restart"]["tp"] == 2  # type: ignore[index]
+    job = seen["leto"]
+    assert (job.mesh.tp, job.mesh.pp, job.training.workers) == (2, pp, cfg.workers)  # type: ignore[attr-defined]
+    assert ("--microbatches" in job.training.command) == (pp > 1)  # type: ignore[attr-defined]
+    kw = seen["checkpoint-restart"]
+    assert (kw["tp"], kw.get("pp", 1), kw.get("microbatches")) == (2, pp, 4 if pp > 1 else None)  # type: ignore[index, attr-defined]
     runs.run_system(System("memory-restart", "memory-restart"), runs.JobConfig(), tmp_path / "m", runs.NoInjector(), 30)
     assert "tp" not in seen["memory-restart"]  # type: ignore[operator]  # a DP-only job is asked as before
     assert runs.state_bytes_per_rank("tiny", 4, 2) > runs.state_bytes_per_rank("tiny", 4)  # a slice's shard over 2
@@ -91,7 +96,7 @@ def test_the_table_prints_the_mesh_and_the_ratio_to_checkpoint_restart(capsys: p
     text = capsys.readouterr().out
     assert "4 workers (--tp 2: DP 2 x TP 2) on 2 nodes" in text
     assert "torchft: skipped: runs no tensor-parallel job (--tp 2)" in text
-    assert "checkpoint-restart's recovery / Leto's: worker SIGKILL 8.0x, whole-node loss 6.5x" in text
+    assert "checkpoint-restart's recovery / Leto's on the same mesh: worker SIGKILL 8.0x, whole-node loss 6.5x" in text
 
 
 # ----- one short real run: Leto and checkpoint-restart on DP 2 x TP 2, a rank kill and a node loss

@@ -3,8 +3,8 @@
 Same model presets, sampler, AdamW schedule and `Trainer` as `leto.training.train_gpt`; on top:
 
 * `--ckpt-mode disk`: `torch.distributed.checkpoint` (DCP) of each rank's ZeRO-1 shard
-  (`trainer.member.state`), the replicated parameters (with `--tp T`, each TP slice's) and the
-  step, to local disk every K steps
+  (`trainer.member.state`), the replicated parameters (with `--tp T` or `--pp P`, each slice's)
+  and the step, to local disk every K steps
   (`--ckpt-every K`, or K from Young/Daly with `--mtbf-s` and the job's own measured checkpoint
   cost). A checkpoint counts once rank 0 has written `latest.json` after DCP finished it.
 * `--ckpt-mode memory` (Gemini-like): every step, each rank copies its shard into a file under a
@@ -14,8 +14,8 @@ Same model presets, sampler, AdamW schedule and `Trainer` as `leto.training.trai
 
 On start, if a checkpoint exists, every rank loads it and training resumes from its step; the
 sampler and the learning-rate schedule are pure functions of the step, so resuming is exact. A
-tensor-parallel job (`leto run --tp T`) restarts on the same mesh: each rank loads its own
-shard of its TP slice.
+model-parallel job (`--tp T`, `--pp P`) restarts on the same mesh: each rank loads its own shard
+of its slice (its stage's part for its TP coordinate).
 """
 
 from __future__ import annotations
@@ -104,8 +104,9 @@ class DiskCheckpointer:
 
     Each rank's shard is its own key (the ZeRO-1 layout depends on the world size, so there is
     nothing to reshard); the replicated parameters and step are deduplicated by DCP's planner.
-    With tensor parallelism the parameters are replicated only within a DP group: each TP
-    slice's are their own key, `flat_param/tp<t>`.
+    With model parallelism the parameters are replicated only within a DP group: each slice's
+    (rank % ranks per replica: its stage and TP coordinate) are their own key,
+    `flat_param/slice<s>`.
     DCP needs the default process group: a second gloo group beside the trainer's, which also
     keeps async-save collectives off the training group.
     """
@@ -129,7 +130,8 @@ class DiskCheckpointer:
             )
 
     def _state_dict(self, member: RankMember, step: int) -> dict[str, torch.Tensor]:
-        params = "flat_param" if member.tp == 1 else f"flat_param/tp{member.rank % member.tp}"
+        k = member.replica_ranks
+        params = "flat_param" if k == 1 else f"flat_param/slice{member.rank % k}"
         return {
             f"state/rank{member.rank}": member.state,
             params: member.flat_param,
@@ -268,7 +270,7 @@ class MemoryCheckpointer:
         with open(path, "rb") as f:
             if f.readinto(memoryview(member.state.numpy()).cast("B")) != nbytes:
                 raise RuntimeError(f"{path} is shorter than its commit marker says")
-        # replicated parameters (of this rank's TP slice) are the all-gather of its DP group's master shards
+        # replicated parameters (of this rank's slice) are the all-gather of its DP group's master shards
         member.param_shard.copy_(member.state[:, MASTER, :].reshape(-1))
         if member.dp_comm is None:
             raise RuntimeError("not connected")
@@ -326,9 +328,9 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, argparse.N
     return ck, train_gpt.parse(rest)
 
 
-def fingerprint(args: argparse.Namespace, world_size: int, tp: int = 1) -> str:
+def fingerprint(args: argparse.Namespace, world_size: int, tp: int = 1, pp: int = 1) -> str:
     """What a checkpoint must match to be resumed: everything that changes the trajectory (and,
-    with tensor parallelism, which slice of the model each rank holds)."""
+    with model parallelism, which slice of the model each rank holds)."""
     cfg = {
         "model": args.model,
         "seed": args.seed,
@@ -337,6 +339,7 @@ def fingerprint(args: argparse.Namespace, world_size: int, tp: int = 1) -> str:
         "chunk_bytes": args.chunk_bytes,
         "world_size": world_size,
         **({"tp": tp} if tp > 1 else {}),
+        **({"pp": pp, "microbatches": args.microbatches} if pp > 1 else {}),
     }
     return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -397,7 +400,8 @@ def main(argv: list[str] | None = None) -> None:
         for _ in trainer.steps(args.steps):
             pass
         return
-    ckpt = make_checkpointer(ck, job, fingerprint(args, job.world_size, job.config.mesh.tp))
+    mesh = job.config.mesh
+    ckpt = make_checkpointer(ck, job, fingerprint(args, job.world_size, mesh.tp, mesh.pp))
     trainer.member.connect()  # join the process group now, so a checkpoint can be loaded before step 0
     emit(job, "job_up", mode=ck.ckpt_mode)
     t0 = time.perf_counter()
@@ -406,10 +410,12 @@ def main(argv: list[str] | None = None) -> None:
     if restored is not None:
         emit(job, "restore", step=restored, restore_s=round(restore_s, 6), mode=ck.ckpt_mode)
     schedule = Schedule(ck, job)
+    # with pipeline stages the trainer runs the stages on the batch; without, the model computes the loss
+    pipeline = trainer.pipeline is not None
     for step in trainer.steps(args.steps):
-        x, y, weight = sampler.batch(step, trainer.dp_rank, trainer.dp_size)  # a replica's TP ranks: one batch
+        x, y, weight = sampler.batch(step, trainer.dp_rank, trainer.dp_size)  # a replica's ranks: one batch
         t_step = time.perf_counter()
-        trainer.step(lambda: model(x, y), weight=weight, tokens=tokens)
+        trainer.step((lambda: (x, y)) if pipeline else (lambda: model(x, y)), weight=weight, tokens=tokens)
         schedule.step_times.append(time.perf_counter() - t_step)
         ckpt.poll()
         if schedule.due(trainer.step_count, args.steps):

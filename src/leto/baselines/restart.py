@@ -62,7 +62,9 @@ class BaselineSpec:
     timeout_s: float = DEFAULT_TIMEOUT_S
     quiet: bool = True
     job_args: list[str] = field(default_factory=list)  # more flags for the job (--lr, --chunk-bytes)
-    tp: int = 1  # tensor-parallel ranks per model replica; every restart keeps the mesh
+    tp: int = 1  # tensor-parallel ranks per pipeline stage; every restart keeps the mesh
+    pp: int = 1  # pipeline stages per model replica
+    microbatches: int = 1  # with pp > 1: micro-batches of a replica's batch in the pipeline schedule
 
     @property
     def mode(self) -> str:
@@ -73,7 +75,7 @@ def _job_config(command: list[str], spec: BaselineSpec) -> JobConfig:
     # a baseline runs without Leto's keepers and in-memory protection
     return JobConfig(
         training=TrainingConfig(command=tuple(command), workers=spec.workers, nodes=spec.nodes, steps=spec.steps),
-        mesh=MeshConfig(tp=spec.tp),
+        mesh=MeshConfig(tp=spec.tp, pp=spec.pp),
         protection=ProtectionConfig(enabled=False),
         timeouts=Timeouts(collective_s=spec.timeout_s),
         run_dir=str(spec.run_dir),
@@ -128,6 +130,7 @@ class RestartSupervisor:
             str(s.ckpt_dir),
             "--ckpt-mode",
             s.mode,
+            *(["--microbatches", str(s.microbatches)] if s.pp > 1 else []),
             *s.job_args,
         ]
         if s.mode == "disk":
@@ -369,7 +372,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default="tiny")
-    p.add_argument("--tp", type=int, default=1, help="checkpoint/memory-restart: tensor-parallel ranks per replica [1]")
+    p.add_argument("--tp", type=int, default=1, help="checkpoint/memory-restart: tensor-parallel ranks per stage [1]")
+    p.add_argument("--pp", type=int, default=1, help="checkpoint/memory-restart: pipeline stages per replica [1]")
+    p.add_argument(
+        "--microbatches", type=int, default=None, help="with --pp: micro-batches of a replica's batch [2 x --pp]"
+    )
     p.add_argument("--run-dir", type=Path, default=None)
     p.add_argument(
         "--ckpt-dir",
@@ -433,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         timeout_s=a.timeout,
         **({"spares": a.spares} if a.system == "nvrx" else {}),
         **({"tp": a.tp} if a.tp > 1 else {}),
+        **({"pp": a.pp, "microbatches": a.microbatches or 2 * a.pp} if a.pp > 1 else {}),
     )
     if a.json:
         print(json.dumps(summary))

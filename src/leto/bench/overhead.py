@@ -5,11 +5,12 @@ rows of the global batch on the same model, and a larger preset), the bytes prot
 protected element and step, encode throughput next to memcpy on this machine, and the memory
 protection costs: every buffer that exists for protection, wherever it lives, per protected byte
 (computed from the same layout and constants the keepers and workers allocate by), and the
-measured resident memory of the processes that exist only for protection. With `--tp T` the
-job is a DP x TP mesh: the same figures, plus what protection costs per element of the model
-(`mesh`: each TP rank also protects its copy of the replicated parameters) and the whole job's
-memory with protection against without it (`memory_all_in`). docs/benchmarks.md ("Protection
-overhead") describes the method and the JSON.
+measured resident memory of the processes that exist only for protection. With `--tp T` and
+`--pp P` the job is a DP x PP x TP mesh: the same figures, plus what protection costs per element
+of the model (`mesh`: each TP rank also protects its copy of the replicated parameters, the last
+stage its copy of the tied embedding, and every shard is padded to the largest stage's) and the
+whole job's memory with protection against without it (`memory_all_in`). docs/benchmarks.md
+("Protection overhead") describes the method and the JSON.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from leto.bench.floor import floor
-from leto.bench.mesh import MeshElements, check_mesh, mesh_elements
+from leto.bench.mesh import MeshElements, check_mesh, mesh_elements, mesh_flags, mesh_shape, shard_accounting
 from leto.bench.throughput import WARMUP_STEPS, run_job, steady_step_s, wall_step_s
 from leto.errors import UsageError
 from leto.persistence.resume import DEFAULT_MTBF
@@ -80,16 +81,18 @@ def job_layout(
     ec: tuple[int, int] | None,
     *,
     tp: int = 1,
+    pp: int = 1,
     replicated_grads: bool = True,
     protect_every: int = 1,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> tuple[Layout, int]:
     """The generation-0 layout the built-in job's trainer builds (and the model's parameter
     count): `replicated_grads` is the CPU/gloo path, where every rank holds the reduced gradient;
-    with `tp` > 1 each rank's shard is of its TP slice, over its DP group."""
-    elements = mesh_elements(model, tp)
+    with `tp` or `pp` > 1 each rank's shard is of its slice, over its DP group, laid out for the
+    largest stage's slice."""
+    elements = mesh_elements(model, tp, pp)
     elems = chunk_bytes // STATE_BYTES
-    n_chunks = -(-elements.slice // ((workers // tp) * elems))
+    n_chunks = shard_accounting(elements, workers, elems)["shard_elements_per_rank"] // elems
     layout = Layout(
         0,
         0,
@@ -172,13 +175,19 @@ def memory_summary(layout: Layout) -> dict:
 
 
 def memory_cost(
-    model: str, workers: int, nodes: int, ec: tuple[int, int] | None, replicated_grads: bool = True, tp: int = 1
+    model: str,
+    workers: int,
+    nodes: int,
+    ec: tuple[int, int] | None,
+    replicated_grads: bool = True,
+    tp: int = 1,
+    pp: int = 1,
 ) -> dict:
     """Bytes of protection per byte of protected (unique) state, from the layout and constants
     the keepers and workers allocate by. Headline `memory_overhead`: all of it; the figure of the
     keepers' shared regions alone (what was reported before) stays as
     `memory_overhead_without_batches_and_copies`."""
-    layout, _ = job_layout(model, workers, nodes, ec, tp=tp, replicated_grads=replicated_grads)
+    layout, _ = job_layout(model, workers, nodes, ec, tp=tp, pp=pp, replicated_grads=replicated_grads)
     by_kind = {"parity": 0, "gradient_parity": 0, "staging": 0, "tables": 0}
     for n in layout.nodes:
         for name, shape, dtype in specs(layout, n):
@@ -197,7 +206,7 @@ def memory_cost(
     copies = layout.world_size * sum(worker_copy_bytes(layout).values())
     region = sum(by_kind.values())
     summary = memory_summary(layout)
-    nccl, _ = job_layout(model, workers, nodes, ec, tp=tp, replicated_grads=False)
+    nccl, _ = job_layout(model, workers, nodes, ec, tp=tp, pp=pp, replicated_grads=False)
     nccl_summary = memory_summary(nccl)
     return {
         "protected_bytes": protected,
@@ -253,21 +262,21 @@ def rss_summary(peaks: dict[int, dict]) -> dict:
 # ----- the mesh: per element of the model, and the whole job's memory
 def mesh_figures(layout: Layout, elements: MeshElements) -> dict:
     """What protection costs per element of the model's state rather than per protected element:
-    the ranks of a TP group each protect their copy of the replicated parameters, and every shard
-    is padded to whole chunks, so a model element is protected `protected_per_model_element`
-    times (1 plus padding without TP)."""
+    the ranks of a TP group each protect their copy of the replicated parameters, the last
+    pipeline stage its copy of the tied embedding, every shard is padded to the largest stage's
+    slice and to whole chunks, so a model element is protected `protected_per_model_element`
+    times (1 plus chunk padding with neither TP nor PP). The protected elements are the model's
+    + `copies_elements` + `stage_padding_elements` + `chunk_padding_elements`."""
+    figures = shard_accounting(elements, layout.world_size, layout.geometry.chunk_elems)
     protected = layout.world_size * layout.geometry.n_chunks * layout.geometry.chunk_elems
+    if figures["protected_elements"] != protected:
+        raise ValueError(f"a layout of {protected} protected elements is not the mesh's {figures}")
     per_model = protected / elements.model
     moved = bytes_per_element_per_step(layout)["total"]
     parts = memory_parts(layout)
     return {
-        "tp": elements.tp,
-        "dp": layout.world_size // elements.tp,
-        "model_elements": elements.model,
-        "slice_elements": elements.slice,
-        "replicated_elements_per_slice": elements.replicated,
-        "protected_elements": protected,
-        "protected_per_model_element": round(per_model, 4),
+        **figures,
+        "state_bytes_per_rank": figures["shard_elements_per_rank"] * STATE_BYTES,
         "bytes_per_model_element_per_step": {k: round(v * per_model, 4) for k, v in moved.items()},
         "memory_overhead_per_model_byte": round(sum(parts.values()) / (elements.model * STATE_BYTES), 4),
     }
@@ -416,12 +425,14 @@ def _measure(
     tmp: Path,
     persist: dict | None = None,
     tp: int = 1,
+    pp: int = 1,
 ) -> tuple[list[float], list[float], list[dict], list[dict], list[dict]]:
     """`rounds` interleaved off/on runs of one point: step times, CPU by role, protected steps.
     With `persist` (a dict to fill), each round also runs protection + persistence at its default
     K, and the wall time per step of all three goes into it."""
     off, on, cpu_off, cpu_on, prot = [], [], [], [], []
     rows_flag = point.rows is not None and point.rows != default_rows
+    extra = (["--rows", str(point.rows)] if rows_flag else []) + pipeline_flags(pp)
     variants = ("off", "on", "persist") if persist is not None else ("off", "on")
     for i in range(rounds):  # interleaved so that machine load hits all alike
         for v in variants:
@@ -435,9 +446,10 @@ def _measure(
                 nodes=NODES,
                 protection=protection,
                 ec=ec if protection else None,
-                extra=["--rows", str(point.rows)] if rows_flag else None,
+                extra=extra,
                 persist=v == "persist",
                 tp=tp,
+                **({"pp": pp} if pp > 1 else {}),
             )
             check_tokens(res["steps"], point.global_rows * PRESETS[point.model].block_size, d)
             if persist is not None:
@@ -476,6 +488,11 @@ def persistence_entry(runs: dict) -> dict:
         "overhead_ratio_wall": round(paired_ratio(off, on), 4),
         "overhead_ratio_with_persistence": round(paired_ratio(off, per), 4) if wrote else None,
     }
+
+
+def pipeline_flags(pp: int) -> list[str]:
+    """The built-in job's flags for `pp` stages: `leto train`'s default micro-batches, 2 x P."""
+    return ["--microbatches", str(2 * pp)] if pp > 1 else []
 
 
 # ----- targets
@@ -520,21 +537,21 @@ def main(args: argparse.Namespace) -> int:
         flag("curve_steps", CURVE_STEPS),
     )
     curve_spec, rss = flag("curve", "default"), flag("rss", "on") == "on"
-    tp = flag("tp", 1)
+    tp, pp = flag("tp", 1), flag("pp", 1)
     if rounds < 1 or curve_rounds < 1 or curve_steps < 2:
         raise UsageError("leto bench overhead: error: --rounds and --curve-rounds must be >= 1, --curve-steps >= 2")
     try:
-        points = parse_curve(curve_spec, args.model, args.workers // max(tp, 1))
+        points = parse_curve(curve_spec, args.model, args.workers // max(tp * pp, 1))
     except ValueError as e:
         raise UsageError(f"leto bench overhead: error: {e}") from e
     for model in dict.fromkeys([args.model, *(p.model for p in points)]):
-        problem = check_mesh(model, args.workers, NODES, tp)
+        problem = check_mesh(model, args.workers, NODES, tp, pp)
         if problem is not None:
             raise UsageError(f"leto bench overhead: error: {model}: {problem}")
     ec = default_code(NODES)
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.json else (lambda msg: print(msg, flush=True))
     default = Point(args.model)
-    layout, numel = job_layout(args.model, args.workers, NODES, ec, tp=tp)
+    layout, numel = job_layout(args.model, args.workers, NODES, ec, tp=tp, pp=pp)
     curve = []
     rss_out: dict = {}
     all_in: dict | None = None
@@ -542,14 +559,14 @@ def main(args: argparse.Namespace) -> int:
         log(f"default job: {rounds} interleaved rounds of {steps} steps: off, on, on with persistence")
         persist: dict = {}
         off, on, cpu_off, cpu_on, prot = _measure(
-            default, default.global_rows, rounds, steps, args.workers, ec, Path(tmp), persist, tp
+            default, default.global_rows, rounds, steps, args.workers, ec, Path(tmp), persist, tp, pp
         )
         curve.append(curve_entry(default, numel, layout, off, on, cpu_off, cpu_on, steps, prot))
         for p in points:
             log(f"curve: {p.label}: {curve_rounds} interleaved off/on rounds of {curve_steps} steps")
-            p_layout, p_numel = job_layout(p.model, args.workers, NODES, ec, tp=tp)
+            p_layout, p_numel = job_layout(p.model, args.workers, NODES, ec, tp=tp, pp=pp)
             p_off, p_on, p_cpu_off, p_cpu_on, p_prot = _measure(
-                p, PRESETS[p.model].batch_size, curve_rounds, curve_steps, args.workers, ec, Path(tmp), tp=tp
+                p, PRESETS[p.model].batch_size, curve_rounds, curve_steps, args.workers, ec, Path(tmp), tp=tp, pp=pp
             )
             curve.append(curve_entry(p, p_numel, p_layout, p_off, p_on, p_cpu_off, p_cpu_on, curve_steps, p_prot))
         if rss:
@@ -568,7 +585,9 @@ def main(args: argparse.Namespace) -> int:
                     protection=on_,
                     ec=ec if on_ else None,
                     memory_every_s=RSS_EVERY_S,
+                    extra=pipeline_flags(pp),
                     tp=tp,
+                    **({"pp": pp} if pp > 1 else {}),
                 )
                 for on_ in (True, False)
             }
@@ -579,7 +598,7 @@ def main(args: argparse.Namespace) -> int:
             all_in = memory_all_in(runs[True]["memory"], runs[False]["memory"], numel)
     step_off, step_on = statistics.median(off), statistics.median(on)
     codec = measure_codec(nbytes=32 << 20, k=args.workers // NODES, m=1)
-    mem = memory_cost(args.model, args.workers, NODES, ec, tp=tp)
+    mem = memory_cost(args.model, args.workers, NODES, ec, tp=tp, pp=pp)
     protected_per_node = mem["protected_bytes"] / NODES
     if rss_out.get("fixed_rss_bytes_per_node"):
         rss_out["fixed_rss_per_protected_byte"] = round(
@@ -589,7 +608,9 @@ def main(args: argparse.Namespace) -> int:
         "model": args.model,
         "workers": args.workers,
         "tp": tp,
-        "dp": args.workers // tp,
+        "pp": pp,
+        "dp": args.workers // (tp * pp),
+        "microbatches": 2 * pp if pp > 1 else None,
         "nodes": NODES,
         "ec": f"{ec[0]}+{ec[1]}",
         "steps_per_run": steps,
@@ -613,7 +634,7 @@ def main(args: argparse.Namespace) -> int:
         "physical_floor": floor(layout, step_off, os.cpu_count() or 1),
         "persistence": persistence_entry(persist),
         **mem,
-        "mesh": mesh_figures(layout, mesh_elements(args.model, tp)),
+        "mesh": mesh_figures(layout, mesh_elements(args.model, tp, pp)),
         "memory_all_in": all_in,
         **rss_out,
         "curve_mode": curve_spec,
@@ -645,17 +666,35 @@ def _protection_cpu(entry: dict) -> dict[str, float]:
 def _print_mesh(out: dict) -> None:
     m = out["mesh"]
     b = m["bytes_per_model_element_per_step"]
+    n = m["model_elements"]
+    stages = m["stage_slice_elements"]
+    of_slice = (
+        f"stage slices {' / '.join(f'{x:,}' for x in stages)} elements, every shard laid out for the largest"
+        if len(stages) > 1
+        else f"a slice of {m['slice_elements']:,} elements"
+    )
     print(
-        f"  per element of the model ({m['model_elements']:,}; each of the {out['workers']} "
-        f"ranks protects its shard of its slice of {m['slice_elements']:,}, {m['replicated_elements_per_slice']:,} of "
-        f"them replicated on every TP rank: {m['protected_per_model_element']:.3f} protected per model element): "
+        f"  per rank: a ZeRO-1 shard of {m['shard_elements_per_rank']:,} elements, "
+        f"{m['state_bytes_per_rank'] / 2**20:.2f} MiB of state ({of_slice}, over a DP group of {m['dp']})"
+    )
+    print(
+        f"  per element of the model ({n:,}): {m['protected_per_model_element']:.3f} protected = 1 + "
+        f"{m['copies_elements'] / n:.3f} copies ({m['copies_elements']:,}: replicated on every TP rank"
+        + (
+            f", the last stage's copy of the tied embedding {m['tied_copy_elements']:,}"
+            if m["tied_copy_elements"]
+            else ""
+        )
+        + f") + {m['stage_padding_elements'] / n:.3f} stage padding ({m['stage_padding_elements']:,}) + "
+        f"{m['chunk_padding_elements'] / n:.3f} chunk padding ({m['chunk_padding_elements']:,}); "
         f"staged {b['staged']:g} B, checksummed {b['checksummed']:g} B, tier-2 sent {b['tier2_sent']:g} B a step; "
         f"protection memory {m['memory_overhead_per_model_byte']:.2f} B per byte of the model's state"
     )
 
 
 def _print(out: dict, mem: dict) -> None:
-    mesh = f", --tp {out['tp']} (DP {out['dp']} x TP {out['tp']})" if out["tp"] > 1 else ""
+    flags = mesh_flags(out["tp"], out["pp"])
+    mesh = f", {flags} ({mesh_shape(out['workers'], out['tp'], out['pp'])})" if flags else ""
     print(
         f"default job ({out['model']}, {out['workers']} workers{mesh}, {out['nodes']} nodes, --ec {out['ec']}), "
         f"{out['rounds']} interleaved rounds of {out['steps_per_run']} steps"

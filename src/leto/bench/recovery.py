@@ -4,8 +4,9 @@ For each trial, for each failure (a worker SIGKILL; a whole-node loss) and for e
 (interleaved: A, B, C, A, B, C ...), the built-in GPT job runs while `leto.baselines.faults` kills the
 process(es) by PID once step `kill_step` is recorded, i.e. at the start of step `kill_step + 1`.
 Every number comes from the run's metrics.jsonl (see `runs.analyze_recovery`); medians over
-trials are reported, raw values are in the JSON. With `--tp T` every system runs the job as a
-DP x TP mesh (TP groups inside nodes); the systems that cannot are skipped with the reason.
+trials are reported, raw values are in the JSON. With `--tp T` and `--pp P` every system runs
+the job as a DP x PP x TP mesh (TP groups inside nodes; P stages with `leto train`'s default
+2 x P micro-batches); the systems that cannot are skipped with the reason.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from leto.baselines.nvrx_job import NVRX_VERSION, nvrx_status
 from leto.bench import plots
-from leto.bench.mesh import check_mesh
+from leto.bench.mesh import check_mesh, mesh_elements, mesh_flags, mesh_of, mesh_shape, shard_accounting
 from leto.bench.runs import (
     LETO,
     SEGMENTS,
@@ -41,8 +42,10 @@ from leto.bench.runs import (
     torchft_status,
 )
 from leto.errors import UsageError
+from leto.protection.placement import default_code
 from leto.runtime.mesh import layout_problem
 from leto.training.model import PRESETS
+from leto.training.trainer import DEFAULT_CHUNK_BYTES
 
 DEFAULT_STEPS = 40
 SPARES_VARIANT = (
@@ -51,7 +54,7 @@ SPARES_VARIANT = (
 FAILURES = {"worker": "kill", "node": "node-kill"}
 FAILURE_ORDER = ("worker", "node")
 TITLES = {"worker": "worker SIGKILL", "node": "whole-node loss"}
-TP_SYSTEMS = (LETO, "checkpoint-restart", "memory-restart")  # the kinds that run a tensor-parallel job
+MESH_SYSTEMS = (LETO, "checkpoint-restart", "memory-restart")  # the kinds that run a TP or PP job
 KEYS = ("recovery_s", "regain_s", "detect_s", "restore_s", "first_s", "lost_steps", "pre_step_s")
 
 
@@ -68,18 +71,35 @@ def systems_for(failure: str) -> list[System]:
     return out + [System(s, s) for s in ("checkpoint-restart", "memory-restart", "torchft", "nvrx")]
 
 
-def job_nodes(workers: int, tp: int) -> int:
+def job_nodes(workers: int, tp: int, pp: int = 1) -> int:
     """Nodes (failure domains) for the job: 2 where the TP groups fit inside them (a node loss
     needs a second node), else 1."""
-    return 2 if workers >= 2 and layout_problem(workers, 2, tp) is None else 1
+    return 2 if workers >= 2 and layout_problem(workers, 2, tp, pp) is None else 1
 
 
-def tp_skipped(tp: int) -> dict[str, str]:
-    """The systems that cannot run a job with TP groups of `tp`, and why."""
-    if tp == 1:
+def mesh_skipped(tp: int, pp: int = 1) -> dict[str, str]:
+    """The systems that cannot run a job in replicas of `pp` stages of `tp` ranks, and why."""
+    if tp == 1 and pp == 1:
         return {}
+    what = {(True, False): "tensor-parallel", (False, True): "pipeline-parallel"}.get((tp > 1, pp > 1), "TP or PP")
     kinds = {s.kind for f in FAILURE_ORDER for s in systems_for(f)}
-    return {k: f"skipped: runs no tensor-parallel job (--tp {tp})" for k in sorted(kinds) if k not in TP_SYSTEMS}
+    why = f"skipped: runs no {what} job ({mesh_flags(tp, pp)})"
+    return {k: why for k in sorted(kinds) if k not in MESH_SYSTEMS}
+
+
+def configurations(cfg: JobConfig, ec: tuple[int, int] | None) -> dict[str, str]:
+    """What each system is, in words: the names the table and the ratio stand for."""
+    mesh = f"{cfg.workers} workers, {mesh_shape(cfg.workers, cfg.tp, cfg.pp)}"
+    code = f"--ec {ec[0]}+{ec[1]}" if ec else "tier 1 only"
+    restart = f"a fresh job of fresh processes on the same mesh ({mesh})"
+    return {
+        LETO: f"in place: survivors keep their processes, a warm shadow adopts the lost rank, state from "
+        f"erasure-coded in-memory protection ({code}), 1 shadow",
+        f"leto --spares {SPARES_VARIANT}": f"the same with {SPARES_VARIANT} shadows",
+        "checkpoint-restart": f"DCP checkpoint of every rank's shard to local disk every K steps (K from "
+        f"Young/Daly for an MTBF of {cfg.mtbf_s:g} s and the measured checkpoint cost), then {restart}",
+        "memory-restart": f"every rank's shard copied to /dev/shm every step (Gemini-like), then {restart}",
+    }
 
 
 def evaluate(run: Run, system: System) -> dict:
@@ -211,7 +231,11 @@ def _steps(x: float | None) -> str:
 
 def print_table(report: dict) -> None:
     cfg = report["config"]
-    mesh = f" (--tp {cfg['tp']}: DP {cfg['dp']} x TP {cfg['tp']})" if cfg.get("tp", 1) > 1 else ""
+    tp, pp = cfg.get("tp", 1), cfg.get("pp", 1)
+    flags = mesh_flags(tp, pp)
+    mesh = f" ({flags}: {mesh_shape(cfg['workers'], tp, pp)})" if flags else ""
+    if pp > 1:
+        mesh += f", {cfg['microbatches']} micro-batches"
     print(
         f"leto bench recovery: {cfg['workers']} workers{mesh} on {cfg['nodes']} nodes, model {cfg['model']}, "
         f"{cfg['steps']} steps, failure injected after step {cfg['kill_step']}; medians of {cfg['trials']} trials"
@@ -240,13 +264,53 @@ def print_table(report: dict) -> None:
         if (sp := section["speedup"].get("checkpoint-restart")) is not None
     ]
     if ratios:
-        print(f"\ncheckpoint-restart's recovery / Leto's: {', '.join(ratios)}")
+        print(f"\ncheckpoint-restart's recovery / Leto's{' on the same mesh' if flags else ''}: {', '.join(ratios)}")
+    _print_configurations(report)
+    _print_accounting(report)
     print(
         f"\nrecovery: kill -> the lost work is redone and the next {cfg['window']} steps together ran in at most "
         f"{cfg['tolerance']}x their pre-failure median time; regain: kill -> the step in flight is done; "
         f"n: trials that got back to speed / trials; vs leto: the system's recovery / Leto's"
     )
     print(f"plots: {', '.join(report['plots'])}\nraw results: {report['json']}")
+
+
+def _print_configurations(report: dict) -> None:
+    """Each system that ran, in words; checkpoint-restart's K as its trials chose it."""
+    ran = {name for _, section in sections(report) for name, s in section["systems"].items() if not s.get("status")}
+    every = sorted(
+        {
+            k
+            for _, section in sections(report)
+            for k in section["systems"].get("checkpoint-restart", {}).get("ckpt_every") or []
+            if k
+        }
+    )
+    print("systems:")
+    for name, what in report.get("configurations", {}).items():
+        if name in ran:
+            if name == "checkpoint-restart" and every:
+                what = what.replace("every K steps", f"every K = {' or '.join(map(str, every))} steps")
+            print(f"  {name}: {what}")
+
+
+def _print_accounting(report: dict) -> None:
+    m = report.get("mesh")
+    if not m:
+        return
+    n, stages = m["model_elements"], m["stage_slice_elements"]
+    print(
+        f"state per rank: a ZeRO-1 shard of {m['shard_elements_per_rank']:,} elements "
+        f"({report['state_bytes_per_rank'] / 2**20:.2f} MiB: master, exp_avg, exp_avg_sq) of its slice"
+        + (
+            f" (stages {' / '.join(f'{x:,}' for x in stages)} elements, laid out for the largest)"
+            if len(stages) > 1
+            else ""
+        )
+        + f"; the job protects {m['protected_elements']:,} elements for a model of {n:,}: "
+        f"copies {m['copies_elements']:,}, stage padding {m['stage_padding_elements']:,}, "
+        f"chunk padding {m['chunk_padding_elements']:,} ({m['protected_per_model_element']:.3f} per model element)"
+    )
 
 
 def section_for(failure: str, step: int, trials: dict[str, list[dict]], skipped: dict[str, str]) -> dict:
@@ -266,26 +330,45 @@ def section_for(failure: str, step: int, trials: dict[str, list[dict]], skipped:
     return section
 
 
+def microbatches_for(model: str, workers: int, tp: int, pp: int) -> int:
+    """`leto train`'s default micro-batches for `pp` stages (2 x P; 1 without stages), or
+    UsageError if a replica's batch has fewer rows."""
+    if pp == 1:
+        return 1
+    rows = PRESETS[model].batch_size // (workers // (tp * pp))
+    if rows < 2 * pp:
+        raise UsageError(
+            f"leto bench recovery: error: --pp {pp} runs {2 * pp} micro-batches, more than the {rows} rows of a "
+            f"replica's batch of {model} with --workers {workers}"
+        )
+    return 2 * pp
+
+
 def main(args: argparse.Namespace) -> int:
-    tp = getattr(args, "tp", None) or 1
+    tp, pp = mesh_of(args)
     if getattr(args, "hosts", None):
-        if tp > 1:
-            raise UsageError("leto bench recovery: error: --hosts runs data-parallel jobs only; --tp is for one host")
+        if tp > 1 or pp > 1:
+            raise UsageError(
+                "leto bench recovery: error: --hosts runs data-parallel jobs only; --tp and --pp are for one host"
+            )
         from leto.bench import hosts
 
         return hosts.main(args)
     steps = args.steps or DEFAULT_STEPS
-    nodes = job_nodes(args.workers, tp)
-    problem = check_mesh(args.model, args.workers, nodes, tp)
+    nodes = job_nodes(args.workers, tp, pp)
+    problem = check_mesh(args.model, args.workers, nodes, tp, pp)
     if problem is not None:
         raise UsageError(f"leto bench recovery: error: {problem}")
+    microbatches = microbatches_for(args.model, args.workers, tp, pp)
     if nodes < 2:
-        log(f"--workers {args.workers} --tp {tp}: one node (TP groups inside nodes), so no node loss")
-    cfg = JobConfig(workers=args.workers, nodes=nodes, steps=steps, model=args.model, tp=tp)
+        log(f"--workers {args.workers} {mesh_flags(tp, pp)}: one node (TP groups inside nodes), so no node loss")
+    cfg = JobConfig(
+        workers=args.workers, nodes=nodes, steps=steps, model=args.model, tp=tp, pp=pp, microbatches=microbatches
+    )
     step = kill_step(steps)
     out = Path(args.out) if args.out else default_out("recovery")
     out.mkdir(parents=True, exist_ok=True)
-    skipped: dict[str, str] = tp_skipped(tp)
+    skipped: dict[str, str] = mesh_skipped(tp, pp)
     for name, why in skipped.items():
         log(f"{name}: {why}")
     tf = None if "torchft" in skipped else torchft_status()
@@ -313,7 +396,9 @@ def main(args: argparse.Namespace) -> int:
             "workers": cfg.workers,
             "nodes": cfg.nodes,
             "tp": cfg.tp,
-            "dp": cfg.workers // cfg.tp,
+            "pp": cfg.pp,
+            "dp": cfg.workers // (cfg.tp * cfg.pp),
+            "microbatches": cfg.microbatches,
             "model": cfg.model,
             "seed": cfg.seed,
             "steps": steps,
@@ -324,7 +409,9 @@ def main(args: argparse.Namespace) -> int:
             "ckpt_mtbf_s": cfg.mtbf_s,
             "order": "for each trial, for each failure, each system in turn",
         },
-        "state_bytes_per_rank": state_bytes_per_rank(cfg.model, cfg.workers, cfg.tp),
+        "state_bytes_per_rank": state_bytes_per_rank(cfg.model, cfg.workers, cfg.tp, cfg.pp),
+        "mesh": shard_accounting(mesh_elements(cfg.model, cfg.tp, cfg.pp), cfg.workers, DEFAULT_CHUNK_BYTES // 12),
+        "configurations": configurations(cfg, default_code(cfg.nodes)),
         "torchft": skipped.get("torchft", "installed"),
         "nvrx": skipped.get("nvrx", "installed"),
         "skipped": skipped,
