@@ -28,7 +28,7 @@ from typing import Protocol
 from leto import config as job_config
 from leto.baselines.faults import ExternalInjector, Kill, poisson_schedule
 from leto.baselines.restart import run_baseline
-from leto.bench.mesh import mesh_elements
+from leto.bench.mesh import mesh_elements, shard_accounting
 from leto.bench.throughput import steady_step_s
 from leto.console import read_jsonl
 from leto.control.one_host import run_job
@@ -70,7 +70,9 @@ class JobConfig:
     mtbf_s: float = DEFAULT_MTBF_S  # checkpoint-restart: K from Young/Daly for this MTBF
     timeout_s: float = job_config.DEFAULT_TIMEOUT_S  # collective / store timeout inside the job
     max_restarts: int = 3
-    tp: int = 1  # tensor-parallel ranks per model replica (world = DP x TP, `leto train --tp`)
+    tp: int = 1  # tensor-parallel ranks per pipeline stage (world = DP x PP x TP, `leto train --tp`)
+    pp: int = 1  # pipeline stages per model replica (`leto train --pp`)
+    microbatches: int = 1  # with pp > 1: micro-batches of a replica's batch (`leto train --microbatches`)
 
 
 class InjectorLike(Protocol):
@@ -135,13 +137,14 @@ def _run_leto(system: System, cfg: JobConfig, run_dir: Path) -> int:
         str(cfg.seed),
         "--model",
         cfg.model,
+        *(["--microbatches", str(cfg.microbatches)] if cfg.pp > 1 else []),
     ]
     return run_job(
         job_config.JobConfig(
             training=job_config.TrainingConfig(
                 command=tuple(command), workers=cfg.workers, nodes=cfg.nodes, steps=cfg.steps
             ),
-            mesh=job_config.MeshConfig(tp=cfg.tp),
+            mesh=job_config.MeshConfig(tp=cfg.tp, pp=cfg.pp),
             protection=job_config.ProtectionConfig(enabled=True, ec=default_code(cfg.nodes)),
             recovery=job_config.RecoveryConfig(spares=system.spares),
             timeouts=job_config.Timeouts(collective_s=cfg.timeout_s),
@@ -219,6 +222,7 @@ def run_system(system: System, cfg: JobConfig, run_dir: Path, injector: Injector
                     max_restarts=cfg.max_restarts,
                     timeout_s=cfg.timeout_s,
                     **({"tp": cfg.tp} if cfg.tp > 1 else {}),
+                    **({"pp": cfg.pp, "microbatches": cfg.microbatches} if cfg.pp > 1 else {}),
                 )
                 code = summary.get("exit_code")
     except (KeyboardInterrupt, SystemExit):
@@ -474,12 +478,11 @@ def median_index(values: list[float | None]) -> int | None:
     return idx[(len(idx) - 1) // 2] if idx else None
 
 
-def state_bytes_per_rank(model: str, workers: int, tp: int = 1) -> int:
-    """Bytes of unique optimizer state per rank (ZeRO-1 shard of its TP slice over its DP group:
-    master, exp_avg, exp_avg_sq)."""
+def state_bytes_per_rank(model: str, workers: int, tp: int = 1, pp: int = 1) -> int:
+    """Bytes of unique optimizer state per rank (ZeRO-1 shard of its slice over its DP group,
+    laid out for the largest stage's slice: master, exp_avg, exp_avg_sq)."""
     elems = DEFAULT_CHUNK_BYTES // 12
-    n_chunks = -(-mesh_elements(model, tp).slice // ((workers // tp) * elems))
-    return n_chunks * DEFAULT_CHUNK_BYTES
+    return shard_accounting(mesh_elements(model, tp, pp), workers, elems)["shard_elements_per_rank"] * 12
 
 
 def machine() -> dict:

@@ -39,13 +39,15 @@ def run_job(
     memory_every_s: float | None = None,
     persist: bool = False,
     tp: int = 1,
+    pp: int = 1,
 ) -> dict:
     """Run the built-in job quietly (or `module`, a wrapper taking the same arguments); returns
     its summary, per-step records, the CPU seconds per step each role used over the steps after
     the warm-up, the job's events and, with `memory_every_s`, each process's peak memory
     (`CpuSampler.peak_memory`). `persist`: persistent checkpoints as `leto train` writes them by
-    default (every K steps, K from Young/Daly for the default --mtbf). `tp`: tensor-parallel ranks
-    per model replica (`leto train --tp`)."""
+    default (every K steps, K from Young/Daly for the default --mtbf). `tp`, `pp`: tensor-parallel ranks
+    per pipeline stage and stages per model replica (`leto train --tp`, `--pp`; the stages'
+    `--microbatches` go in `extra`)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     command = ["-m", module or "leto.training.train_gpt", "--steps", str(steps), "--model", model, *(extra or [])]
     persistence = PersistenceConfig()
@@ -55,7 +57,7 @@ def run_job(
         persistence = fresh(run_dir, command, persistence, persist=True).persistence
     config = JobConfig(
         training=TrainingConfig(command=tuple(command), workers=workers, nodes=nodes),
-        mesh=MeshConfig(tp=tp),
+        mesh=MeshConfig(tp=tp, pp=pp),
         protection=ProtectionConfig(enabled=protection, ec=ec),
         recovery=RecoveryConfig(spares=spares),
         persistence=persistence,
