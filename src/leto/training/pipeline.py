@@ -243,11 +243,6 @@ class Pipeline:
                 sum(p.numel() for p in self.build(s).parameters() if p.requires_grad) for s in range(self.stages)
             )
 
-    def stage_shapes(self, stage: int) -> list[tuple[str, torch.Size]]:
-        """Stage `stage`'s state dict entries: names and shapes (built on the meta device)."""
-        with torch.device("meta"):
-            return [(k, v.shape) for k, v in self.build(stage).state_dict().items()]
-
 
 def tied_range(module: nn.Module, params: Sequence[torch.Tensor], name: str | None) -> range | None:
     """Where parameter `name` of `module` lies among `params` laid end to end (a flat buffer's
