@@ -29,7 +29,7 @@ _JOBS = itertools.count()
 # killed (a whole host's processes and its etcd member SIGKILLed; the fence, the takeover, a shadow
 # forked on a survivor, tier 2 across hosts), a cut link, a frozen host, the coordinator's host cut
 # off, and etcd below quorum. The failure-free job (which every other test's digest check covers)
-# runs with LETO_ALL_TESTS=1 (conftest.beyond_ci).
+# runs with LETO_ALL_TESTS=1 (conftest.beyond_ci), and so does the pipeline job (12 workers, ~135 s).
 
 
 @pytest.fixture
@@ -197,6 +197,7 @@ def test_a_tensor_parallel_job_with_no_shadow_shrinks_across_hosts_to_the_failur
 PP = ("--workers", "12", "--tp", "2", "--pp", "2", "--microbatches", "2", "--persist", "off")
 
 
+@beyond_ci
 def test_a_pipeline_job_survives_the_sigkill_of_a_host(cluster: Cluster, tmp_path: Path, launcher) -> None:
     """TP 2 x PP 2 x DP 3 over three hosts: a worker host's processes and its etcd member are
     SIGKILLed, taking a whole pipeline (both stages); shadows on the survivors, one warm and the

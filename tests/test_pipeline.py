@@ -218,7 +218,7 @@ def _worker(mode: str, addr: str, rank: int, arg: str) -> None:
             for comm in (pp, embedding):
                 if comm is not None:
                     comm.close()
-        return
+        os._exit(0)  # past gloo's destructors, whose threads may abort an exiting process
     victim, seen = int(arg), []  # "kill": P = 4, M = 4; the victim stops at its first send of the steady state
 
     def point(phase: str, mb: int) -> None:
