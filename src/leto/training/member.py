@@ -373,11 +373,17 @@ class RankMember:
             )
 
     def _tp_fault(self) -> None:
-        """The fault point inside a TP all-reduce of the forward or backward pass."""
+        """The fault point inside a TP all-reduce of the forward or backward pass (in a pipeline
+        stage's schedule, where the two interleave, a backward is the one autograd runs)."""
         phase, step = self._at
-        if phase in ("forward", "backward"):
-            self.fault(f"tp-{phase}", step)
-            self._at = (phase, step)
+        if phase.startswith("pp-"):
+            which = "forward" if torch.is_grad_enabled() else "backward"
+        elif phase in ("forward", "backward"):
+            which = phase
+        else:
+            return
+        self.fault(f"tp-{which}", step)
+        self._at = (phase, step)
 
     # ----- module buffers and registered state
     def gather_rank_state(self, step: int) -> None:
