@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, beyond_ci
 from leto.config import JobConfig, MeshConfig
 from leto.runtime.env import LOOPBACK, loopback_store, network_env
 from leto.runtime.mesh import Mesh
@@ -147,6 +147,7 @@ def test_the_world_tp_and_dp_comms_of_a_4_rank_tp_2_world_reduce_within_their_gr
         assert got[r]["ranks"] == {"world": [r, 4], "tp": [m.tp_rank, 2], "dp": [m.dp_rank, 2]}
 
 
+@beyond_ci
 def test_the_pipeline_and_embedding_comms_of_a_tp_2_pp_2_world_reduce_within_their_groups() -> None:
     """Eight real processes (DP 2 x PP 2 x TP 2): over the pipeline an all-reduce of 10**rank
     sums the rank's stages of its replica at its TP coordinate; the embedding group is the
