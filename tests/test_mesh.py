@@ -114,29 +114,7 @@ def test_a_bad_layout_is_refused_at_launch(launcher, tmp_path: Path, args: list[
 def test_the_world_tp_and_dp_comms_of_a_4_rank_tp_2_world_reduce_within_their_groups() -> None:
     """Four real processes join generation 0's groups: an all-reduce of 10**rank over TP sums
     only its TP group's ranks, over DP only its DP group's."""
-    store = loopback_store(30)
-    env = dict(os.environ, **network_env(LOOPBACK))
-    script = str(REPO / "tests" / "scripts" / "mesh_comms.py")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, script, f"{LOOPBACK}:{store.port}", str(r), "4", "2", "1"],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(4)
-    ]
-    try:
-        outs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert [p.returncode for p in procs] == [0] * 4, [err for _, err in outs]
-    got = {r["rank"]: r for r in (json.loads(out.strip().splitlines()[-1]) for out, _ in outs)}
+    got = _mesh_ranks(4, 2, 1)
     for r in range(4):
         m = Mesh.of(r, 4, 2)
         assert got[r]["sums"] == {
@@ -152,29 +130,7 @@ def test_the_pipeline_and_embedding_comms_of_a_tp_2_pp_2_world_reduce_within_the
     """Eight real processes (DP 2 x PP 2 x TP 2): over the pipeline an all-reduce of 10**rank
     sums the rank's stages of its replica at its TP coordinate; the embedding group is the
     first and the last stage of that pipeline; DP the same slice of both replicas."""
-    store = loopback_store(60)
-    env = dict(os.environ, **network_env(LOOPBACK))
-    script = str(REPO / "tests" / "scripts" / "mesh_comms.py")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, script, f"{LOOPBACK}:{store.port}", str(r), "8", "2", "2"],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(8)
-    ]
-    try:
-        outs = [p.communicate(timeout=180) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert [p.returncode for p in procs] == [0] * 8, [err for _, err in outs]
-    got = {r["rank"]: r for r in (json.loads(out.strip().splitlines()[-1]) for out, _ in outs)}
+    got = _mesh_ranks(8, 2, 2)
     for r in range(8):
         m = Mesh.of(r, 8, 2, 2)
         want = {"world": sum(10**q for q in range(8))}
@@ -183,3 +139,31 @@ def test_the_pipeline_and_embedding_comms_of_a_tp_2_pp_2_world_reduce_within_the
         want["embedding"] = sum(10**q for q in m.pp_group)  # two stages: the first is the last's neighbour
         assert got[r]["sums"] == want
         assert got[r]["ranks"]["pp"] == [m.pp_rank, 2] and got[r]["ranks"]["embedding"] == [m.pp_rank, 2]
+
+
+def _mesh_ranks(world: int, tp: int, pp: int) -> dict[int, dict]:
+    """Run `world` real processes of `tests/scripts/mesh_comms.py` on a fresh loopback store;
+    what each printed, by rank. Whatever is left of them is killed and reaped."""
+    store = loopback_store(60)
+    env = dict(os.environ, **network_env(LOOPBACK))
+    script = str(REPO / "tests" / "scripts" / "mesh_comms.py")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, f"{LOOPBACK}:{store.port}", str(r), str(world), str(tp), str(pp)],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    try:
+        outs = [p.communicate(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0] * world, [err for _, err in outs]
+    return {r["rank"]: r for r in (json.loads(out.strip().splitlines()[-1]) for out, _ in outs)}
