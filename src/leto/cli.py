@@ -179,6 +179,22 @@ JOB_OPTIONS = (
         type=int,
         metavar="S",
     ),
+    _opt(
+        "--join",
+        "rendezvous.join",
+        "enter the running job --job-id on this new host (a replacement): admitted at the next step boundary, it "
+        "gives back the ranks a lost host took, or waits as a standby (with --rdzv)",
+        action="store_true",
+        shown="",
+    ),
+    _opt(
+        "--standby",
+        "rendezvous.standby",
+        "this host holds no rank until one is needed: it keeps warm shadows and a keeper; not counted in --nodes "
+        "(with --rdzv)",
+        action="store_true",
+        shown="",
+    ),
     # persistence, the last line of defence (docs/design.md, "Persistence")
     _opt(
         "--persist",
@@ -466,7 +482,16 @@ def _check_rdzv(args: argparse.Namespace, prog: str) -> None:
     if args.rdzv is None:
         if args.job_id is not None:
             raise UsageError(f"{prog}: error: --job-id names a multi-host job: it needs --rdzv")
+        for flag, given in (("--join", args.join), ("--standby", args.standby)):
+            if given:
+                raise UsageError(
+                    f"{prog}: error: {flag} is for a host of a multi-host job: it needs --rdzv and --job-id"
+                )
         return
+    if args.join and args.resume is not None:
+        raise UsageError(
+            f"{prog}: error: --join enters a job that is running; --resume starts one from its checkpoint: give one"
+        )
     try:
         endpoints = parse_endpoints(args.rdzv)
     except ValueError as e:
@@ -540,7 +565,7 @@ def _start(args: argparse.Namespace, command: list[str], prog: str, config: JobC
 
 # `--resume RUN_DIR`: the flags a run records (persist.json) and continues with. This attempt's
 # own are never recorded: where it meets, where its checkpoints are read, its injections.
-_ATTEMPT_ONLY = ("help", "cmd", "resume", "run_dir", "persist_dir", "rdzv", "job_id", "inject")
+_ATTEMPT_ONLY = ("help", "cmd", "resume", "run_dir", "persist_dir", "rdzv", "job_id", "join", "standby", "inject")
 # What the trajectory is made of: given with --resume, they must agree with the record (another
 # value would not continue the same training); every other flag may change on resume.
 _TRAJECTORY = (

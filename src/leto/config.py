@@ -85,6 +85,8 @@ class RendezvousConfig:
     url: str | None = None  # etcd://H1:2379,H2:2379,... (--rdzv)
     job_id: str = ""  # names the job in etcd, the same on every host (--job-id)
     lease_s: int = 2  # a host whose supervisor is silent this long is lost (--lease)
+    join: bool = False  # this host enters a job that is already running (--join)
+    standby: bool = False  # this host holds no rank until one is needed: warm shadows and a keeper (--standby)
 
 
 @dataclass(frozen=True, kw_only=True)
