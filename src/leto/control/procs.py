@@ -64,31 +64,37 @@ class Processes:
         self.command(Command("spawn", view.proc_id, role, rank, node, boost))
         return view
 
-    def fork_shadow(self, node: int, read_reports: Callable[[], None], boost: bool = False) -> ProcView | None:
-        """Ask the node's warm zygote for a shadow; None if it has none ready in time. `boost`
-        (a recovery's fork): the zygote forks at normal priority, and the shadow starts at it.
-        A recovery names the shadow only once it is forked: asked for while the survivors still
-        wait, the fork took ~0.1 s here; run alongside the survivors' join (the membership out first)
-        it took 0.4-0.6 s on 2 cores, and the new group waits for the shadow either way."""
-        if not any(
+    def fork_shadows(
+        self, node: int, count: int, read_reports: Callable[[], None], boost: bool = False
+    ) -> list[ProcView]:
+        """Ask the node's warm zygote for `count` shadows at once; those forked in time (none if
+        the node has no warm zygote). `boost` (a recovery's fork): the zygote forks at normal
+        priority, and the shadow starts at it. A recovery names the shadows only once they are
+        forked: asked for while the survivors still wait, a fork took ~0.1 s here; run alongside
+        the survivors' join (the membership out first) it took 0.4-0.6 s on 2 cores, and the new
+        group waits for the shadow either way. All are asked for before any is awaited, so the
+        new processes start up side by side."""
+        if count < 1 or not any(
             p.role == "zygote" and p.node == node and p.alive and self.store.check([keys.warm(p.proc_id)])
             for p in self.views.values()
         ):
-            return None
-        view = ProcView(self._new_id("shadow"), "shadow", None, node)
-        self.views[view.proc_id] = view
-        self.command(Command("fork", view.proc_id, "shadow", None, node, boost=boost))
+            return []
+        asked = [ProcView(self._new_id("shadow"), "shadow", None, node) for _ in range(count)]
+        for view in asked:
+            self.views[view.proc_id] = view
+            self.command(Command("fork", view.proc_id, "shadow", None, node, boost=boost))
         deadline = time.monotonic() + 2 * self.fork_s + POLL_S
         while time.monotonic() < deadline:
             self.flush()
             read_reports()
-            if view.proc_id not in self.views:
-                return None  # fork_failed
-            if view.pid:
-                return view
+            waiting = [v for v in asked if v.proc_id in self.views and not v.pid]  # gone: fork_failed
+            if not waiting:
+                break
             time.sleep(1e-3)
-        del self.views[view.proc_id]
-        return None
+        for view in asked:
+            if view.proc_id in self.views and not view.pid:
+                del self.views[view.proc_id]
+        return [v for v in asked if v.pid and v.proc_id in self.views]
 
     def apply(self, e: ProcEvent) -> bool:
         """A supervisor's event: the process's pid, its exit, or a fork that never happened;

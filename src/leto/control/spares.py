@@ -37,9 +37,10 @@ class Spares:
         """The live node with the lightest load (node 0 if none is live)."""
         return min(self.live_nodes(down) or [0], key=self.processes.load)
 
-    def fork(self, node: int, boost: bool = False) -> Spare | None:
-        view = self.processes.fork_shadow(node, self._read_reports, boost)
-        return None if view is None else Spare(view.proc_id, view.node)
+    def fork(self, node: int, count: int = 1, boost: bool = False) -> list[Spare]:
+        """Up to `count` shadows forked by the node's warm zygote (none if it has none)."""
+        views = self.processes.fork_shadows(node, count, self._read_reports, boost)
+        return [Spare(v.proc_id, v.node) for v in views]
 
     def for_ranks(self, lost: int, down: set[int], cold_down: set[int]) -> list[Spare]:
         """Spares for `lost` ranks off the nodes `down`: the idle shadows, then warm shadows
@@ -51,8 +52,8 @@ class Spares:
             if p.role == "shadow" and p.alive and p.node not in down
         ]
         for n in sorted(self.live_nodes(down), key=self.processes.load):
-            while len(spares) < lost and (forked := self.fork(n, boost=True)) is not None:
-                spares.append(forked)
+            if len(spares) < lost:
+                spares += self.fork(n, lost - len(spares), boost=True)
         while self.cfg.recovery.no_spare == "wait" and len(spares) < lost:  # cold shadows, waited for
             p = self.processes.spawn("shadow", None, self.spare_node(cold_down))
             spares.append(Spare(p.proc_id, p.node))
@@ -94,6 +95,6 @@ class Spares:
             wanted = max(wanted, self.cfg.mesh.replica_ranks)
         for _ in range(wanted - sum(p.role == "shadow" for p in live)):
             node = self.spare_node(down)
-            if self.fork(node) is None:
+            if not self.fork(node):
                 self.processes.spawn("shadow", None, node)
         self.processes.flush()
