@@ -14,7 +14,7 @@ import pytest
 
 from conftest import beyond_ci
 from leto.baselines.faults import Kill
-from leto.bench import productivity, runs
+from leto.bench import noise, productivity, runs
 from leto.bench.productivity import (
     HEADLINE,
     IN_RUN,
@@ -220,43 +220,59 @@ def test_the_order_of_the_systems_rotates_from_trial_to_trial() -> None:
     ]
 
 
-# ----- targets: measured, never assumed
-def _report_with(ratio: float | None, leads: dict[str, float | None], trials: int = 3, missing: int = 0) -> dict:
-    """A report whose medians are `ratio` and `leads`, each measured in `trials - missing` of `trials`."""
-    got = [i >= missing for i in range(trials)]
+# ----- targets: measured, never assumed; a lead must hold in every trial
+def _report_with(ratios: list[float | None], leads: dict[str, list[float | None]]) -> dict:
+    """A report of len(ratios) trials: Leto's per-trial failure-free ratio and per-trial leads."""
+    med = runs.median(ratios)
     return {
-        "systems": {"leto": {RATIO: ratio, "trials": [{RATIO: ratio if g else None} for g in got]}},
-        "difference_pp": leads,
-        "trials": [{"difference_pp": {n: d if g else None for n, d in leads.items()}} for g in got],
+        "systems": {"leto": {RATIO: med, "trials": [{RATIO: r} for r in ratios]}},
+        "difference_pp": {n: runs.median(d) for n, d in leads.items()},
+        "trials": [{"difference_pp": {n: d[i] for n, d in leads.items()}} for i in range(len(ratios))],
     }
 
 
-def test_targets_pass_only_on_measured_medians() -> None:
-    peers = ["checkpoint-restart", "memory-restart", "torchft"]
+def test_a_lead_must_hold_in_every_trial_not_only_in_the_median() -> None:
+    """checkpoint-restart: +12, +15, +9 pp - a median lead of 12 pp, but one trial under 10: MISS.
+    memory-restart: ahead in every trial, if only by 0.5 pp: met."""
+    peers = ["checkpoint-restart", "memory-restart"]
     got = productivity.targets(
-        _report_with(1.03, {"checkpoint-restart": 10.0, "memory-restart": 0.5, "torchft": 2.0}), peers
+        _report_with([1.0, 1.0, 1.0], {"checkpoint-restart": [12.0, 15.0, 9.0], "memory-restart": [0.5, 3.0, 1.0]}),
+        peers,
     )
-    assert [(t["name"], t["result"]) for t in got] == [
-        (RATIO, "PASS"),
-        ("difference_pp[checkpoint-restart]", "PASS"),
-        ("difference_pp[memory-restart]", "PASS"),
-        ("difference_pp[torchft]", "PASS"),
+    cr, mr = got[1], got[2]
+    assert (cr["name"], cr["measured"], cr["result"], cr["trials_met"]) == (
+        "difference_pp[checkpoint-restart]",
+        12.0,
+        "MISS",
+        2,
+    )
+    assert cr["per_trial"] == [12.0, 15.0, 9.0]
+    assert (mr["result"], mr["trials_met"], mr["trials"]) == ("met", 3, 3)
+    tie = productivity.targets(_report_with([1.0], {"memory-restart": [0.0]}), ["memory-restart"])[1]
+    assert tie["result"] == "MISS"  # level is not ahead
+
+
+def test_the_failure_free_ratio_is_judged_on_the_median_of_the_trials() -> None:
+    got = productivity.targets(_report_with([1.01, 1.05, 1.02], {}), [])[0]
+    assert (got["measured"], got["result"], got["trials_met"]) == (1.02, "met", 2)
+    got = productivity.targets(_report_with([1.0345, 1.04, 1.0], {}), [])[0]
+    assert got["result"] == "MISS" and got["measured"] == pytest.approx(1.0345)  # not rounded into a pass
+    assert productivity.targets(_report_with([None, None], {}), [])[0]["result"] == "NOT MEASURED"
+
+
+def test_a_target_missing_from_some_trials_is_never_met() -> None:
+    """A run that failed in one trial: the targets are not met on the trials that happened to work;
+    a measured trial that missed is a MISS all the same."""
+    got = productivity.targets(
+        _report_with([1.0, 1.0, None], {"checkpoint-restart": [30.0, None, 20.0], "torchft": [5.0, None, -1.0]}),
+        ["checkpoint-restart", "torchft"],
+    )
+    assert [(t["result"], t["trials_measured"], t["trials"]) for t in got] == [
+        ("INCOMPLETE", 2, 3),
+        ("INCOMPLETE", 2, 3),
+        ("MISS", 2, 3),
     ]
-    got = productivity.targets(
-        _report_with(1.0345, {"checkpoint-restart": 9.99, "memory-restart": 0.0, "torchft": None}), peers
-    )
-    assert [t["result"] for t in got] == ["MISS", "MISS", "MISS", "NOT MEASURED"]
-    assert got[0]["measured"] == pytest.approx(1.0345)  # not rounded into a pass
-    assert productivity.targets(_report_with(None, {}), [])[0]["result"] == "NOT MEASURED"
-
-
-def test_a_target_missing_from_some_trials_does_not_pass() -> None:
-    """A run that failed in one trial leaves its figure out of the median; the target then is not
-    met on the trials that happened to work."""
-    got = productivity.targets(
-        _report_with(1.0, {"checkpoint-restart": 30.0}, trials=3, missing=1), ["checkpoint-restart"]
-    )
-    assert [(t["result"], t["trials_measured"], t["trials"]) for t in got] == [("INCOMPLETE", 2, 3)] * 2
+    assert productivity.targets(_report_with([1.0], {"torchft": [None]}), ["torchft"])[1]["result"] == "NOT MEASURED"
 
 
 def test_a_peer_that_is_not_installed_is_reported_and_not_measured() -> None:
@@ -266,8 +282,60 @@ def test_a_peer_that_is_not_installed_is_reported_and_not_measured() -> None:
     assert rep["systems"]["memory-restart"]["status"] == "not run"
     results = {t["name"]: t["result"] for t in rep["targets"]}
     assert results["difference_pp[torchft]"] == "NOT MEASURED"
-    assert results["difference_pp[checkpoint-restart]"] == "MISS"  # a median lead of +4.95 pp, not 10
+    assert results["difference_pp[checkpoint-restart]"] == "MISS"  # +30, +4.95, -19.7 pp: not 10 in every trial
     assert results[RATIO] == "MISS"  # median 51 s / 41 s
+
+
+# ----- comparisons: within noise when the spreads overlap
+def test_within_noise_means_the_ranges_over_repeats_overlap() -> None:
+    assert noise.within_noise([0.70, 0.80, 0.75], [0.60, 0.65, 0.70]) is True  # touch at 0.70
+    assert noise.within_noise([0.71, 0.80, 0.75], [0.60, 0.65, 0.70]) is False
+    assert noise.within_noise([0.60, 0.90], [0.70, 0.72]) is True  # one range inside the other
+    assert noise.within_noise([0.8], [0.6, 0.7]) is None  # one repeat: no spread, noise not measured
+    assert noise.within_noise([0.8, None], [0.6, 0.7]) is None  # one measured repeat
+    assert "overlap" in noise.NOISE_RULE
+
+
+def test_every_comparison_is_flagged_against_the_spreads() -> None:
+    """THREE_TRIALS: Leto 60-80 %, checkpoint-restart 50-90 %: within noise. Failure-free runs: Leto
+    36-61 s, checkpoint-restart 31-64 s (the only peer): within noise."""
+    rep = build_report(CFG, THREE_TRIALS, NAMES, specs=[], torchft="not installed")
+    by = {(c["figure"], c["peer"]): c for c in rep["comparisons"]}
+    head = by[(HEADLINE, "checkpoint-restart")]
+    assert head["within_noise"] is True and head["leto_spread"] == pytest.approx([0.6, 0.8])
+    assert head["difference_pp"] == rep["difference_pp"]["checkpoint-restart"]
+    assert by[(HEADLINE, "torchft")]["within_noise"] is None  # not measured
+    run = by[("failure_free_run_s", "checkpoint-restart")]
+    assert run["within_noise"] is True and run[RATIO] == rep["systems"]["leto"][RATIO]
+    target = next(t for t in rep["targets"] if t["name"] == "difference_pp[checkpoint-restart]")
+    assert target["within_noise"] is True
+
+
+def test_a_lead_beyond_the_spreads_is_not_within_noise() -> None:
+    trials = [
+        trial({"leto": 40.0, "checkpoint-restart": 40.0}, {"leto": 50.0 + i, "checkpoint-restart": 80.0 + i})
+        for i in range(3)
+    ]
+    rep = build_report(CFG, trials, NAMES, specs=[])
+    (head,) = [c for c in rep["comparisons"] if c["figure"] == HEADLINE and c["peer"] == "checkpoint-restart"]
+    assert head["within_noise"] is False
+    results = {t["name"]: t["result"] for t in rep["targets"]}
+    assert results["difference_pp[checkpoint-restart]"] == "met"  # about +30 pp in each trial
+
+
+def test_the_fastest_peer_of_the_comparison_is_the_one_with_the_smallest_median_run() -> None:
+    trials = [
+        trial(
+            {"leto": 30.0, "memory-restart": 25.0 + i, "checkpoint-restart": 20.0 + 10 * i},
+            {},
+            exits={"leto": 33.0 + i, "memory-restart": 26.0 + i, "checkpoint-restart": 21.0 + 10 * i},
+        )
+        for i in range(3)
+    ]  # memory-restart 26-28 s (median 27), checkpoint-restart 21-41 s (median 31)
+    rep = build_report(CFG, trials, NAMES, specs=[])
+    (run,) = [c for c in rep["comparisons"] if c["figure"] == "failure_free_run_s"]
+    assert run["peer"] == "memory-restart" and run["peer_value"] == pytest.approx(27.0)
+    assert run["within_noise"] is False  # Leto 33-35 s
 
 
 # ----- the printed table and the plot
@@ -282,6 +350,9 @@ def test_the_table_leads_with_the_headline_and_shows_medians_with_spread(capsys:
     assert "70.0% [60.0%..80.0%]" in leto  # median [min..max]
     assert "EXCLUDE per-step costs" in out
     assert "MISS" in out and "failure_free_ratio_to_fastest_peer" in out and "torchft: not installed" in out
+    line = next(x for x in out.splitlines() if "productivity vs checkpoint-restart" in x)
+    assert line.endswith("within noise") and "70.0% [60.0%..80.0%]" in line
+    assert "met in 1/3" in out  # checkpoint-restart: +30 pp in trial 1 only
 
 
 def test_the_json_file_is_the_report_with_short_lists_on_one_line() -> None:
@@ -448,6 +519,7 @@ def test_productivity_bench_end_to_end(
     leto, mr = doc["systems"]["leto"]["trials"][0], doc["systems"]["memory-restart"]["trials"][0]
     assert doc["difference_pp"]["memory-restart"] == pytest.approx(100 * (leto[HEADLINE] - mr[HEADLINE]), abs=0.02)
     assert leto[RATIO] == pytest.approx(leto["failure_free_run_s"] / mr["failure_free_run_s"], abs=1e-3)
-    assert {t["result"] for t in doc["targets"]} <= {"PASS", "MISS", "INCOMPLETE", "NOT MEASURED"}
+    assert {t["result"] for t in doc["targets"]} <= {"met", "MISS", "INCOMPLETE", "NOT MEASURED"}
+    assert all(c["within_noise"] is None for c in doc["comparisons"])  # one trial: noise not measured
     assert json.loads(Path(doc["json"]).read_text())["systems"]["leto"]["trials"] == doc["systems"]["leto"]["trials"]
     assert Path(doc["plots"][0]).read_bytes()[:4] == b"\x89PNG"

@@ -29,9 +29,11 @@ productive fraction = failure-free time of the work / wall time of the work with
   run in the same trial (the run just before it); per-step costs are in both runs.
 
 Also per system: its whole failure-free run (launch -> the run returned: start-up, the work,
-shutdown) and its ratio to the fastest other system's (`failure_free_ratio_to_fastest_peer`), and
-the targets (Leto's ratio <= 1.03; Leto ahead of every peer on the headline, by >= 10 pp over
-checkpoint-restart), judged on the medians measured in this run.
+shutdown) and its ratio to the fastest other system's (`failure_free_ratio_to_fastest_peer`).
+Every comparison printed (Leto's headline against each peer's, Leto's failure-free run against the
+fastest peer's) is flagged "within noise" when the two [min, max] over trials overlap
+(`leto.bench.noise`). The targets: Leto ahead of every peer on the headline in every trial, by
+>= 10 pp over checkpoint-restart; Leto's ratio <= 1.03 on the median of the trials.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from leto.baselines.faults import ExternalInjector
 from leto.baselines.nvrx_job import nvrx_status
 from leto.bench import plots
 from leto.bench.mesh import refuse_tp
+from leto.bench.noise import NOISE_RULE, NOT_MEASURED, every_repeat, measured, noise_word, on_median, within_noise
 from leto.bench.runs import (
     DEFAULT_MTBF_S,
     LETO,
@@ -128,6 +131,11 @@ DEFINITIONS = {
     "difference_pp": "per trial (Leto's headline - the system's) x 100, then the median over the trials",
     "medians": "system figures: the median over the trials that measured them (trials_ok: how many measured "
     "the headline); spread: [min, max] over the same trials",
+    "within_noise": NOISE_RULE,
+    "targets": "Leto ahead of every peer on the headline in every trial (difference_pp > 0; >= "
+    f"{TARGET_LEAD_PP['checkpoint-restart']:g} over checkpoint-restart): met if every trial measured it and met "
+    "it, MISS if any measured trial missed it, INCOMPLETE if some trials did not measure it; "
+    f"{RATIO} <= {TARGET_RATIO:g} on the median of the trials (INCOMPLETE unless every trial measured it)",
 }
 
 
@@ -308,24 +316,63 @@ def _representative(recs: list[dict]) -> int | None:
     return recs[idx]["trial"] if idx is not None else None
 
 
-def _verdict(measured: float | None, ok: bool, trials_measured: int, trials: int) -> str:
-    """PASS only if the figure was measured in every trial and its median meets the target; a
-    figure missing from some trials (a run that failed) is INCOMPLETE, from all NOT MEASURED."""
-    if measured is None or trials_measured == 0:
-        return "NOT MEASURED"
-    if trials_measured < trials:
-        return "INCOMPLETE"
-    return "PASS" if ok else "MISS"
+def comparisons(report: dict, peers: list[str]) -> list[dict]:
+    """Every comparison the bench prints, each flagged by `noise.within_noise` (their [min, max]
+    over trials overlap): Leto's headline against each peer's, and Leto's whole failure-free run
+    against the fastest peer's (the peer with the smallest median `failure_free_run_s`)."""
+    leto = report["systems"].get(LETO, {})
+
+    def per_trial(s: dict, key: str) -> list[float | None]:
+        return [t.get(key) for t in s.get("trials", [])]
+
+    out = []
+    for peer in peers:
+        s = report["systems"].get(peer, {})
+        out.append(
+            {
+                "figure": HEADLINE,
+                "peer": peer,
+                "leto": leto.get(HEADLINE),
+                "leto_spread": leto.get("spread", {}).get(HEADLINE),
+                "peer_value": s.get(HEADLINE),
+                "peer_spread": s.get("spread", {}).get(HEADLINE),
+                "difference_pp": report["difference_pp"].get(peer),
+                "within_noise": within_noise(per_trial(leto, HEADLINE), per_trial(s, HEADLINE)),
+            }
+        )
+    runs = {p: report["systems"][p]["failure_free_run_s"] for p in peers if report["systems"].get(p)}
+    known = {p: t for p, t in runs.items() if t is not None}
+    if known:
+        fastest = min(known, key=lambda p: known[p])
+        s = report["systems"][fastest]
+        out.append(
+            {
+                "figure": "failure_free_run_s",
+                "peer": fastest,
+                "leto": leto.get("failure_free_run_s"),
+                "leto_spread": leto.get("spread", {}).get("failure_free_run_s"),
+                "peer_value": s["failure_free_run_s"],
+                "peer_spread": s["spread"]["failure_free_run_s"],
+                RATIO: leto.get(RATIO),
+                "within_noise": within_noise(per_trial(leto, "failure_free_run_s"), per_trial(s, "failure_free_run_s")),
+            }
+        )
+    return out
 
 
 def targets(report: dict, peers: list[str]) -> list[dict]:
-    """The issue's targets, judged on the measured medians of this run (never assumed): Leto's whole
-    failure-free run within TARGET_RATIO of the fastest peer's; Leto ahead of every peer on the
-    headline (by TARGET_LEAD_PP where set). Each says in how many of the trials it was measured."""
+    """The targets, judged on what this run measured (never assumed): Leto ahead of every peer on
+    the headline in every trial (by TARGET_LEAD_PP where set), from the per-trial differences; Leto's
+    whole failure-free run within TARGET_RATIO of the fastest peer's, on the median of the trials.
+    Each says in how many trials it was measured and met, and whether its comparison is within
+    noise (`comparisons`)."""
     n = len(report.get("trials", []))
+    noisy = {(c["figure"], c["peer"]): c["within_noise"] for c in report.get("comparisons", [])}
     leto = report["systems"].get(LETO, {})
     r = leto.get(RATIO)
-    k = sum(1 for t in leto.get("trials", []) if t.get(RATIO) is not None)
+    ratios = [t.get(RATIO) for t in leto.get("trials", [])]
+    k = len(measured(ratios))
+    fastest = next((c["peer"] for c in report.get("comparisons", []) if c["figure"] == "failure_free_run_s"), None)
     out = [
         {
             "name": RATIO,
@@ -333,25 +380,33 @@ def targets(report: dict, peers: list[str]) -> list[dict]:
             "the same trial, median of trials",
             "target": f"<= {TARGET_RATIO:g}",
             "measured": r,
+            "per_trial": ratios,
             "trials_measured": k,
+            "trials_met": sum(1 for v in measured(ratios) if v <= TARGET_RATIO),
             "trials": n,
-            "result": _verdict(r, r is not None and r <= TARGET_RATIO, k, n),
+            "within_noise": noisy.get(("failure_free_run_s", fastest)),
+            "result": on_median(r, r is not None and r <= TARGET_RATIO, k, n),
         }
     ]
     for peer in peers:
-        d = report["difference_pp"].get(peer)
         need = TARGET_LEAD_PP.get(peer)
-        ok = d is not None and (d >= need if need is not None else d > 0)
-        k = sum(1 for t in report.get("trials", []) if t["difference_pp"].get(peer) is not None)
+
+        def ok(d: float, need: float | None = need) -> bool:
+            return d >= need if need is not None else d > 0
+
+        diffs = [t["difference_pp"].get(peer) for t in report.get("trials", [])]
         out.append(
             {
                 "name": f"difference_pp[{peer}]",
-                "what": f"Leto's headline productivity minus {peer}'s, percentage points, median of trials",
+                "what": f"Leto's headline productivity minus {peer}'s, percentage points, in every trial",
                 "target": f">= +{need:g} pp" if need is not None else "> 0 pp",
-                "measured": d,
-                "trials_measured": k,
+                "measured": report["difference_pp"].get(peer),
+                "per_trial": diffs,
+                "trials_measured": len(measured(diffs)),
+                "trials_met": sum(1 for d in measured(diffs) if ok(d)),
                 "trials": n,
-                "result": _verdict(d, ok, k, n),
+                "within_noise": noisy.get((HEADLINE, peer)),
+                "result": every_repeat(diffs, ok) if n else NOT_MEASURED,
             }
         )
     return out
@@ -433,6 +488,10 @@ def _ratio_txt(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
+def _ratio3(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}x"
+
+
 def _num(x: float | None) -> str:
     return "-" if x is None else f"{x:g}"
 
@@ -442,6 +501,29 @@ def _with_spread(fmt: Callable[[float | None], str], value: float | None, rng: l
     if value is None or rng is None or trials <= 1 or rng[0] == rng[1]:
         return fmt(value)
     return f"{fmt(value)} [{fmt(rng[0])}..{fmt(rng[1])}]"
+
+
+def print_comparisons(report: dict) -> None:
+    """Each comparison with both sides' median [min..max] and its noise flag."""
+    n = report["config"]["trials"]
+    print(
+        "\nLeto against each peer (within noise: the two [min..max] over trials overlap"
+        + ("" if n > 1 else "; one trial: noise not measured")
+        + ")"
+    )
+    for c in report["comparisons"]:
+        fmt = _pct if c["figure"] == HEADLINE else _sec
+        k = n if n > 1 else 1
+        sides = (
+            f"leto {_with_spread(fmt, c['leto'], c['leto_spread'], k)} vs "
+            f"{c['peer']} {_with_spread(fmt, c['peer_value'], c['peer_spread'], k)}"
+        )
+        if c["figure"] == HEADLINE:
+            d = c["difference_pp"]
+            what, diff = f"productivity vs {c['peer']}", "-" if d is None else f"{_pp(d)} pp"
+        else:
+            what, diff = f"failure-free run vs the fastest peer ({c['peer']})", _ratio3(c[RATIO])
+        print(f"  {what:46} {diff:>9}  ({sides}): {noise_word(c['within_noise'])}")
 
 
 def print_table(report: dict) -> None:
@@ -495,13 +577,15 @@ def print_table(report: dict) -> None:
     print(f"  {'system':20} {'in-run estimate':>22} {'leto +pp':>9} {'vs own failure-free':>22} {'leto +pp':>9}")
     for line in secondary:
         print(line)
-    print("\ntargets (measured in this run):")
+    print_comparisons(report)
+    print("\ntargets (measured in this run; a lead must hold in every trial):")
     for t in report["targets"]:
-        m = t["measured"]
-        shown = "-" if m is None else (f"{m:.3f}x" if t["name"] == RATIO else f"{m:+.1f} pp")
+        fmt = _ratio3 if t["name"] == RATIO else _pp
+        trials = ", ".join(fmt(v) for v in t["per_trial"]) or "-"
+        noise = "" if t["within_noise"] is None else f"; {noise_word(t['within_noise'])}"
         print(
-            f"  {t['result']:12} {t['name']:34} target {t['target']:>9}, measured {shown} "
-            f"(in {t['trials_measured']}/{t['trials']} trials)"
+            f"  {t['result']:12} {t['name']:34} target {t['target']:>9}: median {fmt(t['measured'])}, trials "
+            f"[{trials}], met in {t['trials_met']}/{t['trials']}{noise}"
         )
     print(f"\nplot: {', '.join(report['plots']) or '-'}\nraw results: {report['json']}")
 
@@ -562,7 +646,9 @@ def build_report(
         for key in DIFFERENCES.values():
             report[key].setdefault(n, None)
             report["spread"][key].setdefault(n, None)
-    verdicts = targets(report, [n for n in names if n != LETO])
+    peers = [n for n in names if n != LETO]
+    report["comparisons"] = comparisons(report, peers)
+    verdicts = targets(report, peers)
     head = ("bench", "machine", "config", "torchft", "definitions")  # the targets right after the definitions
     return {**{k: report[k] for k in head}, "targets": verdicts, **{k: v for k, v in report.items() if k not in head}}
 
