@@ -39,7 +39,7 @@ from leto.persistence import ckpt_format
 from leto.persistence.interval import daly_interval_s, parse_duration, steps_between
 from leto.protocol import keys
 from leto.protocol.messages import PersistSchedule, Refusals
-from leto.runtime import plain, runlog, threads
+from leto.runtime import linux, plain, runlog, threads
 
 if TYPE_CHECKING:
     from leto.runtime.env import Job
@@ -146,6 +146,7 @@ class Persister:
         )
 
     def _import_dcp(self) -> None:
+        linux.name_thread("leto-dcp-import")  # OS thread names: `leto bench overhead` charges them to persistence
         import torch.distributed.checkpoint as dcp
 
         from leto.persistence.safe_dcp import unwrap
@@ -209,6 +210,7 @@ class Persister:
 
     def _write(self, w: _Write, staged: dict, path: Path, rank: int, world: int, stage_s: float) -> None:
         """The write's thread: the part's bytes to disk, then its marker, and maybe the commit."""
+        linux.name_thread("leto-persist")
         ckpt = ckpt_format.step_dir(self.root, w.step)
         try:
             self.dcp.save(staged, storage_writer=self.dcp.FileSystemWriter(str(path), overwrite=True), no_dist=True)
