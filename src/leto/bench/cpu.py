@@ -2,8 +2,9 @@
 
 The overhead benchmark uses it to say what protection costs in CPU (keepers, workers' staging)
 and not only in step time: on a machine whose cores the training already fills, every CPU
-second the keepers spend shows up in the step time. Keepers are also split by thread (they name
-their threads), so the benchmark can say what dominates inside them.
+second the keepers spend shows up in the step time. Keepers and workers are also split by thread
+(by their OS names: `thread_group`), so the benchmark can say what dominates inside them and
+charge a persistent checkpoint's write thread to persistence.
 
 With `memory_every_s` the sampler also reads each process's resident memory (`/proc/<pid>/status`
 and `smaps_rollup`), so the benchmark can report what the processes that exist only for
@@ -22,7 +23,9 @@ from pathlib import Path
 from leto.runtime.linux import proc_stat
 
 _TICK = os.sysconf("SC_CLK_TCK")
-BY_THREAD = {"keeper"}  # roles whose CPU is also reported by thread group
+TICK_S = 1.0 / _TICK  # the kernel's resolution of a thread's CPU time
+BY_THREAD = {"keeper", "worker"}  # roles whose CPU is also reported by thread group
+SHORT_LIVED = "short-lived"  # CPU of threads that ended between two samples, of no one known group
 
 
 def cpu_seconds(pid: int, tid: int | None = None) -> float | None:
@@ -31,14 +34,19 @@ def cpu_seconds(pid: int, tid: int | None = None) -> float | None:
     return None if fields is None else (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime (14, 15)
 
 
-def thread_group(name: str) -> str:
-    """What a thread of a keeper does, from its OS name."""
+def thread_group(name: str, main: bool = False) -> str:
+    """What a thread of a keeper or a worker does, from its OS name (`main`: the process's first
+    thread, a worker's training thread)."""
     if name.startswith(("gloo", "pt_gloo")):
         return "gloo"  # gloo's transport threads (TCP, its run loop)
     if name in ("keeper-send", "keeper-recv"):
         return "tier2-threads"  # Python threads feeding gloo and folding what arrives
-    if name == "leto-keeper":
-        return "main"  # staging slots, tier-1 folds, batching, barriers
+    if name == "leto-persist":
+        return "persist"  # a persistent checkpoint's write (DCP save, marker, commit)
+    if name == "leto-dcp-import":
+        return "persist-import"  # importing DCP, once, after a worker's first step
+    if name == "leto-keeper" or main:
+        return "main"  # keepers: staging slots, tier-1 folds, batching, barriers; workers: training
     return "other"
 
 
@@ -96,6 +104,8 @@ class CpuSampler:
         self.samples: list[dict[str, float]] = []  # role -> CPU seconds of its live processes so far
         self._last: dict[int, tuple[str, float]] = {}
         self._last_thread: dict[tuple[int, int], tuple[str, float]] = {}  # a thread keeps its last value once gone
+        self._ended: dict[int, dict[str, float]] = {}  # per process, by group: CPU of threads after their last sample
+        self._live: dict[int, set[int]] = {}  # per process, its threads at the last sample
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="leto-cpu-sampler")
 
@@ -121,25 +131,40 @@ class CpuSampler:
                     role = self._last.get(p["pid"], (p["role"], 0.0))[0]
                     self._last[p["pid"]] = (role, cpu)
                     if role in BY_THREAD:
-                        for tid, name in _threads(p["pid"]).items():
-                            t = cpu_seconds(p["pid"], tid)
-                            if t is not None:
-                                self._last_thread[(p["pid"], tid)] = (f"{role}/{thread_group(name)}", t)
+                        self._sample_threads(p["pid"], role, cpu)
             totals: dict[str, float] = {}
             for role, cpu in self._last.values():
                 totals[role] = totals.get(role, 0.0) + cpu
-            seen: dict[int, float] = {}
-            for (pid, _), (group, cpu) in self._last_thread.items():
+            for group, cpu in self._last_thread.values():
                 totals[group] = totals.get(group, 0.0) + cpu
-                seen[pid] = seen.get(pid, 0.0) + cpu
-            for pid, cpu in seen.items():  # threads that lived and ended between two samples
-                group = f"{self._last[pid][0]}/short-lived"
-                totals[group] = totals.get(group, 0.0) + max(self._last[pid][1] - cpu, 0.0)
+            for ended in self._ended.values():
+                for group, cpu in ended.items():
+                    totals[group] = totals.get(group, 0.0) + cpu
             self.times.append(time.time())
             self.samples.append(totals)
             if self.memory_every_s is not None and time.monotonic() >= self._next_memory:
                 self._next_memory = time.monotonic() + self.memory_every_s
                 self._sample_memory(procs)
+
+    def _sample_threads(self, pid: int, role: str, process_cpu: float) -> None:
+        """Each live thread's CPU by its group; what the process used beyond its threads' last
+        samples (threads that ended since, or lived and ended between two samples) goes to the
+        group of the threads that ended since the last sample if they are of one group, else to
+        SHORT_LIVED. The kernel keeps an ended thread's CPU in its process's total."""
+        live = _threads(pid)
+        before, self._live[pid] = self._live.get(pid, set()), set(live)
+        for tid, name in live.items():
+            t = cpu_seconds(pid, tid)
+            if t is not None:
+                self._last_thread[(pid, tid)] = (f"{role}/{thread_group(name, main=tid == pid)}", t)
+        ended = self._ended.setdefault(pid, {})
+        seen = sum(cpu for (p, _), (_, cpu) in self._last_thread.items() if p == pid)
+        extra = process_cpu - seen - sum(ended.values())
+        if extra <= 0:
+            return
+        gone = {self._last_thread[(pid, tid)][0] for tid in before - set(live)}
+        group = gone.pop() if len(gone) == 1 else f"{role}/{SHORT_LIVED}"
+        ended[group] = ended.get(group, 0.0) + extra
 
     def _sample_memory(self, procs: list[dict]) -> None:
         now = time.time()
@@ -163,10 +188,29 @@ class CpuSampler:
                 out[rec["pid"]] = rec
         return out
 
+    def at(self, t: float) -> dict[str, float]:
+        """CPU seconds each role and thread group had used by wall-clock time `t`, interpolated
+        linearly between the two samples around it (the first or last sample outside them)."""
+        return cumulative_at(self.times, self.samples, t)
+
     def between(self, t0: float, t1: float) -> dict[str, float]:
-        """CPU seconds each role used between two wall-clock times (nearest samples)."""
+        """CPU seconds each role used between two wall-clock times (interpolated samples)."""
         if not self.times:
             return {}
-        a = self.samples[min(bisect.bisect_left(self.times, t0), len(self.times) - 1)]
-        b = self.samples[min(bisect.bisect_left(self.times, t1), len(self.times) - 1)]
+        a, b = self.at(t0), self.at(t1)
         return {role: round(b.get(role, 0.0) - a.get(role, 0.0), 4) for role in b}
+
+
+def cumulative_at(times: list[float], samples: list[dict[str, float]], t: float) -> dict[str, float]:
+    """The cumulative sample at time `t`, linear between the samples around it (a group missing
+    from a sample had used nothing by then); clamped to the first and last sample."""
+    if not times:
+        return {}
+    i = bisect.bisect_left(times, t)
+    if i == 0:
+        return dict(samples[0])
+    if i >= len(times):
+        return dict(samples[-1])
+    t0, t1, a, b = times[i - 1], times[i], samples[i - 1], samples[i]
+    w = (t - t0) / (t1 - t0) if t1 > t0 else 1.0
+    return {k: a.get(k, 0.0) + w * (v - a.get(k, 0.0)) for k, v in b.items()}

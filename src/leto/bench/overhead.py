@@ -27,8 +27,10 @@ from pathlib import Path
 
 import numpy as np
 
+from leto.bench import persist_cost
 from leto.bench.floor import floor
 from leto.bench.mesh import MeshElements, check_mesh, mesh_elements, mesh_flags, mesh_shape, shard_accounting
+from leto.bench.noise import MET, MISS, NOT_MEASURED, noise_word
 from leto.bench.throughput import WARMUP_STEPS, run_job, steady_step_s, wall_step_s
 from leto.errors import UsageError
 from leto.persistence.resume import DEFAULT_MTBF
@@ -434,13 +436,17 @@ def _measure(
     rows_flag = point.rows is not None and point.rows != default_rows
     extra = (["--rows", str(point.rows)] if rows_flag else []) + pipeline_flags(pp)
     variants = ("off", "on", "persist") if persist is not None else ("off", "on")
+    k_seen: int | None = None
+    if persist is not None:
+        k_seen = persist["k_calibration"] = calibrate_k(workers, point.model, tmp / "calibrate", ec, extra, tp, pp)
     for i in range(rounds):  # interleaved so that machine load hits all alike
         for v in variants:
             protection = v != "off"
             d = tmp / f"{point.model}-{point.global_rows}-{i}-{v}"
+            n_steps = persist_cost.plan_steps(k_seen, steps) if v == "persist" else steps + WARMUP_STEPS
             res = run_job(
                 workers,
-                steps + WARMUP_STEPS,
+                n_steps,
                 point.model,
                 d,
                 nodes=NODES,
@@ -452,17 +458,29 @@ def _measure(
                 **({"pp": pp} if pp > 1 else {}),
             )
             check_tokens(res["steps"], point.global_rows * PRESETS[point.model].block_size, d)
-            if persist is not None:
-                persist.setdefault(f"wall_step_s_{v}", []).append(wall_step_s(res["steps"]))
             if v == "persist":
-                first = res["steps"][WARMUP_STEPS - 1]["step"]
-                persist.setdefault("checkpoints_in_window", []).append(
-                    sum(1 for e in res["events"] if e["event"] == "persist_commit" and e["step"] > first)
+                a = persist_cost.analyze_run(res["steps"], res["events"], res.get("cpu_timeline"))
+                k_seen = max(k_seen or 0, a["k"]) if a else k_seen
+                entry = persist_cost.round_entry(a, cpu_off[-1].get("worker"), on[-1], cpu_on[-1])
+                persist.setdefault("rounds", []).append({"run_steps": n_steps, **entry})
+                persist.setdefault("wall_step_s_persist", []).append(
+                    a["wall_s_per_step"] if a and "wall_s_per_step" in a else wall_step_s(res["steps"])
                 )
                 persist.setdefault("every", []).extend(
                     e["every"] for e in res["events"] if e["event"] == "persist_interval"
                 )
+                held = entry.get("checkpoints_in_window", 0)
+                if a and held < persist_cost.WINDOW_CHECKPOINTS:
+                    print(
+                        f"leto bench overhead: WARNING: round {i + 1}'s persisting run ({n_steps} steps, K {a['k']}) "
+                        f"held {held} checkpoint(s) in its measured window, fewer than "
+                        f"{persist_cost.WINDOW_CHECKPOINTS}: its persistence figures do not count",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 continue
+            if persist is not None:
+                persist.setdefault(f"wall_step_s_{v}", []).append(wall_step_s(res["steps"]))
             (on if protection else off).append(steady_step_s(res["steps"]))
             (cpu_on if protection else cpu_off).append(res["cpu_s_per_step"])
             if protection:
@@ -470,18 +488,45 @@ def _measure(
     return off, on, cpu_off, cpu_on, prot
 
 
+CALIBRATION_TAIL = 10  # steps after the calibration checkpoint: its write ends and K is chosen
+
+
+def calibrate_k(
+    workers: int, model: str, run_dir: Path, ec: tuple[int, int] | None, extra: list[str], tp: int, pp: int
+) -> int | None:
+    """K as a persisting job of this point chooses it (a short run to its calibration checkpoint
+    and a little beyond), so the measured runs can be long enough to hold their checkpoints;
+    None if the job chose none."""
+    res = run_job(
+        workers,
+        persist_cost.CALIBRATE_AFTER + CALIBRATION_TAIL,
+        model,
+        run_dir,
+        nodes=NODES,
+        protection=True,
+        ec=ec,
+        extra=extra,
+        persist=True,
+        tp=tp,
+        **({"pp": pp} if pp > 1 else {}),
+    )
+    return next((int(e["every"]) for e in res["events"] if e["event"] == "persist_interval"), None)
+
+
 def persistence_entry(runs: dict) -> dict:
-    """The default job's all-in figure: protection plus persistent checkpoints at the default K,
-    against no protection, by wall time per step (so a checkpoint's copy in the step is charged).
-    A job that chose no interval wrote no checkpoint (a tensor-parallel job, until its ranks
-    persist): then nothing was measured, and the figure is None with the reason."""
+    """The default job with persistent checkpoints at the default K: where they write
+    (`persist_cost`: the checkpoint steps' cost by wall time and by CPU, the steps that write
+    nothing against protection alone), and, as before, the wall time per step of the whole window
+    against no protection. A job that chose no interval wrote no checkpoint (then nothing was
+    measured, and the figures are None with the reason)."""
     off, on, per = runs["wall_step_s_off"], runs["wall_step_s_on"], runs["wall_step_s_persist"]
     wrote = bool(runs.get("every"))
     return {
         "status": "measured" if wrote else "not measured: the job wrote no persistent checkpoint",
         "mtbf": DEFAULT_MTBF,
         "every": runs.get("every", []),
-        "checkpoints_in_window": runs.get("checkpoints_in_window", []),
+        "k_calibration": runs.get("k_calibration"),
+        **persist_cost.summarize(runs.get("rounds", [])),
         "wall_step_s_off_runs": [round(x, 5) for x in off],
         "wall_step_s_on_runs": [round(x, 5) for x in on],
         "wall_step_s_persist_runs": [round(x, 5) for x in per],
@@ -497,10 +542,10 @@ def pipeline_flags(pp: int) -> list[str]:
 
 # ----- targets
 def verdict(value: float | None, limit: float) -> str:
-    """PASS / MISS of a measured value against an upper limit; never assumed when not measured."""
+    """met / MISS of a measured value against an upper limit; never assumed when not measured."""
     if value is None:
-        return "NOT MEASURED"
-    return "PASS" if value <= limit else "MISS"
+        return NOT_MEASURED
+    return MET if value <= limit else MISS
 
 
 def targets(out: dict) -> dict[str, dict]:
@@ -518,9 +563,10 @@ def targets(out: dict) -> dict[str, dict]:
         "memory_overhead_default_job": (out.get("memory_overhead"), TARGET_MEMORY),
         "memory_overhead_per_model_byte": (out.get("mesh", {}).get("memory_overhead_per_model_byte"), TARGET_MEMORY),
     }
-    return {
+    judged = {
         name: {"value": v, "target": f"<= {limit}", "result": verdict(v, limit)} for name, (v, limit) in checks.items()
     }
+    return {**judged, **persist_cost.targets(out.get("persistence") or {})}
 
 
 # ----- the benchmark
@@ -692,6 +738,49 @@ def _print_mesh(out: dict) -> None:
     )
 
 
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.1f} ms"
+
+
+def _share(x: float | None, rng: list[float] | None) -> str:
+    if x is None:
+        return "-"
+    return f"{100 * x:.2f} %" + (
+        "" if rng is None or rng[0] == rng[1] else f" [{100 * rng[0]:.2f}..{100 * rng[1]:.2f}]"
+    )
+
+
+def _print_persistence(pe: dict) -> None:
+    if pe["overhead_ratio_with_persistence"] is None:
+        print(f"  with persistent checkpoints too: {pe['status']}")
+        return
+    print(
+        f"  with persistent checkpoints too (default --mtbf {pe['mtbf']}, K {sorted(set(pe['every']))}, "
+        f"checkpoints in each round's measured window {pe['checkpoints_in_window_runs']}): overhead ratio "
+        f"{pe['overhead_ratio_with_persistence']:.3f} by wall time per step "
+        f"(protection alone, same clock: {pe['overhead_ratio_wall']:.3f})"
+    )
+    if not pe["window_ok"]:
+        print(
+            f"  WARNING: a persisting run's window held {pe['checkpoints_in_window']} checkpoint(s), fewer than "
+            f"{persist_cost.WINDOW_CHECKPOINTS}: the persistence targets cannot be met on it"
+        )
+    print(
+        f"  a checkpoint, where it writes (median): {_ms(pe['per_checkpoint_wall_excess_s'])} wall and "
+        f"{_ms(pe['per_checkpoint_cpu_excess_s'])} CPU beyond as many steps that write nothing (the write thread "
+        f"{_ms(pe['per_checkpoint_persist_threads_cpu_s'])}, the copy in the step {_ms(pe['per_checkpoint_stage_s'])});"
+        f" per step at the default K: CPU {_share(pe['cpu_share'], pe['cpu_share_spread'])} of training's, wall "
+        f"{_share(pe['wall_share'], pe['wall_share_spread'])}"
+    )
+    flags = pe["nothing_steps_within_noise"]
+    print(
+        f"  steps that write nothing: median step {_ms(pe['nothing_median_step_s'])} against protection alone "
+        f"{_ms(pe['on_median_step_s'])} ({noise_word(flags['wall'])}), CPU a step {_ms(pe['nothing_cpu_s_per_step'])} "
+        f"against {_ms(pe['on_cpu_s_per_step'])} ({noise_word(flags['cpu'])}); persistence threads there "
+        f"{_ms(pe['nothing_persist_threads_cpu_s'])} a round"
+    )
+
+
 def _print(out: dict, mem: dict) -> None:
     flags = mesh_flags(out["tp"], out["pp"])
     mesh = f", {flags} ({mesh_shape(out['workers'], out['tp'], out['pp'])})" if flags else ""
@@ -703,16 +792,7 @@ def _print(out: dict, mem: dict) -> None:
         f"  step time off {out['step_s_off'] * 1e3:.1f} ms, on {out['step_s_on'] * 1e3:.1f} ms: "
         f"overhead ratio {out['overhead_ratio']:.3f}"
     )
-    pe = out["persistence"]
-    if pe["overhead_ratio_with_persistence"] is None:
-        print(f"  with persistent checkpoints too: {pe['status']}")
-    else:
-        print(
-            f"  with persistent checkpoints too (default --mtbf {pe['mtbf']}, K {sorted(set(pe['every']))}, "
-            f"{sum(pe['checkpoints_in_window'])} checkpoints in the measured steps): overhead ratio "
-            f"{pe['overhead_ratio_with_persistence']:.3f} by wall time per step "
-            f"(protection alone, same clock: {pe['overhead_ratio_wall']:.3f})"
-        )
+    _print_persistence(out["persistence"])
     print(
         f"  protection on the training thread per step: staging {out['protection_stage_s_per_step'] * 1e3:.2f} ms, "
         f"waiting for keepers {out['protection_wait_s_per_step'] * 1e3:.2f} ms (rank 0)"
@@ -786,5 +866,6 @@ def _print(out: dict, mem: dict) -> None:
             + f", {a['extra_per_model_state_byte']:.1f} B more per byte of the model's state"
         )
     for name, t in out["targets"].items():
-        v = "-" if t["value"] is None else f"{t['value']:.3f}"
-        print(f"  target {name} {t['target']}: {v} {t['result']}")
+        v = t["value"]
+        shown = "-" if v is None else f"{v:.4f}" if isinstance(v, float) else json.dumps(v)
+        print(f"  target {name} {t['target']}: {shown} {t['result']}")

@@ -43,7 +43,8 @@ def run_job(
 ) -> dict:
     """Run the built-in job quietly (or `module`, a wrapper taking the same arguments); returns
     its summary, per-step records, the CPU seconds per step each role used over the steps after
-    the warm-up, the job's events and, with `memory_every_s`, each process's peak memory
+    the warm-up, the sampler's cumulative CPU by role and thread group (`cpu_timeline`), the job's
+    events and, with `memory_every_s`, each process's peak memory
     (`CpuSampler.peak_memory`). `persist`: persistent checkpoints as `leto train` writes them by
     default (every K steps, K from Young/Daly for the default --mtbf). `tp`, `pp`: tensor-parallel ranks
     per pipeline stage and stages per model replica (`leto train --tp`, `--pp`; the stages'
@@ -78,6 +79,7 @@ def run_job(
         "steps": steps_,
         "events": [r for r in records if "event" in r],
         "cpu_s_per_step": per_step,
+        "cpu_timeline": {"times": cpu.times, "samples": cpu.samples},  # cumulative CPU by role and thread group
         "memory": cpu.peak_memory(),
     }
 
