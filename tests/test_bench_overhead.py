@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from pathlib import Path
 
 import pytest
 
 from leto import cli
-from leto.bench import overhead, throughput
+from leto.bench import cpu, overhead, persist_cost, throughput
 from leto.bench.cpu import CpuSampler, memory_bytes
 from leto.bench.mesh import mesh_elements
 from leto.bench.overhead import (
@@ -616,3 +617,177 @@ def test_bench_overhead_tp2_runs_the_mesh_protected_and_not(
     assert a["protected"]["bytes_by_role"]["worker"] > 0
     assert out["persistence"]["status"] in ("measured", "not measured: the job wrote no persistent checkpoint")
     assert set(out["targets"]) >= {"memory_overhead_default_job", "memory_overhead_per_model_byte"}
+
+
+# ----- persistence, measured where it writes
+def _persisting_run(
+    k: int = 6,
+    steps: int = 30,
+    slow: dict[int, float] | None = None,
+    extra_cpu: dict[int, dict[str, float]] | None = None,
+) -> tuple[list[dict], list[dict], dict]:
+    """A persisting run's records, events and CPU timeline: steps of 0.1 s, each using 0.2 s of
+    workers' training-thread CPU and 0.02 s of keepers'; the calibration checkpoint of step 5 commits
+    during step 6, K `k` is chosen at step 7 (first = 5 + k), every later checkpoint of step s
+    commits during step s + 2. `slow`: extra wall seconds of some steps; `extra_cpu`: extra CPU of
+    some steps by thread group (its role's total includes it). The sampler read at every step's end."""
+    slow, extra_cpu = slow or {}, extra_cpu or {}
+    t, recs, times, samples = 1000.0, [], [1000.0], [{"worker": 0.0, "worker/main": 0.0, "keeper": 0.0}]
+    for step in range(1, steps + 1):
+        dt = 0.1 + slow.get(step, 0.0)
+        t += dt
+        recs.append({"step": step, "step_s": dt, "time": t})
+        cum = dict(samples[-1])
+        for group, v in {"worker/main": 0.2, "keeper": 0.02}.items():
+            cum[group] = cum.get(group, 0.0) + v
+        cum["worker"] += 0.2
+        for group, v in extra_cpu.get(step, {}).items():
+            cum[group] = cum.get(group, 0.0) + v
+            cum[group.split("/")[0]] += v
+        times.append(t)
+        samples.append(cum)
+    first = 5 + k
+    events = [{"event": "persist_commit", "step": 5, "time": recs[5]["time"] - 0.05, "stage_s": 0.004, "write_s": 0.1}]
+    events.append({"event": "persist_interval", "every": k, "first": first, "time": recs[6]["time"] - 0.01})
+    for s in range(first, steps - 1, k):
+        events.append({"event": "persist_commit", "step": s, "time": recs[s + 1]["time"] - 0.05, "stage_s": 0.004})
+    return recs, events, {"times": times, "samples": samples}
+
+
+def test_a_checkpoint_is_charged_what_its_steps_took_beyond_steps_that_write_nothing() -> None:
+    """K 6: checkpoints of steps 11, 17, 23. Each one's copy makes the next step 30 ms slower and
+    costs the training thread 5 ms of CPU; its write thread uses 10 ms in each of the two steps
+    it runs in. Charged per checkpoint: 30 ms of wall time, 25 ms of CPU (20 of it the write
+    thread's), whatever guard steps it is given; per step at K: 5 ms wall = 5 % of a 0.1 s step,
+    25/6 ms CPU = 2.1 % of 0.2 s of training CPU."""
+    copies = {s + 1: 0.03 for s in (11, 17, 23)}
+    cpu = {s + 1: {"worker/main": 0.005, "worker/persist": 0.01} for s in (11, 17, 23)}
+    cpu.update({s + 2: {"worker/persist": 0.01} for s in (11, 17, 23)})
+    a = persist_cost.analyze_run(*_persisting_run(slow=copies, extra_cpu=cpu))
+    assert a is not None and a["k"] == 6 and a["checkpoints_in_window"] == 3
+    assert [c["step"] for c in a["checkpoints"]] == [11, 17, 23]
+    g = persist_cost.GUARD_STEPS
+    assert a["checkpoints"][0]["steps"] == list(range(12 - g, 13 + 1 + g))  # copy .. commit, and the guards
+    for c in a["checkpoints"]:
+        assert c["wall_excess_s"] == pytest.approx(0.03, abs=1e-6)
+        assert c["cpu_excess_s"] == pytest.approx(0.025, abs=1e-6)
+        assert c["persist_threads_cpu_s"] == pytest.approx(0.02, abs=1e-6)
+        assert c["cpu_excess_by_group_s"]["worker/main"] == pytest.approx(0.005, abs=1e-6)
+        assert c["cpu_excess_by_group_s"]["keeper"] == pytest.approx(0.0, abs=1e-6)
+    assert a["nothing_wall_s_per_step"] == pytest.approx(0.1) and a["nothing_cpu_s_per_step"] == pytest.approx(0.22)
+    assert a["nothing_persist_threads_cpu_s"] == 0.0
+    assert a["wall_share"] == pytest.approx(0.05, abs=1e-4)
+    r = persist_cost.round_entry(a, training_cpu_s=0.2, on_step_s=0.1, on_cpu={"worker": 0.2, "keeper": 0.02})
+    assert r["cpu_share"] == pytest.approx(0.025 / 6 / 0.2, abs=1e-4)
+    assert r["on_cpu_s_per_step"] == pytest.approx(0.22)
+
+
+def test_the_window_starts_after_the_calibration_and_ends_before_a_write_still_in_flight() -> None:
+    recs, events, timeline = _persisting_run(k=6, steps=30)
+    events = [e for e in events if e.get("step") != 23]  # the checkpoint of step 23 never committed
+    a = persist_cost.analyze_run(recs, events, timeline)
+    assert a["window_steps"][0] == 8  # step 7 holds K's choice, after the calibration write committed
+    assert [c["step"] for c in a["checkpoints"]] == [11, 17]
+    assert a["window_steps"][1] == 23 - persist_cost.GUARD_STEPS  # nothing after step 23's copy counts
+    assert persist_cost.analyze_run(recs, [e for e in events if e["event"] != "persist_interval"], timeline) is None
+
+
+def test_the_persisting_run_is_long_enough_for_two_checkpoints_even_if_k_grows() -> None:
+    """For any K seen before (and a K up to K_MARGIN larger in the run itself), a run of
+    plan_steps steps holds WINDOW_CHECKPOINTS checkpoints whose writes commit two steps after
+    their copy, inside the window."""
+    assert persist_cost.plan_steps(None, 40) == 45  # K unknown: the plain run
+    for k_seen in range(2, 90):
+        n = persist_cost.plan_steps(k_seen, 10)
+        for k in range(k_seen, int(k_seen * persist_cost.K_MARGIN) + 1):
+            a = persist_cost.analyze_run(*_persisting_run(k=max(k, 3), steps=n))
+            assert a["checkpoints_in_window"] >= persist_cost.WINDOW_CHECKPOINTS, (k_seen, k, n)
+
+
+def _rounds(shares: list[tuple[float, float]], held: int = 2, threads: float = 0.0) -> list[dict]:
+    """Rounds with (cpu_share, wall_share), `held` checkpoints each, steps that write nothing as
+    fast as protection alone (0.1 s, 0.22 s of CPU, +-1 %)."""
+    return [
+        {
+            "cpu_share": c,
+            "wall_share": w,
+            "checkpoints_in_window": held,
+            "nothing_persist_threads_cpu_s": threads,
+            "nothing_median_step_s": 0.1 + 0.001 * i,
+            "on_median_step_s": 0.1 + 0.001 * (1 - i),
+            "nothing_cpu_s_per_step": 0.22,
+            "on_cpu_s_per_step": 0.22 + 0.002 * i,
+        }
+        for i, (c, w) in enumerate(shares)
+    ]
+
+
+def test_persistence_targets_are_met_only_on_windows_that_held_two_checkpoints() -> None:
+    def judged(rounds: list[dict]) -> dict[str, str]:
+        return {n: t["result"] for n, t in persist_cost.targets(persist_cost.summarize(rounds)).items()}
+
+    good = judged(_rounds([(0.004, 0.008), (0.006, 0.012)]))  # medians 0.5 % and 1.0 %
+    assert good == {
+        "persistence_cpu_share_per_step": "met",
+        "persistence_wall_share_per_step": "met",
+        "persistence_nothing_on_steps_that_write_nothing": "met",
+    }
+    assert judged(_rounds([(0.004, 0.012), (0.006, 0.0121)]))["persistence_wall_share_per_step"] == "MISS"
+    short = persist_cost.summarize(_rounds([(0.004, 0.008), (0.006, 0.008)], held=1))
+    assert not short["window_ok"] and short["checkpoints_in_window"] == 1
+    assert {t["result"] for t in list(persist_cost.targets(short).values())[:2]} == {"INCOMPLETE"}
+    # a persistence thread ran on a step that writes nothing: something was measured there
+    assert judged(_rounds([(0.0, 0.0)] * 2, threads=0.02))["persistence_nothing_on_steps_that_write_nothing"] == "MISS"
+    slower = _rounds([(0.0, 0.0)] * 2)
+    for r in slower:
+        r["nothing_median_step_s"] += 0.01  # beyond the spread of protection alone
+    assert judged(slower)["persistence_nothing_on_steps_that_write_nothing"] == "MISS"
+    one = judged(_rounds([(0.0, 0.0)]))  # one round: no spread, "nothing measurable" cannot be judged
+    assert one["persistence_nothing_on_steps_that_write_nothing"] == "NOT MEASURED"
+
+
+WRITER = """
+import threading, time
+from leto.runtime import linux
+def spin(name, seconds):
+    linux.name_thread(name)
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+t = threading.Thread(target=spin, args=("leto-persist", 0.4))
+t.start(); t.join()
+spin("python3", 0.2)  # the main thread: a worker's training thread, whatever its name
+print("done", flush=True)
+time.sleep(30)
+"""
+
+
+def test_a_workers_ended_write_thread_is_charged_to_persistence(tmp_path: Path) -> None:
+    """A worker's write thread ends between two samples: its last CPU still goes to its group."""
+    import json
+    import subprocess
+    import sys
+
+    assert cpu.thread_group("python3", main=True) == "main" and cpu.thread_group("leto-persist") == "persist"
+    assert cpu.thread_group("leto-dcp-import") == "persist-import" and cpu.thread_group("python3") == "other"
+    p = subprocess.Popen([sys.executable, "-c", WRITER], stdout=subprocess.PIPE, text=True)
+    try:
+        (tmp_path / "procs.json").write_text(json.dumps([{"role": "worker", "pid": p.pid}]))
+        with cpu.CpuSampler(tmp_path, every_s=0.15) as sampler:
+            t0 = time.time()
+            assert p.stdout is not None and p.stdout.readline().strip() == "done"
+            time.sleep(0.3)
+            used = sampler.between(t0 - 1.0, time.time())
+        assert used["worker/persist"] == pytest.approx(0.4, abs=0.05)  # none of it left as short-lived
+        assert used.get("worker/short-lived", 0.0) < 0.03
+        assert used["worker/main"] >= 0.15
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_cumulative_cpu_is_interpolated_between_samples() -> None:
+    times, samples = [10.0, 11.0], [{"worker": 1.0}, {"worker": 2.0, "worker/persist": 0.5}]
+    assert cpu.cumulative_at(times, samples, 10.5) == {"worker": 1.5, "worker/persist": 0.25}
+    assert cpu.cumulative_at(times, samples, 9.0) == {"worker": 1.0}
+    assert cpu.cumulative_at(times, samples, 12.0) == samples[1] and cpu.cumulative_at([], [], 1.0) == {}

@@ -25,7 +25,7 @@ import math
 import statistics
 
 from leto.bench.cpu import TICK_S, cumulative_at
-from leto.bench.noise import MET, MISS, NOT_MEASURED, measured, on_median, within_noise
+from leto.bench.noise import INCOMPLETE, MET, MISS, NOT_MEASURED, measured, on_median, within_noise
 from leto.bench.throughput import WARMUP_STEPS
 from leto.persistence.writer import CALIBRATE_AFTER
 
@@ -231,7 +231,8 @@ def targets(summary: dict) -> dict[str, dict]:
             "value": v,
             "target": f"<= {TARGET_SHARE}",
             "per_round": [r.get(key) for r in rounds],
-            "result": on_median(v, v is not None and v <= TARGET_SHARE, k, n),
+            # a share measured on windows of fewer checkpoints is INCOMPLETE, never met
+            "result": NOT_MEASURED if v is None else on_median(v, v <= TARGET_SHARE, max(k, 1), n) if k else INCOMPLETE,
         }
     threads = [r.get("nothing_persist_threads_cpu_s") for r in rounds]
     flags = summary.get("nothing_steps_within_noise", {})
