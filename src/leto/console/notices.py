@@ -96,6 +96,29 @@ class Degraded:
 
 
 @dataclass(frozen=True)
+class Restored:
+    """What a loss had degraded is covered again (a grow onto a new host)."""
+
+    what: str
+
+
+@dataclass(frozen=True)
+class HostJoined:
+    """A new host entered the running job, in a lost host's node."""
+
+    node: int
+    addr: str
+
+
+@dataclass(frozen=True)
+class NotWarm:
+    """An admitted host's shadows were not all warm in time: the job grows onto those that are."""
+
+    waiting: int
+    timeout_s: float
+
+
+@dataclass(frozen=True)
 class Growing:
     """Warm shadows join a shrunk job."""
 
@@ -139,6 +162,9 @@ Notice = (
     | AfterLastStep
     | Shrinking
     | Degraded
+    | Restored
+    | HostJoined
+    | NotWarm
     | Growing
     | Resized
     | Recovered
@@ -188,6 +214,15 @@ def render(n: Notice) -> str:
             return f"leto: no shadow left for {lost} lost rank(s): shrinking to {ranks} ranks (same global batch)"
         case Degraded(what):
             return f"leto: degraded: {what}"
+        case Restored(what):
+            return f"leto: restored: {what}"
+        case HostJoined(node, addr):
+            return f"leto: host {addr} joined the job as node {node}"
+        case NotWarm(waiting, timeout_s):
+            return (
+                f"leto: {waiting} shadow(s) of the joined host not warm within {timeout_s:.0f}s (join warm "
+                f"timeout): growing onto those that are"
+            )
         case Growing(cause, ranks):
             return f"leto: {cause}: growing back to {ranks} ranks"
         case Resized(generation, ranks, step, total_s):

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from leto.config import JobConfig
 from leto.console import StepDisplay, notices, read_jsonl
 from leto.control import takeover
-from leto.control.decision import grow_membership, next_membership
+from leto.control.decision import Spare, grow_membership, next_membership
 from leto.control.procs import POLL_S, Processes, ProcView
 from leto.control.records import Recovery
 from leto.control.spares import Spares
@@ -34,7 +34,9 @@ from leto.protocol import keys
 from leto.protocol.failures import ProcEventKind
 from leto.protocol.messages import (
     Command,
+    HostRecord,
     JobState,
+    JoinRequest,
     Membership,
     ProcEvent,
     RecoveryRecord,
@@ -55,6 +57,7 @@ __all__ = ["POLL_S", "Coordinator", "Hosts"]
 FATAL_CHARS = 500  # of a worker's reason the job cannot recover (free text, shown and recorded)
 MAX_GENERATIONS = 100  # a job that needs more recoveries than this is failing in a loop
 GROW_CHECK_S = 0.1
+JOIN_WARM_S = 120.0  # an admitted host's shadows are warm by then, or the job grows onto those that are
 RECORD_WAIT_S = 2.0  # how long a recovery waits, after its first step, for rank 0's record of it
 
 
@@ -69,6 +72,12 @@ class Hosts(Protocol):
 
     def confirm(self) -> None:
         """Raise unless this host is still in the job."""
+
+    def joiners(self) -> list[tuple[int, JoinRequest]]:
+        """Hosts asking to enter, each with the lost node it would take."""
+
+    def admit(self, node: int, request: JoinRequest, first_command: int) -> HostRecord | None:
+        """Make a joiner node `node`'s host; None if it died waiting."""
 
 
 class Coordinator:
@@ -108,6 +117,8 @@ class Coordinator:
         self._last_progress: StepProgress | None = None
         self._progress_set = False  # rank 0 has set keys.PROGRESS (it stays set)
         self._last_grow_check = 0.0
+        self._joined_shadows: list[str] = []  # an admitted host's shadows, started for the missing ranks
+        self._joined_by = 0.0  # when the grow stops waiting for the rest of them
         self._exit = ExitStack()
 
     # ----- start and end
@@ -223,6 +234,7 @@ class Coordinator:
             code = self._on_failures(failed)
             if code is not None:
                 return code
+        self._maybe_admit()
         self._maybe_grow()
         members = [self.members[r] for r in sorted(self.members)]
         done = bool(members) and all(p.code == 0 for p in members)
@@ -284,13 +296,20 @@ class Coordinator:
                 self._inbox.append(e)
 
     def _on_lost_hosts(self, lost: dict[int, tuple[str, float]]) -> None:
-        """Every process of a lost host is gone with it (the host is fenced already)."""
+        """Every process of a lost host is gone with it (the host is fenced already). A host that
+        holds no rank (admitted, not yet grown onto) holds no state either: its processes are
+        forgotten without a recovery."""
         for node, (why, last_heard) in sorted(lost.items()):
             self.host_lost_at[node] = last_heard
             self.event("host_lost", node=node, cause=why, last_heard=round(last_heard, 4))
+            ranks_here = node in self.membership.node_of_rank
+            if not ranks_here:
+                self.dead_keeper_nodes.add(node)
             for p in self.procs.values():
                 if p.node == node and p.alive:
                     p.code = -signal.SIGKILL
+                    if not ranks_here:
+                        continue
                     self._inbox.append(
                         ProcEvent(
                             ProcEventKind.EXITED,
@@ -455,7 +474,8 @@ class Coordinator:
         (a `degraded` event, on the console and in summary.json); once per change."""
         nodes = sorted(set(new.node_of_rank))
         what = degradation(len(nodes), self.cfg.protection.ec) if self.cfg.protection.enabled else None
-        if what is None or any(e["event"] == "degraded" and e["what"] == what for e in self.events):
+        last = next((e for e in reversed(self.events) if e["event"] in ("degraded", "restored")), None)
+        if what is None or (last is not None and last["event"] == "degraded" and last["what"] == what):
             return
         self.event("degraded", generation=new.generation, nodes=nodes, what=what)
         self.display.show(notices.Degraded(what))
@@ -468,8 +488,9 @@ class Coordinator:
             return
         self._last_grow_check = now
         warm = self.spares.warm(self.dead_keeper_nodes)
-        if not warm or self.membership.generation >= MAX_GENERATIONS:
+        if not warm or self.membership.generation >= MAX_GENERATIONS or self._warming(warm, now):
             return
+        self._joined_shadows.clear()
         new = grow_membership(
             self.membership, warm[: workers - len(self.members)], self.cfg.mesh.tp, self.cfg.mesh.replica_ranks
         )
@@ -479,6 +500,64 @@ class Coordinator:
         self._announce(new)
         self.pending = [Recovery(new.generation, new.cause, t, t, len(new.proc_of_rank))]
         self.display.show(notices.Growing(new.cause, len(new.proc_of_rank)))
+
+    def _maybe_admit(self) -> None:
+        """Hosts asking to enter take the nodes of lost hosts, at a generation boundary (no
+        recovery or resize in progress): each gets a keeper, a zygote and shadows for the ranks
+        the job lacks; `_maybe_grow` grows onto them once they are warm."""
+        if self.hosts is None or self.pending or not self.members:
+            return
+        for node, request in self.hosts.joiners():
+            first_command = parse_int(self.store.get(keys.COMMANDS), keys.COMMANDS, minimum=0)
+            record = self.hosts.admit(node, request, first_command)
+            if record is None:
+                continue  # it died waiting: forgotten
+            self.event("host_joined", node=node, addr=record.addr, generation=self.membership.generation)
+            self.display.show(notices.HostJoined(node, record.addr))
+            self.dead_keeper_nodes.discard(node)
+            self.host_lost_at.pop(node, None)
+            if self.cfg.protection.enabled:
+                self.processes.spawn("keeper", None, node)
+            if self.spares.zygotes_wanted():
+                self.processes.spawn("zygote", None, node)
+            missing = self.cfg.training.workers - len(self.members)
+            for _ in range(max(missing, 0)):
+                self._joined_shadows.append(self.processes.spawn("shadow", None, node).proc_id)
+            self._joined_by = time.monotonic() + JOIN_WARM_S
+            self.processes.flush()
+
+    def _warming(self, warm: list[Spare], now: float) -> bool:
+        """Whether an admitted host's shadows are still starting (one grow takes them all, one
+        pause of training rather than one per shadow), for at most `JOIN_WARM_S`."""
+        ready = {s.proc_id for s in warm}
+        waiting = [p for p in self._joined_shadows if p not in ready and p in self.procs and self.procs[p].alive]
+        if not waiting or now < self._joined_by:
+            return bool(waiting)
+        self.display.show(notices.NotWarm(len(waiting), JOIN_WARM_S))
+        self._joined_shadows.clear()
+        return False
+
+    def _note_restored(self, new: Membership) -> None:
+        """After a grow: once the job runs its configured ranks again, over enough nodes for the
+        tier-2 code it asked for, a `restored` event follows the `degraded` event or the shrink
+        before it (on the console and in summary.json)."""
+        since = []
+        for e in self.events:
+            since = [] if e["event"] == "restored" else [*since, e]
+        workers = self.cfg.training.workers
+        lessened = any(
+            e["event"] == "degraded" or (e["event"] == "recovery" and e.get("world_size", workers) < workers)
+            for e in since
+        )
+        nodes = sorted(set(new.node_of_rank))
+        ec = self.cfg.protection.ec if self.cfg.protection.enabled else None
+        if not lessened or len(new.proc_of_rank) < workers or degradation(len(nodes), ec) is not None:
+            return
+        what = f"{workers} ranks over {len(nodes)} nodes" + (
+            f", tier 2 {ec[0]}+{ec[1]} survives {ec[1]} node loss(es) again" if ec is not None else ""
+        )
+        self.event("restored", generation=new.generation, nodes=nodes, what=what)
+        self.display.show(notices.Restored(what))
 
     def _ever_protected(self) -> bool:
         """Has any generation's protection been committed (by any keeper)?"""
@@ -548,6 +627,7 @@ class Coordinator:
                 self.display.show(
                     notices.Resized(done["generation"], done["world_size"], done["step"], done["total_s"])
                 )
+                self._note_restored(self.membership)
                 continue
             self.event("recovery", **done)
             self.display.show(

@@ -18,11 +18,12 @@ import traceback
 
 from leto.config import JobConfig
 from leto.control.coordinator import POLL_S, Coordinator
+from leto.control.join import JoinError, admit, enter, join_requests
 from leto.control.lease import HostLease, Liveness, LivenessWatch, reaches_any
 from leto.control.supervisor import Supervisor
 from leto.errors import BadValue
 from leto.protocol import keys
-from leto.protocol.messages import HostRecord, Refusals, parse_int
+from leto.protocol.messages import HostRecord, JoinRequest, Refusals, parse_int
 from leto.runtime import linux, threads, trace
 from leto.runtime.env import ENV_HOST_STORE, LOOPBACK, loopback_store, network_env
 from leto.runtime.etcd_store import (
@@ -56,6 +57,7 @@ class Cluster:
         self.store, self.nodes, self.me = store, nodes, me
         self.records: dict[int, HostRecord] = {}
         self._lost: set[int] = set()
+        self._admitted: set[int] = set()  # admitted here, its record not yet seen in the mirror
         self._fencing: dict[int, tuple[str, float]] = {}  # found dead, not yet fenced out
         self._watch = watch
         self._last_check = 0.0
@@ -109,6 +111,7 @@ class Cluster:
         if now - self._last_check >= HOST_CHECK_S:
             self._last_check = now
             live = self.read()
+            self._admitted -= set(live)
             if self.me not in live:
                 raise Fenced(
                     f"this host's record ({keys.host(self.me)}) is gone, its lease revoked or expired: "
@@ -117,7 +120,7 @@ class Cluster:
             ended = [
                 n
                 for n in range(self.nodes)  # every host joined at the start
-                if n not in live and n not in self._lost and n not in out
+                if n not in live and n not in self._lost and n not in out and n not in self._admitted
             ]
             if ended:  # seen in the mirror, not proved by a fenced write of this host's: ask etcd
                 self.store.confirm_fence()
@@ -130,6 +133,27 @@ class Cluster:
     def confirm(self) -> None:
         """Raise `Fenced` unless this host is still in the job (as etcd says now)."""
         self.store.confirm_fence()
+
+    def joiners(self) -> list[tuple[int, JoinRequest]]:
+        """Hosts asking to enter, each with the lost node it would take (as many as are free)."""
+        live = self.read()
+        free = [n for n in sorted(self._lost) if n not in live]
+        hosts = {r.lease for n, r in self.records.items() if n not in self._lost}  # (the mirror may lag)
+        asking = [r for r in join_requests(self.store, _refused) if r.lease not in hosts]
+        return list(zip(free, asking, strict=False))
+
+    def admit(self, node: int, request: JoinRequest, first_command: int) -> HostRecord | None:
+        """Make the joiner `request` lost node `node`'s host, watched from now on like the others;
+        None when it died waiting (forgotten) or the node is taken."""
+        record = admit(self.store, node, request, first_command)
+        if record is None:
+            return None
+        self.records[node] = record
+        self._lost.discard(node)
+        self._admitted.add(node)
+        self._watch.forget(node)
+        self._watch.watch(node, record.addr, record.port)
+        return record
 
     def close(self) -> None:
         self._watch.close()
@@ -191,6 +215,25 @@ def _join(base: EtcdStore, cfg: JobConfig, lease: HostLease, addr: str, liveness
     return node, rev
 
 
+def _enter(
+    base: EtcdStore, cfg: JobConfig, lease: HostLease, addr: str, liveness: Liveness
+) -> tuple[int, int, int] | None:
+    """A joining host: wait to be admitted (`join.enter`); (node, its record's create revision,
+    the first command that is this host's), or None when the job ended first."""
+    admission = enter(base, cfg, lease, addr, liveness)
+    if admission is None:
+        return None
+    entry = base.entry(keys.host(admission.node))
+    if entry is None or entry[2] != lease.id:
+        raise JoinError(f"node {admission.node}'s host record is not this host's (its lease ended?)")
+    print(
+        f"leto: host {addr} joined job {cfg.rendezvous.job_id!r} as node {admission.node}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return admission.node, entry[1], admission.first_command
+
+
 def _await_hosts(store: EtcdStore, cfg: JobConfig, lease: HostLease) -> None:
     deadline = time.monotonic() + cfg.timeouts.collective_s
     while len(store.under("control/host/")) < cfg.training.nodes:
@@ -225,7 +268,15 @@ def run_host(config: JobConfig, summary_extra: dict | None = None) -> int:
     code: int | None = None
     left = local_error = False  # this host left the job (fenced: never the job-wide stop)
     try:
-        node, rev = _join(base, config, lease, addr, liveness)
+        first_command = 0
+        if r.join or r.standby:
+            admitted = _enter(base, config, lease, addr, liveness)
+            if admitted is None:  # the job ended first
+                code = 0
+                return 0
+            node, rev, first_command = admitted
+        else:
+            node, rev = _join(base, config, lease, addr, liveness)
         fence = (keys.host(node), rev)
         store = base.client(fence, abort=lease.lost, mirror="control/")  # it polls: reads from a mirror
         url = store.url()
@@ -233,9 +284,17 @@ def run_host(config: JobConfig, summary_extra: dict | None = None) -> int:
         # the job's network address, as the liveness socket does
         host_store = loopback_store(config.timeouts.collective_s)
         child_env = {ENV_HOST_STORE: f"{LOOPBACK}:{host_store.port}", **network_env(addr)}
-        _await_hosts(store, config, lease)
+        if not (r.join or r.standby):
+            _await_hosts(store, config, lease)
         supervisor = Supervisor(
-            store, config, url, f"{r.job_id}-h{node}", node=node, child_env=child_env, host_store=host_store
+            store,
+            config,
+            url,
+            f"{r.job_id}-h{node}",
+            node=node,
+            child_env=child_env,
+            host_store=host_store,
+            first_command=first_command,
         )
         supervisor.start()
         last_election = 0.0
@@ -260,6 +319,9 @@ def run_host(config: JobConfig, summary_extra: dict | None = None) -> int:
                 coordinator.write_summary(time.monotonic() - t0, code)
                 break
             time.sleep(POLL_S)
+    except JoinError as e:  # nothing of the job was started here
+        print(f"leto: host {addr} cannot join job {r.job_id!r}: {e}", file=sys.stderr, flush=True)
+        code, left = 1, True
     except (HostLost, Fenced, StoreUnavailable) as e:
         _leave(addr, str(e), supervisor, coordinator)
         code, left = 1, True

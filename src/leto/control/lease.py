@@ -252,6 +252,18 @@ class LivenessWatch:
         self._heard.setdefault(node, now)
         self._beaten.discard(node)
 
+    def forget(self, node: int) -> None:
+        """`node` is another host now (a replacement admitted into a lost host's node): what
+        was known of the old one no longer counts."""
+        conn = self._conns.pop(node, None)
+        if conn is not None:
+            conn.close()
+        for seen in (self._pending, self._refreshed, self._heard):
+            seen.pop(node, None)
+        self._refused.discard(node)
+        self._beaten.discard(node)
+        self.gone.discard(node)
+
     def dead(self) -> dict[int, str]:
         """Hosts newly found dead since the last call, with the evidence."""
         found = {n: "its supervisor's connection was refused (the host's processes died)" for n in self._refused}

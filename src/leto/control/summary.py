@@ -45,6 +45,8 @@ def write_summary(
         "recoveries": [e for e in events if e["event"] == "recovery"],
         "resizes": [e for e in events if e["event"] == "resize"],
         "degraded": [e for e in events if e["event"] == "degraded"],
+        "restored": [e for e in events if e["event"] == "restored"],
+        "hosts_joined": [e for e in events if e["event"] == "host_joined"],
         "fatal": next((e["cause"] for e in events if e["event"] == "fatal"), None),
         **extra,
         "config": config.to_dict(),

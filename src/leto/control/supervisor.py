@@ -128,13 +128,16 @@ class Supervisor:
         node: int | None = None,
         child_env: dict[str, str] | None = None,
         host_store: dist.Store | None = None,
+        first_command: int = 0,
     ) -> None:
         """`command_poll_s`: how often `tick` looks for commands; longer where the coordinator
         has this supervisor serve its commands at once (`serve_commands`), as a fallback.
         `node`: the one node this host is, in a multi-host job (None: every node is here).
         `child_env`: more environment for this host's children (its gloo interface, its
         `host_store`'s address). `host_store`: where this host's processes heartbeat, where it is
-        not the job's store (a multi-host job)."""
+        not the job's store (a multi-host job). `first_command`: the first of the coordinator's
+        commands that is this supervisor's (a host admitted into a running job; those before
+        were for the host it replaces)."""
         problem = shm.check_job_id(job_id, per_host=True)
         if problem is not None:
             raise ValueError(problem)
@@ -151,7 +154,7 @@ class Supervisor:
         self.state = JobState(0, False)
         self.members: set[str] = set()  # the current generation's processes
         self.stopped = False
-        self._next_command = 0
+        self._next_command = first_command
         self._forks: dict[str, int] = {}  # zygote -> fork requests sent
         self._pending_forks: dict[str, tuple[Proc, float, bool]] = {}  # shadow -> (its zygote, deadline, boost)
         self._last_beat_check = 0.0

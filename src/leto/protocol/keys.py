@@ -72,6 +72,22 @@ def host(node: int) -> str:
     return f"control/host/{node}"
 
 
+def join_request(lease: int) -> str:
+    """A host asking to enter the running job (`messages.JoinRequest`), bound to its lease: a
+    joiner that dies before it is admitted leaves nothing behind."""
+    return f"{JOIN_PREFIX}{lease:x}"
+
+
+def admission(lease: int) -> str:
+    """The coordinator's answer to `join_request(lease)` (`messages.Admission`), bound to the
+    joiner's lease."""
+    return f"{ADMISSION_PREFIX}{lease:x}"
+
+
+JOIN_PREFIX = "control/join/"
+ADMISSION_PREFIX = "control/admitted/"
+
+
 def stopped(node: int) -> str:
     """Set by a supervisor once every process of its host is stopped."""
     return f"control/sup/stopped/{node}"

@@ -400,9 +400,40 @@ class HostRecord(_Flat):
     lease: int
 
     def problem(self) -> str | None:
-        if not 0 < self.port < 65536 or not 0 < self.pid <= PID_MAX or not self.addr:
-            return f"port {self.port}, pid {self.pid} or address {_show(self.addr)} is not one"
-        return negative(node=self.node)
+        return _listener_problem(self.addr, self.port, self.pid) or negative(node=self.node)
+
+
+def _listener_problem(addr: str, port: int, pid: int) -> str | None:
+    """What is wrong with a host supervisor's liveness address, port and pid, if anything."""
+    if not 0 < port < 65536 or not 0 < pid <= PID_MAX or not addr:
+        return f"port {port}, pid {pid} or address {_show(addr)} is not one"
+    return None
+
+
+@dataclass(frozen=True)
+class JoinRequest(_Flat):
+    """A host asking to enter a running job (keys.join_request, bound to its lease): where its
+    supervisor listens for liveness connections, and its lease (the host record's, once admitted)."""
+
+    addr: str
+    port: int
+    pid: int
+    lease: int
+
+    def problem(self) -> str | None:
+        return _listener_problem(self.addr, self.port, self.pid) or negative(lease=self.lease)
+
+
+@dataclass(frozen=True)
+class Admission(_Flat):
+    """The coordinator admitted a joining host (keys.admission): the node it is now, and the
+    first command of the stream that is its (the ones before were for the host it replaces)."""
+
+    node: int
+    first_command: int
+
+    def problem(self) -> str | None:
+        return negative(node=self.node, first_command=self.first_command)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,271 @@
+"""A replacement host enters a running multi-host job (`--join`), and a host may wait for a lost
+one as a standby (`--standby`).
+
+The cheap checks run in CI: the flags and their one-line errors, and the admission protocol on one
+etcd member (a joiner is admitted into a lost host's node and told its first command; one that
+dies waiting is forgotten; a step that runs out its time fails with one line). The end-to-end job
+on the namespace cluster (three hosts, one killed, a replacement joins, the job grows back to its
+width with tier 2 restored, then survives the loss of another host with the failure-free digest)
+takes minutes on 2 cores and runs with LETO_ALL_TESTS=1."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, beyond_ci, leto_cmd, reference_digest, summary, wait_for, without_flags
+from leto.cli import build_parser, main
+from leto.config import JobConfig
+from leto.control import join
+from leto.control.lease import HostLease, Liveness
+from leto.protocol import keys
+from leto.protocol.messages import Admission, JoinRequest, Refusals
+from leto.runtime.etcd_store import EtcdStore
+
+RDZV = ("--rdzv", "etcd://127.0.0.1:2379", "--job-id", "j1")
+
+
+# ----- the flags
+@pytest.mark.parametrize("flag", ["--join", "--standby"])
+def test_join_and_standby_need_a_rendezvous_and_say_so_in_one_line(flag: str, capsys) -> None:
+    assert main(["run", flag, "train.py"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"leto run: error: {flag} is for a host of a multi-host job: it needs --rdzv and --job-id"
+
+
+def test_join_and_resume_are_refused_together(tmp_path: Path, capsys) -> None:
+    args = build_parser().parse_args(["train", *RDZV, "--join", "--resume", str(tmp_path)])
+    from leto.cli import UsageError, _check_rdzv
+
+    with pytest.raises(UsageError, match="--join enters a job that is running; --resume starts one"):
+        _check_rdzv(args, "leto train")
+
+
+def test_join_and_standby_reach_the_job_config_and_are_never_recorded_for_a_resume() -> None:
+    from leto.cli import _ATTEMPT_ONLY, _config
+
+    args = build_parser().parse_args(["train", *RDZV, "--join", "--standby"])
+    r = _config(args, ["x"]).rendezvous
+    assert (r.join, r.standby) == (True, True)
+    assert JobConfig.from_json(_config(args, ["x"]).to_json()).rendezvous.join
+    plain = _config(build_parser().parse_args(["train", *RDZV]), ["x"]).rendezvous
+    assert (plain.join, plain.standby) == (False, False)
+    assert {"join", "standby"} <= set(_ATTEMPT_ONLY)
+
+
+# ----- admission, on one etcd member
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory) -> Iterator[tuple[str, int]]:
+    if shutil.which("etcd") is None:
+        pytest.skip("etcd is not installed (scripts/install.sh)")
+    from test_etcd_store import _member
+
+    with _member(tmp_path_factory.mktemp("etcd")) as (endpoint, _):
+        yield endpoint
+
+
+def _config(job_id: str, nodes: int = 3, timeout_s: float = 5.0) -> JobConfig:
+    return JobConfig.from_dict(
+        {
+            "training": {"nodes": nodes, "workers": nodes},
+            "rendezvous": {"url": "etcd://x:1", "job_id": job_id, "join": True},
+            "timeouts": {"collective_s": timeout_s},
+        }
+    )
+
+
+def _joiner(store: EtcdStore, cfg: JobConfig) -> tuple[HostLease, threading.Thread, dict]:
+    """A joining host's lease and a thread waiting in `join.enter`; what it got lands in the dict."""
+    lease, out = HostLease(store, 2), {}
+    liveness = Liveness("127.0.0.1")
+
+    def run() -> None:
+        try:
+            out["admission"] = join.enter(
+                store, cfg, lease, "127.0.0.1", liveness, say=out.setdefault("said", []).append
+            )
+        except join.JoinError as e:
+            out["error"] = str(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return lease, t, out
+
+
+def test_a_joiner_is_admitted_into_a_lost_node_with_its_own_fence_and_first_command(etcd) -> None:
+    store = EtcdStore([etcd], "join-admit", 5.0)
+    cfg = _config("join-admit")
+    store.set(keys.COORDINATOR, "0")
+    for node in (0, 2):  # node 1's host was lost: its record is gone
+        store.set(keys.host(node), "{}")
+    lease, t, out = _joiner(store, cfg)
+    wait_for(lambda: join.join_requests(store, Refusals()), 5, "the join request")
+    [request] = join.join_requests(store, Refusals())
+    assert request == JoinRequest("127.0.0.1", request.port, os.getpid(), lease.id)
+    assert join.free_nodes(store, 3, Refusals()) == [1]
+    record = join.admit(store, 1, request, first_command=17)
+    t.join(5)
+    assert out["admission"] == Admission(1, 17)
+    value, _, bound_to = store.entry(keys.host(1))
+    assert bound_to == lease.id and json.loads(value)["node"] == 1 and record is not None
+    lease.close(revoke=True)  # the new host's lease ends: its record goes with it
+    wait_for(lambda: store.value(keys.host(1)) is None, 5, "the record to go with the lease")
+
+
+def test_a_joiner_that_dies_before_it_is_admitted_is_forgotten(etcd) -> None:
+    store = EtcdStore([etcd], "join-dies", 5.0)
+    store.set(keys.COORDINATOR, "0")
+    lease, t, _ = _joiner(store, _config("join-dies"))
+    wait_for(lambda: join.join_requests(store, Refusals()), 5, "the join request")
+    [request] = join.join_requests(store, Refusals())
+    lease.close(revoke=True)
+    wait_for(lambda: not join.join_requests(store, Refusals()), 5, "the request to go with the lease")
+    assert join.admit(store, 1, request, first_command=0) is None
+    assert store.value(keys.host(1)) is None and store.value(keys.admission(request.lease)) is None
+
+
+def test_a_full_job_keeps_a_joiner_as_a_standby_until_it_ends(etcd) -> None:
+    store = EtcdStore([etcd], "join-standby", 5.0)
+    store.set(keys.COORDINATOR, "0")
+    for node in range(3):
+        store.set(keys.host(node), "{}")
+    lease, t, out = _joiner(store, _config("join-standby"))
+    wait_for(lambda: out.get("said"), 5, "the standby line")
+    assert out["said"] == ["leto: job 'join-standby' has its 3 hosts: this host waits as a standby until one is lost"]
+    store.set(keys.EXIT_CODE, "0")
+    t.join(5)
+    assert out["admission"] is None and out["said"][-1] == "leto: job 'join-standby' ended before this host was needed"
+    lease.close(revoke=True)
+
+
+def test_a_join_step_that_runs_out_its_time_fails_with_one_line(etcd, monkeypatch) -> None:
+    store = EtcdStore([etcd], "join-late", 5.0)
+    monkeypatch.setattr(join, "FIND_S", 0.3)
+    lease, t, out = _joiner(store, _config("join-late"))  # no job runs: nobody coordinates
+    t.join(5)
+    assert out["error"] == "no running job 'join-late' at etcd://x:1 within 0s (join find timeout)"
+    store.set(keys.COORDINATOR, "0")  # a job with a free node (no host records) that admits no one
+    monkeypatch.setattr(join, "ADMIT_MARGIN_S", -9.7)  # 2 x 5 s - 9.7 s
+    lease2, t2, out2 = _joiner(store, _config("join-late"))
+    t2.join(5)
+    assert (
+        out2["error"]
+        == "job 'join-late' has a free node but did not admit this host within 0s (join admission timeout)"
+    )
+    lease.close(revoke=True)
+    lease2.close(revoke=True)
+
+
+# ----- end to end, on the namespace cluster
+STEPS = 120  # ~0.6 s each here: the join, the grow and the next loss all come before the end
+# no shadow: a host's loss shrinks the job to the two hosts left, and only the replacement's
+# shadows can grow it back
+JOB = ("--workers", "6", "--nodes", "3", "--spares", "0", "--steps", str(STEPS), "--seed", "0")
+
+
+def _events(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [e for e in map(json.loads, path.read_text().splitlines()) if "event" in e]
+
+
+def _kill_leto(cluster, i: int) -> None:
+    """SIGKILL every Leto process of host i (its etcd member lives on: the host is replaced, the
+    etcd cluster keeps its quorum), until none is left."""
+
+    def gone() -> bool:
+        left = [p for p in cluster.pids(i) if p not in cluster.etcd_pids()]
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return not left
+
+    wait_for(gone, 10, f"host {i}'s Leto processes to die")
+
+
+@beyond_ci
+@pytest.mark.timeout(900)
+def test_a_replacement_host_joins_the_job_grows_back_and_the_next_host_loss_is_survived(
+    tmp_path: Path, launcher
+) -> None:
+    """Three hosts, no shadow. A worker host's processes are SIGKILLed: the job shrinks to four
+    ranks on two hosts, tier 2 degraded. A replacement host on the same address starts with
+    `--join`: it is admitted into the lost node (a new member: the old host's processes stay
+    fenced), its shadows take the two missing ranks, tier 2 covers a host's loss again (a
+    `restored` event after the `degraded` one). Then another host is SIGKILLed with its etcd
+    member, and the job still ends with the failure-free digest."""
+    from netns_cluster import Cluster, available
+
+    if available() is not None:
+        pytest.skip(f"no namespace cluster here: {available()}")
+    reference = reference_digest(launcher, tmp_path, *without_flags(JOB, "spares"))
+    job_id = f"join{os.getpid()}"
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
+    argv = leto_cmd("train", "--rdzv", "", "--job-id", job_id, "--run-dir", str(run_dir), *JOB)
+    with Cluster(hosts=3) as cluster:
+        argv[argv.index("--rdzv") + 1] = cluster.rdzv
+        hosts = {}
+        for i in range(3):
+            with open(f"{run_dir}.host{i}.out", "a") as out, open(f"{run_dir}.host{i}.err", "a") as err:
+                hosts[i] = cluster.popen(i, argv, env=env, cwd=REPO, stdout=out, stderr=err)
+        wait_for(lambda: any(r.get("step", -1) >= 3 for r in _steps(run_dir)), 180, "step 3")
+        lead = int(
+            cluster.etcdctl(0, "get", f"/leto/{job_id}/control/coordinator", "--print-value-only").stdout.strip()
+        )
+        node = (lead + 1) % 3
+        victim = _host_of(cluster, run_dir, node)
+        _kill_leto(cluster, victim)
+        wait_for(lambda: any(e["event"] == "recovery" for e in _events(run_dir)), 60, "the shrink")
+        t_join = time.time()
+        with open(f"{run_dir}.join.out", "a") as out, open(f"{run_dir}.join.err", "a") as err:
+            joiner = cluster.popen(victim, [*argv, "--join"], env=env, cwd=REPO, stdout=out, stderr=err)
+        wait_for(lambda: any(e["event"] == "restored" for e in _events(run_dir)), 150, "the job restored")
+        restored = next(e for e in _events(run_dir) if e["event"] == "restored")
+        print(f"join to restored: {restored['time'] - t_join:.2f}s")
+        other = next(i for i in range(3) if i not in (victim, _host_of(cluster, run_dir, lead)))
+        cluster.kill_host(other)
+        codes = {i: p.wait(timeout=240) for i, p in hosts.items() if i not in (victim, other)}
+        joined = joiner.wait(timeout=60)
+    errs = {i: Path(f"{run_dir}.host{i}.err").read_text()[-3000:] for i in codes}
+    assert all(c == 0 for c in codes.values()) and joined == 0, (
+        codes,
+        joined,
+        errs,
+        Path(f"{run_dir}.join.err").read_text()[-3000:],
+    )
+    s = summary(run_dir)
+    assert s["exit_code"] == 0 and s["digest"] == reference
+    events = [
+        e["event"]
+        for e in _events(run_dir)
+        if e["event"] in ("host_lost", "recovery", "host_joined", "resize", "restored")
+    ]
+    assert events[:5] == ["host_lost", "recovery", "host_joined", "resize", "restored"], events
+    assert [e["node"] for e in s["hosts_joined"]] == [node] and len(s["restored"]) == 1
+    assert s["recoveries"][-1]["world_size"] == 4  # the second loss: shrunk again, no shadow
+    assert "joined job" in Path(f"{run_dir}.join.err").read_text()
+
+
+def _steps(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [r for r in map(json.loads, path.read_text().splitlines()) if "event" not in r]
+
+
+def _host_of(cluster, run_dir: Path, node: int) -> int:
+    """Which namespace runs node `node`: the one whose supervisor's pid it holds."""
+    sup = next(p for p in json.loads((run_dir / f"procs-host{node}.json").read_text()) if p["role"] == "controller")
+    return next(i for i in range(3) if sup["pid"] in cluster.pids(i))
