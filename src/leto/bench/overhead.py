@@ -805,6 +805,15 @@ def _print(out: dict, mem: dict) -> None:
     parts = sorted(((k.split("/", 1)[1], v) for k, v in c_on.items() if k.startswith("keeper/")), key=lambda kv: -kv[1])
     if parts:
         print("  keepers by thread: " + ", ".join(f"{name} {v * 1e3:.1f} ms" for name, v in parts))
+    groups = sorted({k.split("/", 1)[1] for k in (*c_off, *c_on) if k.startswith("worker/")})
+    if groups:
+        print(
+            "  workers by thread, off / on: "
+            + ", ".join(
+                f"{g} {c_off.get(f'worker/{g}', 0) * 1e3:.1f} / {c_on.get(f'worker/{g}', 0) * 1e3:.1f} ms"
+                for g in groups
+            )
+        )
     b = out["bytes_per_element_per_step"]["total"]
     print(
         f"  moved per protected element and step: staged {b['staged']:g} B, checksummed {b['checksummed']:g} B, "

@@ -31,7 +31,7 @@ from leto.persistence.writer import CALIBRATE_AFTER
 
 WINDOW_CHECKPOINTS = 2  # checkpoints the measured window of a persisting run must hold
 GUARD_STEPS = 1  # steps charged to a checkpoint on either side of its copy-to-commit steps
-K_MARGIN = 1.25  # a run's K can exceed the K seen before: plan the window for this much more
+K_MARGIN = 2.0  # a run's K can exceed the K seen before (seen here: 32 then 47): plan the window for this much more
 TAIL_STEPS = 6  # after the last planned checkpoint: its write, the guard step, a spare
 TARGET_SHARE = 0.01  # persistence adds at most 1 % of training CPU and of wall time per step
 PERSIST_GROUPS = ("worker/persist", "worker/persist-import")  # threads that exist only to persist
@@ -215,8 +215,8 @@ def targets(summary: dict) -> dict[str, dict]:
     """Persistence's targets: CPU and wall time per step at the default K, each <= TARGET_SHARE
     on the median over rounds (met only if every round's window held WINDOW_CHECKPOINTS
     checkpoints), and nothing measurable on a step that writes nothing: the persistence threads'
-    CPU there under one clock tick in every round, and the steps' median time and CPU within
-    noise of the protection-on runs'."""
+    CPU there under one clock tick in every round, and the steps' median time and CPU not above
+    the protection-on runs' beyond noise (below them is the load, not a cost)."""
     rounds = summary.get("rounds", [])
     n = len(rounds)
     full = [r for r in rounds if r.get("checkpoints_in_window", 0) >= WINDOW_CHECKPOINTS]
@@ -236,15 +236,20 @@ def targets(summary: dict) -> dict[str, dict]:
         }
     threads = [r.get("nothing_persist_threads_cpu_s") for r in rounds]
     flags = summary.get("nothing_steps_within_noise", {})
+    slower = {  # beyond noise and slower than protection alone (faster is the load, not a cost)
+        "wall": flags.get("wall") is False and summary["nothing_median_step_s"] > summary["on_median_step_s"],
+        "cpu": flags.get("cpu") is False and summary["nothing_cpu_s_per_step"] > summary["on_cpu_s_per_step"],
+    }
     if not measured(threads) or None in flags.values():
         result = NOT_MEASURED  # no CPU timeline, or fewer than 2 rounds: no spread to judge by
-    elif any(t >= TICK_S for t in measured(threads)) or not all(flags.values()):
+    elif any(t >= TICK_S for t in measured(threads)) or any(slower.values()):
         result = MISS
     else:
         result = MET
     out["persistence_nothing_on_steps_that_write_nothing"] = {
-        "value": {"persist_threads_cpu_s": threads, **flags},
-        "target": f"persist threads < {TICK_S:g} s CPU; step time and CPU within noise of protection alone",
+        "value": {"persist_threads_cpu_s": threads, "within_noise": flags, "slower_beyond_noise": slower},
+        "target": f"persist threads < {TICK_S:g} s CPU; steps not slower nor more CPU than protection alone "
+        "beyond noise",
         "result": result,
     }
     return out
