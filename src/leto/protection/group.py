@@ -32,12 +32,14 @@ class EarlyGroup:
     are the membership's): its rendezvous through the store overlaps the workers' recovery instead of
     following rank 0's layout, which comes only once the state is rebuilt. A generation that is
     superseded before its layout leaves its thread blocked in the rendezvous, like the waits of
-    an abandoned generation."""
+    an abandoned generation. The rendezvous has a store client of its own: a store client
+    serves one request at a time, and a rendezvous waiting on a keeper that died before it
+    joined would hold the keeper's own client (its drains, its reports) for the whole timeout."""
 
     def __init__(self, store: dist.Store, gen: int, nodes: list[int], node: int, timeout_s: float) -> None:
         self.gen, self.nodes, self.timeout_s = gen, nodes, timeout_s
         self._box: list = []
-        self._thread = threads.start(self._build, f"keeper-group-g{gen}", store, node)
+        self._thread = threads.start(self._build, f"keeper-group-g{gen}", store.clone(), node)
 
     def _build(self, store: dist.Store, node: int) -> None:
         try:
