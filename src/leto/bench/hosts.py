@@ -5,7 +5,11 @@ Every host runs `leto train --rdzv` (one etcd member each, tests/netns_cluster.p
 - `host`: SIGKILL of every process of a host that is not the coordinator, with its etcd member;
 - `coordinator`: the same for the coordinator's host;
 - `partition`: the link of a host that is not the coordinator cut, then restored;
-- `coordinator-partition`: the same for the coordinator's host (which holds etcd's leader too).
+- `coordinator-partition`: the same for the coordinator's host (which holds etcd's leader too);
+- `join` (leto only, no shadow): SIGKILL of a worker host's processes (its etcd member lives);
+  once the job has shrunk, the same command with `--join` on that host, a replacement: the time
+  from that command to its admission, to the job at full width, to tier 2 restored (`restored`
+  event), and the training pause of the grow.
 
 Systems, side by side in one run:
 - `leto`: in-place recovery with 2 spares;
@@ -42,6 +46,13 @@ KILL_AFTER = 8  # the failure comes once this step is recorded
 CKPT_EVERY = 5  # checkpoint-restart's K
 TARGETS_S = {"host": 3.0, "coordinator": 4.0}  # partition: the lease time + 1 s
 SCENARIOS = ("host", "coordinator", "partition", "coordinator-partition")
+JOIN_STEPS = 150  # `join`: training goes on through the loss, the join and the grow
+JOIN_FIGURES = {
+    "join_admitted_s": "admitted",
+    "join_full_width_s": "full width",
+    "join_restored_s": "tier 2 restored",
+    "grow_pause_s": "the grow's pause",
+}
 CUTS = ("partition", "coordinator-partition")
 REPO = Path(__file__).resolve().parents[3]
 
@@ -91,6 +102,10 @@ class _Job:
         self.procs: list[subprocess.Popen] = []
 
     def start(self, attempt: int, extra: list[str]) -> None:
+        self.procs = [self.popen(i, attempt, extra) for i in range(self.cluster.hosts)]
+
+    def popen(self, i: int, attempt: int, extra: list[str], name: str = "") -> subprocess.Popen:
+        """This job's command (`extra` added) on host i, its output to RUN_DIR.host<i><name>.<attempt>.*"""
         env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
         argv = [
             sys.executable,
@@ -104,13 +119,11 @@ class _Job:
             *self.flags,
             *extra,
         ]
-        self.procs = []
-        for i in range(self.cluster.hosts):
-            with (
-                open(f"{self.run_dir}.host{i}.{attempt}.out", "w") as out,
-                open(f"{self.run_dir}.host{i}.{attempt}.err", "w") as err,
-            ):
-                self.procs.append(self.cluster.popen(i, argv, env=env, cwd=REPO, stdout=out, stderr=err))
+        with (
+            open(f"{self.run_dir}.host{i}{name}.{attempt}.out", "w") as out,
+            open(f"{self.run_dir}.host{i}{name}.{attempt}.err", "w") as err,
+        ):
+            return self.cluster.popen(i, argv, env=env, cwd=REPO, stdout=out, stderr=err)
 
     def wait(self, timeout_s: float) -> list[int]:
         deadline = time.monotonic() + timeout_s
@@ -155,7 +168,10 @@ def run_one(nc, system: str, scenario: str, out: Path, trial: int, args: argpars
         "--lease",
         "2",
     ]
-    if system == "leto":
+    if scenario == "join":  # no shadow: the loss shrinks the job, and only the new host grows it back
+        flags += ["--spares", "0", "--persist", "off"]
+        flags[flags.index("--steps") + 1] = str(args.steps or JOIN_STEPS)
+    elif system == "leto":
         flags += ["--spares", "2", "--persist", "off"]
     else:
         flags += ["--spares", "0", "--protection", "off", "--persist", "on", "--persist-every", str(CKPT_EVERY)]
@@ -173,7 +189,9 @@ def run_one(nc, system: str, scenario: str, out: Path, trial: int, args: argpars
         victim = lead_host if on_lead else job.host_of(node)
         t_fail = time.time()
         mark("fault", scenario=scenario, host=victim)
-        if scenario in CUTS:
+        if scenario == "join":
+            rec.update(_replace_host(cluster, job, victim, run_dir))
+        elif scenario in CUTS:
             cluster.cut_link(victim)
             job.procs[victim].wait(timeout=60)  # it leaves the job once its lease is gone
             rec["victim_left_s"] = round(time.time() - t_fail, 3)
@@ -192,7 +210,9 @@ def run_one(nc, system: str, scenario: str, out: Path, trial: int, args: argpars
     rec.update(analyze_recovery(_records(run_dir), t_fail))
     summary = run_dir / "summary.json"
     s = json.loads(summary.read_text()) if summary.exists() else {}
-    rec["ok"] = s.get("exit_code") == 0 and s.get("steps") == (args.steps or STEPS)
+    rec["ok"] = s.get("exit_code") == 0 and s.get("steps") == (
+        args.steps or (JOIN_STEPS if scenario == "join" else STEPS)
+    )
     rec["digest"] = s.get("digest")
     recs = s.get("recoveries") or []
     if recs:
@@ -200,6 +220,40 @@ def run_one(nc, system: str, scenario: str, out: Path, trial: int, args: argpars
             k: recs[0].get(k) for k in ("detect_s", "restore_s", "join_s", "total_s", "tier", "world_size")
         }
     return rec
+
+
+def _kill_all_but_etcd(cluster, i: int) -> None:
+    """SIGKILL every process of host i but its etcd member (the etcd cluster keeps its quorum;
+    the host is then replaced at the same address), until none is left."""
+    deadline = time.monotonic() + 10
+    while left := [p for p in cluster.pids(i) if p not in cluster.etcd_pids()]:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"host {i}'s processes {left} outlived SIGKILL for 10s")
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.02)
+
+
+def _replace_host(cluster, job: _Job, victim: int, run_dir: Path) -> dict:
+    """Lose host `victim`'s processes; once the job has shrunk, start the same command with
+    `--join` there (a replacement host at the same address) and time, from that command, the
+    joiner's admission, the job back at full width and tier 2 restored, and the grow's pause."""
+    _kill_all_but_etcd(cluster, victim)
+    _wait(lambda: any(r.get("event") == "recovery" for r in _records(run_dir)), 120, "the shrink")
+    t_join = time.time()
+    mark("join", host=victim)
+    job.procs[victim] = job.popen(victim, 0, ["--join"], name="-join")
+    _wait(lambda: any(r.get("event") == "restored" for r in _records(run_dir)), 600, "the job restored")
+    events = {r["event"]: r for r in _records(run_dir) if r.get("event") in ("host_joined", "resize", "restored")}
+    return {
+        "join_admitted_s": round(events["host_joined"]["time"] - t_join, 3),
+        "join_full_width_s": round(events["resize"]["time"] - t_join, 3),
+        "join_restored_s": round(events["restored"]["time"] - t_join, 3),
+        "grow_pause_s": events["resize"].get("total_s"),
+    }
 
 
 def main(args: argparse.Namespace) -> int:
@@ -211,7 +265,7 @@ def main(args: argparse.Namespace) -> int:
         for scenario in SCENARIOS
         for system in ("leto", "checkpoint-restart")
         if system == "leto" or scenario == "host"
-    ]
+    ] + [("leto", "join")]
     results: list[dict] = []
     for trial in range(args.trials):
         for system, scenario in runs:
@@ -224,6 +278,8 @@ def main(args: argparse.Namespace) -> int:
             k: median([r.get(k) for r in mine]) for k in ("detect_s", "first_s", "regain_s", "recovery_s", "lost_steps")
         }
         table[f"{system}/{scenario}"]["trials_ok"] = len(mine)
+    join = [r for r in results if r["scenario"] == "join" and r["ok"]]
+    joined = {k: median([r.get(k) for r in join]) for k in JOIN_FIGURES} | {"trials_ok": len(join)}
     leto_host, ckpt_host = table["leto/host"], table["checkpoint-restart/host"]
     lease_s = 2.0
     targets = {
@@ -253,6 +309,7 @@ def main(args: argparse.Namespace) -> int:
         "checkpoint_every": CKPT_EVERY,
         "lease_s": lease_s,
         "systems": table,
+        "join": joined,
         "targets": targets,
         "speedup_regain_host_loss": ratio(ckpt_host["regain_s"], leto_host["regain_s"]),
         "machine": machine(),
@@ -276,6 +333,10 @@ def main(args: argparse.Namespace) -> int:
             f"{name:34} "
             + " ".join(f"{'-' if v is None else f'{v:.2f}':>{w}}" for v, w in zip(cells, (7, 10, 14, 10, 10)))
         )
+    print(
+        "a replacement host (--join) after a host's loss, from the join command: "
+        + ", ".join(f"{JOIN_FIGURES[k]} {'-' if joined[k] is None else f'{joined[k]:.2f}s'}" for k in JOIN_FIGURES)
+    )
     sp = report["speedup_regain_host_loss"]
     print(f"host loss, training again: checkpoint-restart / leto = {'-' if sp is None else f'{sp:.1f}x'}")
     for name, t in targets.items():
