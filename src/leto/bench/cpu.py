@@ -34,6 +34,16 @@ def cpu_seconds(pid: int, tid: int | None = None) -> float | None:
     return None if fields is None else (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime (14, 15)
 
 
+def thread_cpu_seconds(pid: int, tid: int) -> float | None:
+    """CPU seconds of a live thread: its scheduler run time in nanoseconds (schedstat), else
+    its user + system clock ticks; None once gone."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+            return int(f.read().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return cpu_seconds(pid, tid)
+
+
 def thread_group(name: str, main: bool = False) -> str:
     """What a thread of a keeper or a worker does, from its OS name (`main`: the process's first
     thread, a worker's training thread)."""
@@ -106,6 +116,7 @@ class CpuSampler:
         self._last_thread: dict[tuple[int, int], tuple[str, float]] = {}  # a thread keeps its last value once gone
         self._ended: dict[int, dict[str, float]] = {}  # per process, by group: CPU of threads after their last sample
         self._live: dict[int, set[int]] = {}  # per process, its threads at the last sample
+        self._rest: dict[int, float] = {}  # per process, its CPU beyond its threads' last samples
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="leto-cpu-sampler")
 
@@ -147,24 +158,28 @@ class CpuSampler:
                 self._sample_memory(procs)
 
     def _sample_threads(self, pid: int, role: str, process_cpu: float) -> None:
-        """Each live thread's CPU by its group; what the process used beyond its threads' last
-        samples (threads that ended since, or lived and ended between two samples) goes to the
-        group of the threads that ended since the last sample if they are of one group, else to
-        SHORT_LIVED. The kernel keeps an ended thread's CPU in its process's total."""
+        """Each live thread's CPU by its group (`thread_cpu_seconds`: nanoseconds, where the
+        kernel keeps them). The rest of the process's CPU (it keeps an ended thread's) is what
+        threads used after their last sample: where it grew while the threads that ended since
+        the last sample are all of one group, the growth is that group's; the rest of it is
+        SHORT_LIVED (threads that lived between two samples; it also carries the process
+        total's rounding to a clock tick, so it is not clamped: differences stay unbiased)."""
         live = _threads(pid)
         before, self._live[pid] = self._live.get(pid, set()), set(live)
         for tid, name in live.items():
-            t = cpu_seconds(pid, tid)
+            t = thread_cpu_seconds(pid, tid)
             if t is not None:
                 self._last_thread[(pid, tid)] = (f"{role}/{thread_group(name, main=tid == pid)}", t)
         ended = self._ended.setdefault(pid, {})
         seen = sum(cpu for (p, _), (_, cpu) in self._last_thread.items() if p == pid)
-        extra = process_cpu - seen - sum(ended.values())
-        if extra <= 0:
-            return
+        rest, last_rest = process_cpu - seen, self._rest.get(pid)
+        self._rest[pid] = rest
         gone = {self._last_thread[(pid, tid)][0] for tid in before - set(live)}
-        group = gone.pop() if len(gone) == 1 else f"{role}/{SHORT_LIVED}"
-        ended[group] = ended.get(group, 0.0) + extra
+        if last_rest is not None and rest > last_rest and len(gone) == 1:
+            group = gone.pop()
+            ended[group] = ended.get(group, 0.0) + rest - last_rest
+        short = f"{role}/{SHORT_LIVED}"
+        ended[short] = rest - sum(v for g, v in ended.items() if g != short)
 
     def _sample_memory(self, procs: list[dict]) -> None:
         now = time.time()
