@@ -226,8 +226,9 @@ def decode(
     m: Member, gen: int, membership: Membership, src: Source, point: Point
 ) -> tuple[Rebuilder, Point, list[str]]:
     """Rebuild the lost ranks' chunks at the recovery step; tier-1 data that fails its checks
-    is rebuilt again from tier 2. Returns the rebuilder holding them, the recipe that succeeded
-    and what was repaired; raises when no redundancy is left for corrupt data."""
+    is rebuilt again from tier 2 (and so are the stripes that read a rank it rebuilt, whose
+    decode failed with it). Returns the rebuilder holding them, the recipe that succeeded and
+    what was repaired; raises when no redundancy is left for corrupt data."""
     layout, recipe, repaired = src.layout, point.membership, []
     while True:
         rb = Rebuilder(
@@ -245,7 +246,7 @@ def decode(
         bad = _agree_on_corruption(m, layout, rb.corrupt)
         if not bad["tier1"] and not bad["tier2"]:
             return rb, replace(point, membership=recipe), repaired + rb.notes
-        if bad["tier2"] or set(bad["tier1"]) <= set(recipe.force_tier2) or layout.tier2 is None:
+        if set(bad["tier1"]) <= set(recipe.force_tier2) or layout.tier2 is None:
             what = ", ".join(
                 [f"tier-1 data of node {n}" for n in bad["tier1"]] + [f"tier-2 stripe {s}" for s in bad["tier2"]]
             )

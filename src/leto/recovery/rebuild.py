@@ -18,7 +18,7 @@ import torch.distributed as dist
 from leto.protection.codec import UnrecoverableError, scale_into, xor_into
 from leto.protection.integrity import checksum
 from leto.protection.layout import Layout
-from leto.protection.placement import Stripe, lost_summary
+from leto.protection.placement import Stripe
 from leto.protection.shm import Region
 from leto.protection.staging import as_bytes
 from leto.protocol.messages import Membership
@@ -140,7 +140,9 @@ class RebuildRecipe:
 
     @property
     def tier(self) -> str:
-        return "tier2" if self.tier2 else ("tier1" if self.tier1 else "none")
+        """What rebuilt the lost ranks: "tier1", "tier2", both ("tier1+tier2": a rank lost inside
+        one node and another node lost together) or "none"."""
+        return "+".join(t for t, jobs in (("tier1", self.tier1), ("tier2", self.tier2)) if jobs) or "none"
 
 
 def make_recipe(
@@ -151,8 +153,12 @@ def make_recipe(
     force_tier2: frozenset[int] = frozenset(),
     held: int = -1,
 ) -> RebuildRecipe:
-    """Which tier rebuilds which lost rank, and who contributes. Nodes in `force_tier2` are
-    rebuilt from tier 2 (their tier-1 data failed its checksums); `held` as in `recovery_step`."""
+    """Which tier rebuilds which lost rank, and who contributes. A node that lost one rank and
+    kept its keeper rebuilds it from tier 1; every other lost rank is decoded from tier 2, where
+    a rank rebuilt from tier 1 counts as present (its holder contributes it: the tiers together
+    cover a rank lost in one node and another whole node). Nodes in `force_tier2` are rebuilt
+    from tier 2 (their tier-1 data failed its checksums); `held` as in `recovery_step`.
+    RecoveryError, naming what was lost, when the tiers together cannot rebuild it."""
     step = recovery_step(reports, layout, held)
     lost = roles.lost
     tier1, t2_nodes = [], set()
@@ -166,22 +172,47 @@ def make_recipe(
             tier1.append(Tier1Job(n, lost_here[0], tuple(sorted(set(readers) | {holder})), readers[0], holder))
         else:
             t2_nodes.add(n)
-    tier2 = _tier2_jobs(layout, new, reports, t2_nodes, lost) if t2_nodes else []
+    from_tier1 = {job.lost_rank for job in tier1}
+    t2_lost = tuple(r for r in lost if r not in from_tier1)
+    tier2 = _tier2_jobs(layout, new, reports, t2_lost, lost) if t2_nodes else []
     return RebuildRecipe(step, roles, tier1, tier2, force_tier2)
 
 
+def what_was_lost(layout: Layout, reports: dict[int, KeeperReport], lost: tuple[int, ...]) -> str:
+    """The lost ranks and keepers, by node: "rank 1 of node 0 and node 1 (ranks 2, 3, its keeper)"."""
+    parts = []
+    for n in layout.nodes:
+        ranks = [r for r in layout.local_ranks(n) if r in lost]
+        keeper = n not in reports
+        if not ranks and not keeper:
+            continue
+        names = (f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}") if ranks else ""
+        if ranks and len(ranks) == len(layout.local_ranks(n)) and keeper:
+            parts.append(f"node {n} ({names}, its keeper)")
+        elif ranks:
+            parts.append(f"{names} of node {n}" + (" and its keeper" if keeper else ""))
+        else:
+            parts.append(f"the keeper of node {n}")
+    return " and ".join(parts) if len(parts) <= 2 else ", ".join(parts[:-1]) + " and " + parts[-1]
+
+
 def _tier2_jobs(
-    layout: Layout, new: Membership, reports: dict[int, KeeperReport], lost_nodes: set[int], lost: tuple[int, ...]
+    layout: Layout,
+    new: Membership,
+    reports: dict[int, KeeperReport],
+    lost: tuple[int, ...],
+    every_lost: tuple[int, ...],
 ) -> list[Tier2Job]:
+    """The stripe decodes of the ranks `lost` to tier 2 (`every_lost`: those and the ranks tier 1
+    rebuilds, for the message when the stripes cannot)."""
     if layout.tier2 is None:
-        names = ", ".join(f"node {n}" for n in sorted(lost_nodes))
         raise RecoveryError(
-            f"lost {names} (ranks {list(lost)}) beyond what tier 1 can repair, and tier 2 "
-            f"is off ({'--ec none' if layout.ec is None else 'too few nodes for --ec'})"
+            f"lost {what_was_lost(layout, reports, every_lost)}: beyond what tier 1 rebuilds (one rank per node "
+            f"whose keeper lives), and tier 2 is off ({'--ec none' if layout.ec is None else 'too few nodes for --ec'})"
         )
     code, stripes = layout.tier2
     L = layout.segment_len
-    jobs = []
+    jobs, short = [], []
     dead_keepers = {n for n in layout.nodes if n not in reports}
     for s in stripes:
         present, needed = [], False
@@ -203,13 +234,17 @@ def _tier2_jobs(
                 present.append(code.k + j)
         try:
             chosen, coeffs = code.recovery_coefficients(present)
-        except UnrecoverableError as e:
-            lost_idx = {layout.nodes.index(n) for n in lost_nodes | dead_keepers}
-            raise RecoveryError(
-                f"unrecoverable: {lost_summary(stripes, lost_idx)} ({e}; keepers reporting: "
-                f"{sorted(reports)}, parity readers: {readers})"
-            ) from e
+        except UnrecoverableError:
+            gone = [layout.nodes[i] for b, i in enumerate(s.nodes) if b not in present]
+            short.append(f"stripe {s.index} lost nodes {', '.join(map(str, gone))}")
+            continue
         jobs.append(Tier2Job(s, tuple(chosen), coeffs, {b: readers[b] for b in chosen if b >= code.k}))
+    if short:
+        raise RecoveryError(
+            f"lost {what_was_lost(layout, reports, every_lost)}: more than the tiers together rebuild "
+            f"(tier 1: one rank of a node whose keeper lives; tier 2 {code.k}+{code.m}: {code.m} node(s) of a "
+            f"stripe, and {'; '.join(short)})"
+        )
     return jobs
 
 
@@ -254,6 +289,8 @@ class Rebuilder:
         self.result_state: dict[tuple[int, int], np.ndarray] = {}
         self.result_version: dict[tuple[int, int], int] = {}
         self.result_grad: dict[tuple[int, int], np.ndarray] = {}
+        # (old rank, chunk) -> gradient of the recovery step decoded from tier 1, and its checksum
+        self.rebuilt_grad: dict[tuple[int, int], tuple[np.ndarray, int]] = {}
         self.corrupt: set[tuple[str, int]] = set()  # ("tier1", node) / ("tier2", stripe) that failed checksums
         self.notes: list[str] = []  # what was decoded another way (torn tier-2 rows)
         self.interval = layout.protect_every > 1  # state only, all at the recovery step; no replay
@@ -322,6 +359,8 @@ class Rebuilder:
                     gcrc = rep.gcrc1[w_lost][b][c] if self.grads else 0
                 if not self._keep(job.lost_rank, c, acc[c, : self.sb], version, crc, acc[c, self.sb :], gcrc):
                     self.corrupt.add(("tier1", job.node))
+                elif self.grads:  # a tier-2 decode may need it as a surviving data block
+                    self.rebuilt_grad[job.lost_rank, c] = (acc[c, self.sb :].copy(), rep.gcrc1[w_lost][b][c])
 
     # ----- tier 2: Reed-Solomon stripe decode over the whole new group
     def _tier2(self, job: Tier2Job) -> None:
@@ -355,11 +394,10 @@ class Rebuilder:
                 seg = s.segment_of(s.data_nodes[blk])
                 for i in range(L):
                     src = lay.source_of(node, seg * L + i)
-                    if src is None or src[0] != self.me:
+                    held = None if src is None else self._held_chunk(src, at.get(i, rep.v2[blk][i]))
+                    if held is None:
                         continue
-                    v = at.get(i, rep.v2[blk][i])
-                    data = as_bytes(self.chunk(v, src[1]))
-                    grad = as_bytes(self.grad(T, src[1])) if self.grads else None
+                    data, grad = held
                     for mi, e in enumerate(missing):
                         scale_into(acc[mi, i, : self.sb], job.coeffs[e][bi], data)
                         if grad is not None:
@@ -398,6 +436,25 @@ class Rebuilder:
                     gcrc = rep.gcrc2[e][b][i] if self.grads else 0
                 if not self._keep(src[0], src[1], acc[mi, i, : self.sb], version, crc, acc[mi, i, self.sb :], gcrc):
                     self.corrupt.add(("tier2", s.index))
+
+    def _held_chunk(self, src: tuple[int, int], v: int) -> tuple[np.ndarray, np.ndarray | None] | None:
+        """Chunk `src` (old rank, chunk) at version `v` and its gradient of the recovery step, if
+        this process holds them: its own, or a lost rank's it rebuilt from tier 1 (which then
+        stands in for it in the stripe). None otherwise; a rebuilt chunk at another version than
+        the stripe folded, or whose gradient fails its checksum, is left out, so the stripe's
+        decode fails its checks rather than go on wrong."""
+        T = self.recipe.step
+        r, c = src
+        if r == self.me:
+            return as_bytes(self.chunk(v, c)), as_bytes(self.grad(T, c)) if self.grads else None
+        if (r, c) not in self.result_state or self.recipe.roles.holder.get(r) != self.rank:
+            return None
+        if self.result_version[r, c] != v:
+            return None
+        if not self.grads:
+            return self.result_state[r, c], None
+        grad, gcrc = self.rebuilt_grad[r, c]
+        return (self.result_state[r, c], grad) if checksum(grad) == gcrc else None
 
     # ----- protection interval: every parity row at the recovery step, current or pre-image
     def _from_preimage(self, versions: list[int], pre_step: int, where: str, step: int | None = None) -> bool:
