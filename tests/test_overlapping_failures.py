@@ -8,6 +8,7 @@ Three nodes of two ranks each (ranks 0-1 on node 0, 2-3 on node 1, 4-5 on node 2
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -136,4 +137,7 @@ def test_a_loss_beyond_both_tiers_stops_with_one_line_naming_it(launcher, tmp_pa
     assert len(lines) == 1, res.stdout[-3000:]
     assert "ranks 0, 1 of node 0" in lines[0] and "node 1" in lines[0], lines[0]
     assert f"leto train --resume {run}" in res.stderr
+    events = [e for e in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "event" in e]
+    fatal = next(e["time"] for e in events if e["event"] == "fatal")
+    assert fatal - min(e["time"] for e in events if e["event"] == "failure") < 10  # no timeout waited out
     assert not processes_left(run)
