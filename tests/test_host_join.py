@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -130,6 +131,8 @@ def test_a_joiner_that_dies_before_it_is_admitted_is_forgotten(etcd) -> None:
     wait_for(lambda: not join.join_requests(store, Refusals()), 5, "the request to go with the lease")
     assert join.admit(store, 1, request, first_command=0) is None
     assert store.value(keys.host(1)) is None and store.value(keys.admission(request.lease)) is None
+    store.set(keys.EXIT_CODE, "0")  # (the dead joiner's thread ends)
+    t.join(5)
 
 
 def test_a_full_job_keeps_a_joiner_as_a_standby_until_it_ends(etcd) -> None:
@@ -178,12 +181,25 @@ def _events(run_dir: Path) -> list[dict]:
     return [e for e in map(json.loads, path.read_text().splitlines()) if "event" in e]
 
 
-def _kill_leto(cluster, i: int) -> None:
-    """SIGKILL every Leto process of host i (its etcd member lives on: the host is replaced, the
-    etcd cluster keeps its quorum), until none is left."""
+def _descendants(pid: int) -> set[int]:
+    """`pid` and every process below it."""
+    out, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        out.add(p)
+        try:
+            todo += [int(c) for c in Path(f"/proc/{p}/task/{p}/children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def _kill_leto(cluster, i: int, keep: set[int] = frozenset()) -> None:
+    """SIGKILL every Leto process of host i but `keep` (its etcd member lives on: the host is
+    replaced, the etcd cluster keeps its quorum), until none is left."""
 
     def gone() -> bool:
-        left = [p for p in cluster.pids(i) if p not in cluster.etcd_pids()]
+        left = [p for p in cluster.pids(i) if p not in cluster.etcd_pids() and p not in keep]
         for pid in left:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -196,15 +212,16 @@ def _kill_leto(cluster, i: int) -> None:
 
 @beyond_ci
 @pytest.mark.timeout(900)
+@pytest.mark.parametrize("how", ["join", "standby"])
 def test_a_replacement_host_joins_the_job_grows_back_and_the_next_host_loss_is_survived(
-    tmp_path: Path, launcher
+    tmp_path: Path, launcher, how: str
 ) -> None:
     """Three hosts, no shadow. A worker host's processes are SIGKILLed: the job shrinks to four
-    ranks on two hosts, tier 2 degraded. A replacement host on the same address starts with
-    `--join`: it is admitted into the lost node (a new member: the old host's processes stay
-    fenced), its shadows take the two missing ranks, tier 2 covers a host's loss again (a
-    `restored` event after the `degraded` one). Then another host is SIGKILLed with its etcd
-    member, and the job still ends with the failure-free digest."""
+    ranks on two hosts. A new host at the same address, started then with `--join` (or from the
+    start with `--standby`), is admitted into the lost node (a new member: the old host's
+    processes stay fenced), its shadows take the two missing ranks in one grow, and a `restored`
+    event follows. Then another host is SIGKILLed with its etcd member, and the job still ends
+    with the failure-free digest."""
     from netns_cluster import Cluster, available
 
     if available() is not None:
@@ -220,20 +237,28 @@ def test_a_replacement_host_joins_the_job_grows_back_and_the_next_host_loss_is_s
         for i in range(3):
             with open(f"{run_dir}.host{i}.out", "a") as out, open(f"{run_dir}.host{i}.err", "a") as err:
                 hosts[i] = cluster.popen(i, argv, env=env, cwd=REPO, stdout=out, stderr=err)
+
+        def new_host(i: int, flag: str) -> subprocess.Popen:
+            with open(f"{run_dir}.join.out", "a") as out, open(f"{run_dir}.join.err", "a") as err:
+                return cluster.popen(i, [*argv, flag], env=env, cwd=REPO, stdout=out, stderr=err)
+
         wait_for(lambda: any(r.get("step", -1) >= 3 for r in _steps(run_dir)), 180, "step 3")
         lead = int(
             cluster.etcdctl(0, "get", f"/leto/{job_id}/control/coordinator", "--print-value-only").stdout.strip()
         )
         node = (lead + 1) % 3
         victim = _host_of(cluster, run_dir, node)
-        _kill_leto(cluster, victim)
+        if how == "standby":  # it waits at the victim's address, untouched by the victim's loss
+            joiner = new_host(victim, "--standby")
+            wait_for(lambda: "waits as a standby" in Path(f"{run_dir}.join.err").read_text(), 60, "the standby")
+        _kill_leto(cluster, victim, keep=_descendants(joiner.pid) if how == "standby" else set())
         wait_for(lambda: any(e["event"] == "recovery" for e in _events(run_dir)), 60, "the shrink")
         t_join = time.time()
-        with open(f"{run_dir}.join.out", "a") as out, open(f"{run_dir}.join.err", "a") as err:
-            joiner = cluster.popen(victim, [*argv, "--join"], env=env, cwd=REPO, stdout=out, stderr=err)
+        if how == "join":
+            joiner = new_host(victim, "--join")
         wait_for(lambda: any(e["event"] == "restored" for e in _events(run_dir)), 150, "the job restored")
         restored = next(e for e in _events(run_dir) if e["event"] == "restored")
-        print(f"join to restored: {restored['time'] - t_join:.2f}s")
+        print(f"{how}: the shrink (or --join) to restored: {restored['time'] - t_join:.2f}s")
         other = next(i for i in range(3) if i not in (victim, _host_of(cluster, run_dir, lead)))
         cluster.kill_host(other)
         codes = {i: p.wait(timeout=240) for i, p in hosts.items() if i not in (victim, other)}
@@ -269,3 +294,123 @@ def _host_of(cluster, run_dir: Path, node: int) -> int:
     """Which namespace runs node `node`: the one whose supervisor's pid it holds."""
     sup = next(p for p in json.loads((run_dir / f"procs-host{node}.json").read_text()) if p["role"] == "controller")
     return next(i for i in range(3) if sup["pid"] in cluster.pids(i))
+
+
+# ----- the coordinator's side, on an in-memory store
+class _Hosts:
+    """One joiner asking for lost node 2; what was admitted."""
+
+    def __init__(self) -> None:
+        self.request = JoinRequest("10.0.0.9", 4000, 123, 77)
+        self.admitted: list[tuple[int, int]] = []
+
+    def up(self) -> list[int]:
+        return [0, 1]
+
+    def lost(self) -> dict:
+        return {}
+
+    def confirm(self) -> None:
+        pass
+
+    def joiners(self) -> list:
+        return [] if self.admitted else [(2, self.request)]
+
+    def admit(self, node: int, request: JoinRequest, first_command: int):
+        from leto.protocol.messages import HostRecord
+
+        self.admitted.append((node, first_command))
+        return HostRecord(node, request.addr, request.port, request.pid, request.lease)
+
+
+def _coordinator(tmp_path: Path, hosts: _Hosts | None = None, ec: tuple[int, int] = (2, 1)):
+    """A coordinator of a 6-rank, 3-node job shrunk to 4 ranks on nodes 0 and 1 (node 2 lost)."""
+    import torch.distributed as dist
+
+    from leto.control.coordinator import Coordinator
+    from leto.control.procs import ProcView
+    from leto.protocol.messages import Membership
+
+    cfg = JobConfig.from_dict(
+        {
+            "training": {"workers": 6, "nodes": 3},
+            "protection": {"ec": list(ec)},
+            "run_dir": str(tmp_path),
+            "quiet": True,
+        }
+    )
+    store = dist.HashStore()
+    store.add(keys.COMMANDS, 0)
+    c = Coordinator(store, cfg, hosts=hosts)
+    c.membership = Membership(1, (0, 0, 0, 1, 1, 1)[:4], tuple(f"worker{r}-{r}" for r in range(4)))
+    c.members = {
+        r: ProcView(p, "worker", r, n) for r, (p, n) in enumerate(zip(c.membership.proc_of_rank, (0, 0, 1, 1)))
+    }
+    c.procs.update({p.proc_id: p for p in c.members.values()})
+    c.dead_keeper_nodes = {2}
+    return c, store
+
+
+def _commands(store) -> list[dict]:
+    return [json.loads(store.get(keys.command(i))) for i in range(int(store.add(keys.COMMANDS, 0)))]
+
+
+def test_a_join_during_a_recovery_waits_for_it_then_gets_a_keeper_and_a_shadow_per_missing_rank(tmp_path) -> None:
+    hosts = _Hosts()
+    c, store = _coordinator(tmp_path, hosts)
+    c.pending = [object()]  # a recovery in progress
+    c._maybe_admit()
+    assert hosts.admitted == [] and _commands(store) == []
+    c.pending = []
+    c._maybe_admit()
+    assert hosts.admitted == [(2, 0)]  # its commands start where the stream stood
+    spawned = [(cmd["role"], cmd["node"]) for cmd in _commands(store) if cmd["kind"] == "spawn"]
+    assert spawned == [("keeper", 2), ("shadow", 2), ("shadow", 2)]
+    assert 2 not in c.dead_keeper_nodes
+    assert [e["event"] for e in c.events] == ["host_joined"] and c.events[0]["node"] == 2
+
+
+@pytest.mark.parametrize("ec", [(2, 1), (1, 2)])
+def test_a_restored_event_follows_a_shrink_once_the_job_runs_its_ranks_with_the_code_it_asked_for(
+    tmp_path, ec: tuple[int, int]
+) -> None:
+    """2+1 over three nodes fits as 1+1 over two (it still survives a node's loss); 1+2 does not."""
+    from leto.protocol.messages import Membership
+
+    c, _ = _coordinator(tmp_path, ec=ec)
+    c.event("recovery", generation=1, world_size=4)
+    c._note_restored(Membership(2, (0, 0, 1, 1, 2), tuple("abcde")))  # a rank short
+    assert [e["event"] for e in c.events] == ["recovery"]
+    c._note_restored(Membership(2, (0, 0, 1, 1, 0, 1), tuple("abcdef")))  # full width over two nodes
+    assert [e["event"] for e in c.events] == ["recovery"] + (["restored"] if ec == (2, 1) else [])
+    c._note_restored(Membership(3, (0, 0, 1, 1, 2, 2), tuple("abcdef")))
+    assert [e["event"] for e in c.events] == ["recovery", "restored"]  # once per loss
+    nodes = 2 if ec == (2, 1) else 3
+    assert (
+        c.events[-1]["what"]
+        == f"6 ranks over {nodes} nodes, tier 2 {ec[0]}+{ec[1]} survives {ec[1]} node loss(es) again"
+    )
+    s = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in s] == ["recovery", "restored"]
+
+
+def test_no_restored_event_without_a_loss_before_it(tmp_path) -> None:
+    from leto.protocol.messages import Membership
+
+    c, _ = _coordinator(tmp_path)
+    c._note_restored(Membership(2, (0, 0, 1, 1, 2, 2), tuple("abcdef")))
+    assert c.events == []
+
+
+def test_a_lost_host_that_holds_no_rank_costs_no_recovery(tmp_path) -> None:
+    from leto.control.procs import ProcView
+
+    c, _ = _coordinator(tmp_path)
+    c.procs["keeper-9"] = ProcView("keeper-9", "keeper", None, 2, pid=5)  # the joined host's, not grown onto
+    c.procs["shadow-10"] = ProcView("shadow-10", "shadow", None, 2, pid=6)
+    c.dead_keeper_nodes = set()
+    c._on_lost_hosts({2: ("its supervisor's connection closed", time.time())})
+    assert c._take_failures() == []
+    assert not c.procs["keeper-9"].alive and not c.procs["shadow-10"].alive and 2 in c.dead_keeper_nodes
+    c._on_lost_hosts({1: ("its supervisor's connection closed", time.time())})  # one with ranks: a recovery
+    assert sorted(p.rank for p, _ in c._take_failures()) == [2, 3]

@@ -20,7 +20,8 @@ from leto.config import JobConfig
 from leto.control.coordinator import POLL_S, Coordinator
 from leto.control.join import JoinError, admit, enter, join_requests
 from leto.control.lease import HostLease, Liveness, LivenessWatch, reaches_any
-from leto.control.supervisor import Supervisor
+from leto.control.prefork import ForkServer
+from leto.control.supervisor import Supervisor, child_environment
 from leto.errors import BadValue
 from leto.protocol import keys
 from leto.protocol.messages import HostRecord, JoinRequest, Refusals, parse_int
@@ -267,9 +268,16 @@ def run_host(config: JobConfig, summary_extra: dict | None = None) -> int:
     etcd_leader: EtcdLeaderHere | None = None
     code: int | None = None
     left = local_error = False  # this host left the job (fenced: never the job-wide stop)
+    forker: ForkServer | None = None
     try:
+        # the host's store serves only its own processes (loopback); gloo and NCCL listen only on
+        # the job's network address, as the liveness socket does
+        host_store = loopback_store(config.timeouts.collective_s)
+        child_env = {ENV_HOST_STORE: f"{LOOPBACK}:{host_store.port}", **network_env(addr)}
         first_command = 0
         if r.join or r.standby:
+            if config.training.fork_server:  # warm (torch imported) while it waits to be admitted
+                forker = ForkServer(child_environment(child_env), config)
             admitted = _enter(base, config, lease, addr, liveness)
             if admitted is None:  # the job ended first
                 code = 0
@@ -280,10 +288,6 @@ def run_host(config: JobConfig, summary_extra: dict | None = None) -> int:
         fence = (keys.host(node), rev)
         store = base.client(fence, abort=lease.lost, mirror="control/")  # it polls: reads from a mirror
         url = store.url()
-        # the host's store serves only its own processes (loopback); gloo and NCCL listen only on
-        # the job's network address, as the liveness socket does
-        host_store = loopback_store(config.timeouts.collective_s)
-        child_env = {ENV_HOST_STORE: f"{LOOPBACK}:{host_store.port}", **network_env(addr)}
         if not (r.join or r.standby):
             _await_hosts(store, config, lease)
         supervisor = Supervisor(
@@ -295,6 +299,7 @@ def run_host(config: JobConfig, summary_extra: dict | None = None) -> int:
             child_env=child_env,
             host_store=host_store,
             first_command=first_command,
+            forker=forker,
         )
         supervisor.start()
         last_election = 0.0
@@ -331,6 +336,8 @@ def run_host(config: JobConfig, summary_extra: dict | None = None) -> int:
             traceback.print_exc()
         code, left, local_error = 1, True, True
     finally:
+        if supervisor is None and forker is not None:  # not admitted: the supervisor never owned it
+            forker.close()
         if etcd_leader is not None:
             etcd_leader.close()
         if supervisor is not None and not supervisor.stopped and not left:

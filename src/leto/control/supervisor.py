@@ -129,6 +129,7 @@ class Supervisor:
         child_env: dict[str, str] | None = None,
         host_store: dist.Store | None = None,
         first_command: int = 0,
+        forker: ForkServer | None = None,
     ) -> None:
         """`command_poll_s`: how often `tick` looks for commands; longer where the coordinator
         has this supervisor serve its commands at once (`serve_commands`), as a fallback.
@@ -137,7 +138,8 @@ class Supervisor:
         `host_store`'s address). `host_store`: where this host's processes heartbeat, where it is
         not the job's store (a multi-host job). `first_command`: the first of the coordinator's
         commands that is this supervisor's (a host admitted into a running job; those before
-        were for the host it replaces)."""
+        were for the host it replaces). `forker`: this host's fork server if it was started
+        already (a standby's, warm while it waits)."""
         problem = shm.check_job_id(job_id, per_host=True)
         if problem is not None:
             raise ValueError(problem)
@@ -165,7 +167,7 @@ class Supervisor:
         self._signal_reported = False
         self._old_handlers: dict = {}
         self._procs_stale = False
-        self._forker: ForkServer | None = None
+        self._forker = forker
         self._beats: dict[str, tuple[float, int]] = {}  # the last well-formed heartbeat of each process
         self._refused = Refusals()
         self._start = linux.start_time(os.getpid())
@@ -180,7 +182,7 @@ class Supervisor:
         if removed:
             self._report(SupervisorReport(shm_removed=tuple(removed)))
         shm.write_owner(self.job_id, os.getpid())
-        if self.cfg.training.fork_server:
+        if self.cfg.training.fork_server and self._forker is None:
             self._forker = ForkServer(self._child_env(), self.cfg)
         self._write_procs()
 
@@ -294,9 +296,7 @@ class Supervisor:
 
     # ----- processes
     def _child_env(self) -> dict[str, str]:
-        env = dict(os.environ, **self.child_env)
-        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # store waits that time out are routine here
-        return env
+        return child_environment(self.child_env)
 
     def _spawn(self, role: str, rank: int | None, node: int, proc_id: str) -> Proc:
         """Start a process of `role`: forked by the host's fork server, or exec'd where it cannot."""
@@ -563,6 +563,13 @@ class Supervisor:
     def _report(self, report: SupervisorReport) -> None:
         seq = self.store.add(keys.REPORTS, 1) - 1
         self.store.set(keys.sup_report(seq), report.to_json())
+
+
+def child_environment(extra: dict[str, str]) -> dict[str, str]:
+    """The environment of a host's children: this process's, with `extra` (the host's own)."""
+    env = dict(os.environ, **extra)
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # store waits that time out are routine here
+    return env
 
 
 def _dying(pid: int) -> bool:
