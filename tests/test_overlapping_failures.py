@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import check_recovered, processes_left, reference_digest, train
+from conftest import beyond_ci, check_recovered, processes_left, reference_digest, train
 from leto.protection.layout import Geometry, Layout
 from leto.protocol.messages import Membership
 from leto.protocol.protection import KeeperReport
@@ -141,3 +141,25 @@ def test_a_loss_beyond_both_tiers_stops_with_one_line_naming_it(launcher, tmp_pa
     fatal = next(e["time"] for e in events if e["event"] == "fatal")
     assert fatal - min(e["time"] for e in events if e["event"] == "failure") < 10  # no timeout waited out
     assert not processes_left(run)
+
+
+TP_JOB = ("--workers", "4", "--nodes", "2", "--spares", "3", "--tp", "2", "--steps", "10", "--seed", "0")
+
+
+@beyond_ci
+def test_a_tp_rank_and_the_other_node_lost_in_the_update(launcher, tmp_path: Path) -> None:
+    """TP 2 x DP 2 on 2 nodes (1+1): rank 0 (slice 0) and node 1 (ranks 2, 3) killed while
+    updating. With protected gradients the update is replayed from the decoded gradients of
+    both slices, bit-exact. With gloo's replicated ones slice 0's gradient of the step died with
+    ranks 0 and 2, the only ranks holding it, and rank 1 has already updated part of its
+    shard: the job stops with one line saying so."""
+    kills = ("--inject", "kill:rank=0:step=5:phase=update", "--inject", "node-kill:node=1:step=5:phase=update")
+    digest = reference_digest(launcher, tmp_path, *TP_JOB)
+    run = tmp_path / "run"
+    res, s = train(launcher, run, *TP_JOB, "--protect-grads", "on", *kills)
+    rec = check_recovered(res, s, digest, run)[0]
+    assert rec["failed_ranks"] == [0, 2, 3] and rec["tier"] == "tier1+tier2"
+    res, _ = train(launcher, tmp_path / "gloo", *TP_JOB, *kills, timeout=120)
+    assert res.returncode == 1
+    (line,) = [ln for ln in res.stdout.splitlines() if "cannot recover" in ln]
+    assert "no member holds the gradient of step" in line and "--protect-grads on" in line, line

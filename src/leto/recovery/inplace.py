@@ -218,7 +218,15 @@ def bring_to_step(m: Member, gen: int, src: Source, recipe: RebuildRecipe, held:
         return grads[lo : lo + g.chunk_elems]
 
     if src.me is not None:
-        m.sharded.bring_to(T)
+        try:
+            m.sharded.bring_to(T)
+        except RecoveryError as e:
+            if grads is not None or src.layout.protects_grads or m.replica_ranks == 1:
+                raise
+            raise RecoveryError(
+                f"{e}; no member holds the gradient of step {T} of every model slice (it is replicated "
+                f"within a slice and lost with the ranks that held it; --protect-grads on protects it)"
+            ) from None
     return Point(recipe, held, lost_grad if grads is not None else None)
 
 
