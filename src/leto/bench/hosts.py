@@ -269,7 +269,8 @@ def main(args: argparse.Namespace) -> int:
     results: list[dict] = []
     for trial in range(args.trials):
         for system, scenario in runs:
-            log(f"bench recovery --hosts {args.hosts}: trial {trial + 1}/{args.trials}: {system}, {scenario} lost")
+            what = "a host lost, a new one joins" if scenario == "join" else f"{scenario} lost"
+            log(f"bench recovery --hosts {args.hosts}: trial {trial + 1}/{args.trials}: {system}, {what}")
             results.append(run_one(nc, system, scenario, out, trial, args))
     table: dict = {}
     for system, scenario in runs:
