@@ -67,6 +67,17 @@ class RecoveringInALoop:
 
 
 @dataclass(frozen=True)
+class ScriptFailsAgain:
+    """A rank's process ended by its own error (an error exit, or a signal it raised itself) again
+    before any step completed since the last such failure: an error of the training script, not
+    a lost process. The job stops."""
+
+    what: str  # the process, e.g. "worker rank 1"
+    how: str  # "exited with code 1", "was killed by SIGABRT"
+    step: int  # the step in flight both times
+
+
+@dataclass(frozen=True)
 class NothingProtected:
     """A rank was lost before any state was protected: the job stops."""
 
@@ -158,6 +169,7 @@ Notice = (
     | CannotRecover
     | ProtectionOff
     | RecoveringInALoop
+    | ScriptFailsAgain
     | NothingProtected
     | AfterLastStep
     | Shrinking
@@ -195,6 +207,12 @@ def render(n: Notice) -> str:
         case RecoveringInALoop(limit):
             return (
                 f"leto: {limit} recoveries in one job: something fails over and over; stopping the job rather than loop"
+            )
+        case ScriptFailsAgain(what, how, step):
+            return (
+                f"leto: {what} {how} in step {step} again after a recovery, with no step "
+                "completed in between: an error of the training script (its output is above), not a lost "
+                "process; stopping the job rather than recover in a loop"
             )
         case NothingProtected():
             return (

@@ -49,7 +49,7 @@ from leto.protocol.messages import (
     parse_int,
 )
 from leto.protocol.protection import Drain
-from leto.runtime import runlog, trace
+from leto.runtime import linux, runlog, trace
 from leto.runtime.durable import write_atomic
 
 __all__ = ["POLL_S", "Coordinator", "Hosts"]
@@ -107,6 +107,8 @@ class Coordinator:
         self.host_lost_at: dict[int, float] = {}  # a lost host's last sign of life (time.time())
         self.events: list[dict] = []
         self.max_step = 0
+        self._script_exits: set[str] = set()  # processes that exited with a positive code (their script's error)
+        self._script_error_step: int | None = None  # the step in flight at the last such failure of a rank
         self.membership = Membership(0, (), ())
         self.display = StepDisplay(config.training.steps, quiet=config.quiet)
         self._inbox: list[ProcEvent] = []
@@ -329,6 +331,11 @@ class Coordinator:
 
     def _take_failures(self) -> list[tuple[ProcView, str]]:
         """The failures among the events read: any non-zero exit, a keeper's exit, a fence."""
+        self._script_exits |= {
+            e.proc_id
+            for e in self._inbox
+            if e.proc_id in self.procs and e.kind is ProcEventKind.EXITED and _own_error(e.code)
+        }
         out = [
             (self.procs[e.proc_id], e.cause)
             for e in self._inbox
@@ -372,6 +379,8 @@ class Coordinator:
             self.spares.replenish(self.dead_keeper_nodes, self.cfg.training.workers - len(self.members))
             return None  # only idle shadows died
         code = self._refuse(lost_ranks)
+        if code is None:
+            code = self._script_fails_again([p for p, _ in failed if p.rank in lost_ranks])
         if code is not None:
             return code
         down = dead_keepers | self.dead_keeper_nodes | lost_nodes  # shadows there die with their node
@@ -433,6 +442,23 @@ class Coordinator:
         if not self._ever_protected():
             self.display.show(notices.NothingProtected())
             return 1
+        return None
+
+    def _script_fails_again(self, lost: list[ProcView]) -> int | None:
+        """An exit code when a rank's process ended by its own error (`_own_error`) in the same
+        step as the last time one did, with no step completed in between: recovering again would
+        only replay the error."""
+        errors = [p for p in lost if p.proc_id in self._script_exits]
+        if not errors:
+            return None
+        step = self.max_step + 1
+        if self._script_error_step == step:
+            p = errors[0]
+            how = linux.describe_exit(p.code or 0)
+            self.event("fatal", cause=f"{p.describe()} {how} in step {step} again")
+            self.display.show(notices.ScriptFailsAgain(p.describe(), how, step))
+            return 1
+        self._script_error_step = step
         return None
 
     def _merge_pending(self, record: Recovery) -> None:
@@ -646,3 +672,13 @@ class Coordinator:
     def write_summary(self, wall_s: float, code: int) -> None:
         """`summary.json` (`summary.write_summary`) from this job's events."""
         write_summary(self.store, self.cfg, self.run_dir, self.events, wall_s, code, self.summary_extra, self._refused)
+
+
+OWN_SIGNALS = frozenset({signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL})
+
+
+def _own_error(code: int | None) -> bool:
+    """Whether an exit status is the process's own doing: an error exit, or a signal it raised
+    itself (an uncaught exception while gloo's threads run ends in abort()). A kill from outside
+    (SIGKILL, SIGTERM) or a lost host never is."""
+    return code is not None and (code > 0 or -code in OWN_SIGNALS)
