@@ -20,7 +20,9 @@ def test_a_script_that_raises_in_the_same_step_again_after_a_recovery_stops_the_
     res = launcher.run("run", "--run-dir", str(run_dir), *JOB, SCRIPT, run_dir=run_dir, timeout=180)
     out = res.stdout + res.stderr
     assert res.returncode == 1, out[-3000:]
-    assert "in step 4 again after a recovery, with no step completed in between: an error of the training script" in out, out[-3000:]
+    assert (
+        "in step 4 again after a recovery, with no step completed in between: an error of the training script" in out
+    ), out[-3000:]
     assert out.count("ValueError: the user's data loader broke in step 3") == 2  # rank 1, then its adopter
     assert summary(run_dir)["digest"] is None
     assert not processes_left(run_dir)
