@@ -51,3 +51,17 @@ def test_a_keepers_cpu_is_split_by_thread_and_adds_up(tmp_path: Path) -> None:
     finally:
         p.kill()
         p.wait()
+
+
+def test_a_thread_that_ends_before_its_cpu_is_first_read_is_no_error(tmp_path: Path, monkeypatch) -> None:
+    """A thread listed in one sample whose CPU could not be read (it ended in between) and that
+    is gone at the next sample leaves the sampler running: its CPU lands in the process's rest."""
+    from leto.bench import cpu
+
+    listings = iter([{10: "leto-keeper", 11: "keeper-send"}, {10: "leto-keeper"}])
+    monkeypatch.setattr(cpu, "_threads", lambda pid: next(listings))
+    monkeypatch.setattr(cpu, "thread_cpu_seconds", lambda pid, tid: 1.0 if tid == 10 else None)
+    sampler = CpuSampler(tmp_path)
+    sampler._sample_threads(10, "keeper", 1.5)
+    sampler._sample_threads(10, "keeper", 2.0)  # thread 11 gone, never read
+    assert sampler._ended[10]["keeper/short-lived"] == 1.0  # 2.0 of the process, 1.0 of its one thread

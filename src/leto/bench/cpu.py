@@ -174,7 +174,8 @@ class CpuSampler:
         seen = sum(cpu for (p, _), (_, cpu) in self._last_thread.items() if p == pid)
         rest, last_rest = process_cpu - seen, self._rest.get(pid)
         self._rest[pid] = rest
-        gone = {self._last_thread[(pid, tid)][0] for tid in before - set(live)}
+        # a thread listed last time may have ended before its CPU was first read: it has no entry
+        gone = {self._last_thread[(pid, tid)][0] for tid in before - set(live) if (pid, tid) in self._last_thread}
         if last_rest is not None and rest > last_rest and len(gone) == 1:
             group = gone.pop()
             ended[group] = ended.get(group, 0.0) + rest - last_rest
