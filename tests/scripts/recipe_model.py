@@ -3,6 +3,7 @@ gradient clipping by global norm, gradient accumulation over micro-batches, bf16
 fp32 master weights, warm-up + cosine schedule, dropout. Prints rank 0's last gradient norm."""
 
 import argparse
+import time
 
 import torch
 import torch.nn as nn
@@ -14,6 +15,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=16)
 p.add_argument("--micro", type=int, default=2)
 p.add_argument("--clip", type=float, default=0.05)
+p.add_argument("--pause", type=float, default=0.0, help="seconds between steps (a data loader's wait)")
 args = p.parse_args()
 
 torch.set_num_threads(1)
@@ -41,5 +43,6 @@ def micro_batch():
 
 for step in trainer.steps(args.steps):
     trainer.step([micro_batch() for _ in range(args.micro)])
+    time.sleep(args.pause)
 if job.rank == 0:
     print(f"grad_norm {trainer.grad_norm:.6f}", flush=True)
