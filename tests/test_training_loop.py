@@ -22,7 +22,7 @@ def test_a_clipped_accumulated_bf16_recipe_recovers_to_the_failure_free_digest(l
     kill_step = rng.randrange(2, STEPS - 6)
     # a step takes milliseconds: with no pause the kill, sent once the step is recorded, could
     # come after the last step (nothing to recover); a pause between steps leaves it >= 1.5 s
-    args = ("--steps", str(STEPS), "--pause", "0.25")
+    args = ("--steps", str(STEPS), "--step-sleep", "0.25")
     _, s = run_user_script(launcher, tmp_path / "run", SCRIPT, *args, kill_step=kill_step, rng=rng)
     assert len(s["recoveries"]) == 1 and s["digest"] == ref["digest"], f"seed {seed}: killed at step {kill_step}"
     assert not processes_left(tmp_path / "run")

@@ -15,7 +15,12 @@ p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=16)
 p.add_argument("--micro", type=int, default=2)
 p.add_argument("--clip", type=float, default=0.05)
-p.add_argument("--pause", type=float, default=0.0, help="seconds between steps (a data loader's wait)")
+p.add_argument(
+    "--step-sleep",
+    type=float,
+    default=0.0,
+    help="seconds of sleep per step (an outside kill must land before the last step)",
+)
 args = p.parse_args()
 
 torch.set_num_threads(1)
@@ -43,6 +48,6 @@ def micro_batch():
 
 for step in trainer.steps(args.steps):
     trainer.step([micro_batch() for _ in range(args.micro)])
-    time.sleep(args.pause)
+    time.sleep(args.step_sleep)
 if job.rank == 0:
     print(f"grad_norm {trainer.grad_norm:.6f}", flush=True)
