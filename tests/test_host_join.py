@@ -323,7 +323,7 @@ class _Hosts:
         return HostRecord(node, request.addr, request.port, request.pid, request.lease)
 
 
-def _coordinator(tmp_path: Path, hosts: _Hosts | None = None, ec: tuple[int, int] = (2, 1)):
+def _coordinator(tmp_path: Path, hosts: _Hosts | None = None, ec: tuple[int, int] = (2, 1), spares: int = 0):
     """A coordinator of a 6-rank, 3-node job shrunk to 4 ranks on nodes 0 and 1 (node 2 lost)."""
     import torch.distributed as dist
 
@@ -335,6 +335,7 @@ def _coordinator(tmp_path: Path, hosts: _Hosts | None = None, ec: tuple[int, int
         {
             "training": {"workers": 6, "nodes": 3},
             "protection": {"ec": list(ec)},
+            "recovery": {"spares": spares},
             "run_dir": str(tmp_path),
             "quiet": True,
         }
@@ -368,6 +369,32 @@ def test_a_join_during_a_recovery_waits_for_it_then_gets_a_keeper_and_a_shadow_p
     assert spawned == [("keeper", 2), ("shadow", 2), ("shadow", 2)]
     assert 2 not in c.dead_keeper_nodes
     assert [e["event"] for e in c.events] == ["host_joined"] and c.events[0]["node"] == 2
+
+
+def test_with_spares_a_joiner_that_no_rank_is_missing_for_brings_spares_that_cover_the_next_host_loss(
+    tmp_path,
+) -> None:
+    """Spares on the survivors adopted the lost host's ranks: the job runs all six on nodes 0 and 1.
+    The joiner gets a keeper, a zygote and `--spares` shadows, none of them waited for by a grow;
+    when node 1 is lost next, its ranks go to the new node's shadows first (node 1's own spares
+    die with it)."""
+    from leto.control.procs import ProcView
+    from leto.protocol.messages import Membership
+
+    hosts = _Hosts()
+    c, store = _coordinator(tmp_path, hosts, spares=2)
+    c.membership = Membership(1, (0, 0, 0, 1, 1, 1), tuple(f"worker{r}-{r}" for r in range(6)))
+    c.members = {r: ProcView(p, "worker", r, r // 3) for r, p in enumerate(c.membership.proc_of_rank)}
+    c.procs.update({p.proc_id: p for p in c.members.values()})
+    c.procs["shadow-20"] = ProcView("shadow-20", "shadow", None, 1, pid=20)  # a survivor's spare
+    c._maybe_admit()
+    spawned = [(cmd["role"], cmd["node"]) for cmd in _commands(store) if cmd["kind"] == "spawn"]
+    assert spawned == [("keeper", 2), ("zygote", 2), ("shadow", 2), ("shadow", 2)]
+    assert c._joined_shadows == [] and 2 not in c.dead_keeper_nodes
+    for p in c.procs.values():
+        p.pid = p.pid or 100
+    spares = c.spares.for_ranks(3, down={1}, cold_down={1})
+    assert [s.node for s in spares] == [2, 2]  # two of node 1's three ranks; the third waits (shrink)
 
 
 @pytest.mark.parametrize("ec", [(2, 1), (1, 2)])

@@ -530,7 +530,9 @@ class Coordinator:
     def _maybe_admit(self) -> None:
         """Hosts asking to enter take the nodes of lost hosts, at a generation boundary (no
         recovery or resize in progress): each gets a keeper, a zygote and shadows for the ranks
-        the job lacks; `_maybe_grow` grows onto them once they are warm."""
+        the job lacks, or `--spares` of them if more (spares off the other hosts, which cover
+        their loss); `_maybe_grow` grows onto those for the missing ranks once they are warm. A
+        standby's warm processes are bound to these spawns (control/standby.py)."""
         if self.hosts is None or self.pending or not self.members:
             return
         for node, request in self.hosts.joiners():
@@ -546,9 +548,11 @@ class Coordinator:
                 self.processes.spawn("keeper", None, node)
             if self.spares.zygotes_wanted():
                 self.processes.spawn("zygote", None, node)
-            missing = self.cfg.training.workers - len(self.members)
-            for _ in range(max(missing, 0)):
-                self._joined_shadows.append(self.processes.spawn("shadow", None, node).proc_id)
+            missing = max(self.cfg.training.workers - len(self.members), 0)
+            for i in range(max(missing, self.cfg.recovery.spares)):
+                shadow = self.processes.spawn("shadow", None, node)
+                if i < missing:
+                    self._joined_shadows.append(shadow.proc_id)
             self._joined_by = time.monotonic() + JOIN_WARM_S
             self.processes.flush()
 
