@@ -20,8 +20,8 @@ from leto.config import JobConfig
 from leto.control.coordinator import POLL_S, Coordinator
 from leto.control.join import JoinError, admit, enter, join_requests
 from leto.control.lease import HostLease, Liveness, LivenessWatch, reaches_any
-from leto.control.prefork import ForkServer
-from leto.control.supervisor import Supervisor, child_environment
+from leto.control.standby import WarmStandby
+from leto.control.supervisor import Supervisor
 from leto.errors import BadValue
 from leto.protocol import keys
 from leto.protocol.messages import HostRecord, JoinRequest, Refusals, parse_int
@@ -268,7 +268,7 @@ def run_host(config: JobConfig, summary_extra: dict | None = None) -> int:
     etcd_leader: EtcdLeaderHere | None = None
     code: int | None = None
     left = local_error = False  # this host left the job (fenced: never the job-wide stop)
-    forker: ForkServer | None = None
+    warm: WarmStandby | None = None  # a joiner's processes, warm before it has a node
     try:
         # the host's store serves only its own processes (loopback); gloo and NCCL listen only on
         # the job's network address, as the liveness socket does
@@ -276,8 +276,7 @@ def run_host(config: JobConfig, summary_extra: dict | None = None) -> int:
         child_env = {ENV_HOST_STORE: f"{LOOPBACK}:{host_store.port}", **network_env(addr)}
         first_command = 0
         if r.join or r.standby:
-            if config.training.fork_server:  # warm (torch imported) while it waits to be admitted
-                forker = ForkServer(child_environment(child_env), config)
+            warm = WarmStandby(config, child_env, host_store)
             admitted = _enter(base, config, lease, addr, liveness)
             if admitted is None:  # the job ended first
                 code = 0
@@ -299,7 +298,8 @@ def run_host(config: JobConfig, summary_extra: dict | None = None) -> int:
             child_env=child_env,
             host_store=host_store,
             first_command=first_command,
-            forker=forker,
+            forker=warm.forker if warm is not None else None,
+            warm=warm,
         )
         supervisor.start()
         last_election = 0.0
@@ -336,8 +336,8 @@ def run_host(config: JobConfig, summary_extra: dict | None = None) -> int:
             traceback.print_exc()
         code, left, local_error = 1, True, True
     finally:
-        if supervisor is None and forker is not None:  # not admitted: the supervisor never owned it
-            forker.close()
+        if supervisor is None and warm is not None:  # not admitted: the supervisor never owned them
+            warm.close(grace_s=None if code == 0 else 0)
         if etcd_leader is not None:
             etcd_leader.close()
         if supervisor is not None and not supervisor.stopped and not left:

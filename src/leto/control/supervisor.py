@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch.distributed as dist
 
@@ -43,6 +43,9 @@ from leto.protocol.messages import (
 from leto.runtime import env as rt
 from leto.runtime import linux, trace
 from leto.runtime.runlog import write_procs
+
+if TYPE_CHECKING:
+    from leto.control.standby import WarmStandby
 
 POLL_S = 0.01
 FAILURE_SETTLE_S = 0.005  # after a death: signals sent in one burst (a node's processes) have landed
@@ -130,6 +133,7 @@ class Supervisor:
         host_store: dist.Store | None = None,
         first_command: int = 0,
         forker: ForkServer | None = None,
+        warm: WarmStandby | None = None,
     ) -> None:
         """`command_poll_s`: how often `tick` looks for commands; longer where the coordinator
         has this supervisor serve its commands at once (`serve_commands`), as a fallback.
@@ -139,7 +143,8 @@ class Supervisor:
         not the job's store (a multi-host job). `first_command`: the first of the coordinator's
         commands that is this supervisor's (a host admitted into a running job; those before
         were for the host it replaces). `forker`: this host's fork server if it was started
-        already (a standby's, warm while it waits)."""
+        already (a standby's, warm while it waits); `warm`: a standby's warm processes, bound
+        to this node's spawn commands of their role (control/standby.py)."""
         problem = shm.check_job_id(job_id, per_host=True)
         if problem is not None:
             raise ValueError(problem)
@@ -168,6 +173,7 @@ class Supervisor:
         self._old_handlers: dict = {}
         self._procs_stale = False
         self._forker = forker
+        self._warm = warm
         self._beats: dict[str, tuple[float, int]] = {}  # the last well-formed heartbeat of each process
         self._refused = Refusals()
         self._start = linux.start_time(os.getpid())
@@ -200,6 +206,8 @@ class Supervisor:
         live = [p for p in self.procs if p.popen.poll() is None]
         for p in live:
             _signal_quietly(p, signal.SIGTERM)
+        if self._warm is not None:
+            self._warm.close()
         self._close_forker()
         deadline = time.monotonic() + self.cfg.timeouts.stop_grace_s
         for p in live:
@@ -215,6 +223,8 @@ class Supervisor:
     def fence(self) -> None:
         """This host lost its lease: SIGKILL and reap every process now, without the store
         (which refuses this host's writes by now); a later generation never hears from them."""
+        if self._warm is not None:
+            self._warm.close(grace_s=0)
         self._close_forker()
         for p in self.procs:
             if p.popen.poll() is None:
@@ -299,7 +309,14 @@ class Supervisor:
         return child_environment(self.child_env)
 
     def _spawn(self, role: str, rank: int | None, node: int, proc_id: str) -> Proc:
-        """Start a process of `role`: forked by the host's fork server, or exec'd where it cannot."""
+        """Start a process of `role`: a standby's warm one of that role bound to it, else one
+        forked by the host's fork server, or exec'd where it cannot."""
+        pool = self._warm if rank is None and self.node is not None else None
+        if pool is not None and (warm := pool.take(role)) is not None:
+            proc = pool.bind(warm, proc_id, node, self.store_addr, self.job_id)
+            self.procs.append(proc)
+            trace.mark("standby_bound", proc=proc_id, role=role)
+            return proc
         env = self._child_env()
         env.update(
             {
@@ -313,28 +330,9 @@ class Supervisor:
         )
         if rank is not None:
             env[rt.ENV_RANK] = str(rank)
-        command = ["-m", "leto.protection.keeper"] if role == "keeper" else list(self.cfg.training.command)
-        popen: subprocess.Popen | Forked | None = None
-        if self._forker is not None and forkable(command):
-            pid = self._forker.start(command, env, role, self.cfg.quiet)
-            if pid is None:
-                print(
-                    f"leto: the fork server failed ({self._forker.broken}); processes are exec'd from now on",
-                    file=sys.stderr,
-                )
-                self._forker = None
-            else:
-                popen = Forked(pid)
-        if popen is None:
-            # every child dies with this process, even a SIGKILLed one (`prepare`)
-            # quiet (benchmarks): the children's own prints go too; their errors still reach stderr
-            popen = subprocess.Popen(
-                [sys.executable, *command],
-                env=env,
-                start_new_session=True,
-                stdout=subprocess.DEVNULL if self.cfg.quiet else None,
-                preexec_fn=lambda: prepare(role),
-            )
+        popen = start_child(role, env, self.cfg, self._forker)
+        if self._forker is not None and self._forker.broken is not None:
+            self._forker = None
         proc = Proc(role, rank, node, proc_id, popen)
         self.procs.append(proc)
         return proc
@@ -563,6 +561,26 @@ class Supervisor:
     def _report(self, report: SupervisorReport) -> None:
         seq = self.store.add(keys.REPORTS, 1) - 1
         self.store.set(keys.sup_report(seq), report.to_json())
+
+
+def start_child(role: str, env: dict[str, str], cfg: JobConfig, forker: ForkServer | None) -> subprocess.Popen | Forked:
+    """Start a process of `role` with `env`: forked by the host's fork server where it can (one
+    that fails says so once, and stays `broken`), else exec'd."""
+    command = ["-m", "leto.protection.keeper"] if role == "keeper" else list(cfg.training.command)
+    if forker is not None and forker.broken is None and forkable(command):
+        pid = forker.start(command, env, role, cfg.quiet)
+        if pid is not None:
+            return Forked(pid)
+        print(f"leto: the fork server failed ({forker.broken}); processes are exec'd from now on", file=sys.stderr)
+    # every child dies with this process, even a SIGKILLed one (`prepare`)
+    # quiet (benchmarks): the children's own prints go too; their errors still reach stderr
+    return subprocess.Popen(
+        [sys.executable, *command],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL if cfg.quiet else None,
+        preexec_fn=lambda: prepare(role),
+    )
 
 
 def child_environment(extra: dict[str, str]) -> dict[str, str]:

@@ -50,7 +50,7 @@ from leto.protection.transport import HDR, Link, kinds, records_per_batch
 from leto.protocol import keys
 from leto.protocol.protection import KeeperReady
 from leto.runtime import env as rt
-from leto.runtime import linux, trace
+from leto.runtime import linux, standby, trace
 from leto.runtime.membership import Heartbeat
 
 IDLE_WAIT_S = (0.01, 0.1)  # sleep between doorbells: 10 ms after work, doubling to 100 ms while idle
@@ -217,6 +217,8 @@ def main() -> None:
     torch.set_num_threads(1)
     linux.normal_priority()  # torch is imported (at idle priority, see the controller): serve at normal priority
     job = rt.init(device="cpu")
+    if standby.pending() and not standby.bind(job):  # a standby host's: warm, it waits for its node
+        return
     check_store_order()
     Heartbeat(os.environ[rt.ENV_STORE], job.proc_id, job.timeout_s)  # the controller fences a keeper that stops
     node = job.node

@@ -23,7 +23,7 @@ from leto.recovery.inject import InProcessInjector
 from leto.recovery.inplace import join, latest_generation, read_message
 from leto.recovery.rebuild import RecoveryError
 from leto.runtime import env as rt
-from leto.runtime import trace
+from leto.runtime import standby, trace
 from leto.runtime.comm import Comm, PeerFailure
 from leto.runtime.env import Job
 from leto.runtime.membership import GenerationWatch, read_membership
@@ -154,7 +154,13 @@ class RankMember:
     def start(self) -> bool:
         """Before the first step: a zygote forks shadows (and goes on in a fork, a shadow from
         here on), a shadow waits to be adopted, a worker connects. False when this process has
-        no steps to run (the zygote's server, or a shadow at shutdown)."""
+        no steps to run (the zygote's server, or a shadow at shutdown). A standby host's warm
+        shadow or zygote first waits, built, for the node it is bound to (`runtime.standby`)."""
+        if standby.pending():
+            if not standby.bind(self.job):
+                return False
+            if self.injector is not None:
+                self.injector.store, self.injector.proc_id = self.job.store, self.job.proc_id
         if self.job.is_zygote:
             from leto.runtime.zygote import serve
 
