@@ -283,6 +283,79 @@ def test_a_replacement_host_joins_the_job_grows_back_and_the_next_host_loss_is_s
     assert "joined job" in Path(f"{run_dir}.join.err").read_text()
 
 
+@beyond_ci
+@pytest.mark.timeout(900)
+def test_with_spares_a_standby_takes_the_lost_node_with_warm_spares_and_the_next_host_loss_never_shrinks(
+    tmp_path: Path, launcher
+) -> None:
+    """Three hosts, one spare (zygotes fork the rest), and a standby waiting from the start with
+    its keeper, zygote and shadows warm. A worker host's processes are SIGKILLed: spares on the
+    survivors adopt its ranks (the job stays at six), then the standby is admitted into the lost
+    node, its warm processes (the same pids) bound to it: a keeper, a zygote and a spare. Then
+    another worker host is SIGKILLed with its etcd member: no shrink again, the new node's spare
+    among the adopters, and the failure-free digest."""
+    from netns_cluster import Cluster, available
+
+    if available() is not None:
+        pytest.skip(f"no namespace cluster here: {available()}")
+    job = (*without_flags(JOB, "spares"), "--spares", "1")
+    reference = reference_digest(launcher, tmp_path, *without_flags(JOB, "spares"))
+    job_id = f"sjoin{os.getpid()}"
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
+    argv = leto_cmd("train", "--rdzv", "", "--job-id", job_id, "--run-dir", str(run_dir), *job)
+    with Cluster(hosts=3) as cluster:
+        argv[argv.index("--rdzv") + 1] = cluster.rdzv
+        hosts = {}
+        for i in range(3):
+            with open(f"{run_dir}.host{i}.out", "a") as out, open(f"{run_dir}.host{i}.err", "a") as err:
+                hosts[i] = cluster.popen(i, argv, env=env, cwd=REPO, stdout=out, stderr=err)
+        wait_for(lambda: any(r.get("step", -1) >= 3 for r in _steps(run_dir)), 180, "step 3")
+        lead = int(
+            cluster.etcdctl(0, "get", f"/leto/{job_id}/control/coordinator", "--print-value-only").stdout.strip()
+        )
+        node = (lead + 1) % 3
+        victim = _host_of(cluster, run_dir, node)
+        with open(f"{run_dir}.join.out", "a") as out, open(f"{run_dir}.join.err", "a") as err:
+            joiner = cluster.popen(victim, [*argv, "--standby"], env=env, cwd=REPO, stdout=out, stderr=err)
+        wait_for(lambda: "waits as a standby" in Path(f"{run_dir}.join.err").read_text(), 60, "the standby")
+        wait_for(lambda: len(_descendants(joiner.pid)) >= 6, 60, "the standby's warm processes")
+        warm = _descendants(joiner.pid)
+        _kill_leto(cluster, victim, keep=warm)
+        wait_for(lambda: any(e["event"] == "host_joined" for e in _events(run_dir)), 90, "the admission")
+        wait_for(lambda: {"keeper", "zygote", "shadow"} <= _roles(run_dir, node, warm), 30, "the new node's spare")
+        new = [p for p in json.loads((run_dir / f"procs-host{node}.json").read_text()) if p["role"] != "controller"]
+        other = next(i for i in range(3) if i not in (victim, _host_of(cluster, run_dir, lead)))
+        cluster.kill_host(other)
+        codes = {i: p.wait(timeout=240) for i, p in hosts.items() if i not in (victim, other)}
+        joined = joiner.wait(timeout=60)
+    assert all(c == 0 for c in codes.values()) and joined == 0, (codes, joined)
+    s = summary(run_dir)
+    assert s["exit_code"] == 0 and s["digest"] == reference
+    assert [e["event"] for e in _events(run_dir) if e["event"] in ("recovery", "host_joined")] == [
+        "recovery",
+        "host_joined",
+        "recovery",
+    ]
+    assert [r["world_size"] for r in s["recoveries"]] == [6, 6]  # never shrunk
+    assert {p["pid"] for p in new} <= warm, (new, warm)  # the standby's warm processes, bound to the node
+    adopters = set(s["recoveries"][-1]["adopted_by"].values())
+    assert any(p["id"] in adopters for p in new if p["role"] == "shadow"), (adopters, new)
+
+
+def _roles(run_dir: Path, node: int, supervisors: set[int]) -> set[str]:
+    """The roles in node `node`'s process list, once one of `supervisors` wrote it (the lost
+    host's list stays as it last wrote it)."""
+    path = run_dir / f"procs-host{node}.json"
+    try:
+        procs = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return set()
+    if not any(p["role"] == "controller" and p["pid"] in supervisors for p in procs):
+        return set()
+    return {p["role"] for p in procs}
+
+
 def _steps(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
