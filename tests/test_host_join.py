@@ -298,26 +298,19 @@ def test_with_spares_a_standby_takes_the_lost_node_with_warm_spares_and_the_next
 
     if available() is not None:
         pytest.skip(f"no namespace cluster here: {available()}")
-    job = (*without_flags(JOB, "spares"), "--spares", "1")
     reference = reference_digest(launcher, tmp_path, *without_flags(JOB, "spares"))
-    job_id = f"sjoin{os.getpid()}"
-    run_dir = tmp_path / "run"
+    job_id, run_dir = f"sjoin{os.getpid()}", tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
-    argv = leto_cmd("train", "--rdzv", "", "--job-id", job_id, "--run-dir", str(run_dir), *job)
     with Cluster(hosts=3) as cluster:
-        argv[argv.index("--rdzv") + 1] = cluster.rdzv
-        hosts = {}
-        for i in range(3):
-            with open(f"{run_dir}.host{i}.out", "a") as out, open(f"{run_dir}.host{i}.err", "a") as err:
-                hosts[i] = cluster.popen(i, argv, env=env, cwd=REPO, stdout=out, stderr=err)
+        flags = ("--rdzv", cluster.rdzv, "--job-id", job_id, "--run-dir", str(run_dir))
+        argv = leto_cmd("train", *flags, *without_flags(JOB, "spares"), "--spares", "1")
+        hosts = {i: _host(cluster, i, argv, env, f"{run_dir}.host{i}") for i in range(3)}
         wait_for(lambda: any(r.get("step", -1) >= 3 for r in _steps(run_dir)), 180, "step 3")
-        lead = int(
-            cluster.etcdctl(0, "get", f"/leto/{job_id}/control/coordinator", "--print-value-only").stdout.strip()
-        )
+        key = f"/leto/{job_id}/control/coordinator"
+        lead = int(cluster.etcdctl(0, "get", key, "--print-value-only").stdout.strip())
         node = (lead + 1) % 3
         victim = _host_of(cluster, run_dir, node)
-        with open(f"{run_dir}.join.out", "a") as out, open(f"{run_dir}.join.err", "a") as err:
-            joiner = cluster.popen(victim, [*argv, "--standby"], env=env, cwd=REPO, stdout=out, stderr=err)
+        joiner = _host(cluster, victim, [*argv, "--standby"], env, f"{run_dir}.join")
         wait_for(lambda: "waits as a standby" in Path(f"{run_dir}.join.err").read_text(), 60, "the standby")
         wait_for(lambda: len(_descendants(joiner.pid)) >= 6, 60, "the standby's warm processes")
         warm = _descendants(joiner.pid)
@@ -341,6 +334,12 @@ def test_with_spares_a_standby_takes_the_lost_node_with_warm_spares_and_the_next
     assert {p["pid"] for p in new} <= warm, (new, warm)  # the standby's warm processes, bound to the node
     adopters = set(s["recoveries"][-1]["adopted_by"].values())
     assert any(p["id"] in adopters for p in new if p["role"] == "shadow"), (adopters, new)
+
+
+def _host(cluster, i: int, argv: list[str], env: dict[str, str], logs: str) -> subprocess.Popen:
+    """`argv` on namespace host i, its output in `logs`.out and .err."""
+    with open(f"{logs}.out", "a") as out, open(f"{logs}.err", "a") as err:
+        return cluster.popen(i, argv, env=env, cwd=REPO, stdout=out, stderr=err)
 
 
 def _roles(run_dir: Path, node: int, supervisors: set[int]) -> set[str]:
