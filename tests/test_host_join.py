@@ -167,6 +167,48 @@ def test_a_join_step_that_runs_out_its_time_fails_with_one_line(etcd, monkeypatc
     lease2.close(revoke=True)
 
 
+@pytest.mark.parametrize("end", ["job-ends", "lease-lost"])
+def test_a_standby_host_warms_its_processes_outside_the_job_and_stops_them_all_when_it_is_not_needed(
+    etcd, tmp_path: Path, end: str
+) -> None:
+    """A real `leto train --standby` at a job whose three nodes have their hosts: it starts its fork
+    server, keeper, zygote and shadow and writes nothing in the job but its join request. When the
+    job ends it exits 0, and when its lease is lost 1; either way none of its processes is left,
+    nor anything of its in /dev/shm."""
+    job_id = f"warm-{end}-{os.getpid()}"
+    store = EtcdStore([etcd], job_id, 5.0)
+    store.set(keys.COORDINATOR, "0")
+    for node in range(3):
+        store.set(keys.host(node), "{}")
+    rdzv = f"etcd://{etcd[0]}:{etcd[1]}"
+    argv = leto_cmd("train", "--rdzv", rdzv, "--job-id", job_id, "--nodes", "3", "--workers", "3", "--spares", "1")
+    argv += ["--steps", "3", "--run-dir", str(tmp_path / "run"), "--standby"]
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
+    with open(tmp_path / "err", "w") as err:
+        host = subprocess.Popen(argv, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        # the host, its fork server, keeper, zygote and shadow
+        wait_for(lambda: len(_descendants(host.pid)) >= 5, 60, "the standby's warm processes")
+        wait_for(lambda: join.join_requests(store, Refusals()), 30, "the join request")
+        procs = _descendants(host.pid)
+        time.sleep(1.0)  # the warm processes build their models and wait
+        written = set(store.under("").keys()) - {keys.COORDINATOR, *(keys.host(n) for n in range(3))}
+        assert [k.startswith(keys.JOIN_PREFIX) for k in written] == [True], written
+        if end == "job-ends":
+            store.set(keys.EXIT_CODE, "0")
+        else:
+            [request] = join.join_requests(store, Refusals())
+            store.revoke(request.lease)
+        code = host.wait(timeout=60)
+    finally:
+        if host.poll() is None:
+            host.kill()
+            host.wait()
+    assert code == (0 if end == "job-ends" else 1), (tmp_path / "err").read_text()[-2000:]
+    wait_for(lambda: not any(Path(f"/proc/{p}").exists() for p in procs), 10, "the warm processes to end")
+    assert not [f for f in os.listdir("/dev/shm") if job_id in f]
+
+
 # ----- end to end, on the namespace cluster
 STEPS = 120  # ~0.6 s each here: the join, the grow and the next loss all come before the end
 # no shadow: a host's loss shrinks the job to the two hosts left, and only the replacement's
