@@ -4,6 +4,7 @@ barrier in flight so that every keeper reports the same committed step (docs/pro
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -39,6 +40,7 @@ class CommitBarrier:
         self.failed = False
         self.buf = torch.zeros(1)
         self.broken = False
+        self._works: queue.SimpleQueue[dist.Work | None] | None = None  # to `_await`'s thread, started once
 
     def advance(self) -> bool:
         """Take the next step of the sequence when there is one to take; whether it took one."""
@@ -72,9 +74,17 @@ class CommitBarrier:
         if done:
             self.done.clear()
             self.work = k.pg.allreduce([self.buf])
-            threads.start(self._await, f"keeper-barrier-g{k.gen}", self.work)
+            if self._works is None:
+                self._works = queue.SimpleQueue()
+                threads.start(self._await, f"keeper-barrier-g{k.gen}", self._works)
+            self._works.put(self.work)
             return True
         return False
+
+    def close(self) -> None:
+        """End `_await`'s thread (a barrier still in flight is waited out first)."""
+        if self._works is not None:
+            self._works.put(None)
 
     def settle(self, live_nodes: set[int], timeout_s: float, abandoned: Callable[[], bool]) -> None:
         """After a drain was read, before the commit is judged: finish the barrier in flight, so
@@ -114,14 +124,16 @@ class CommitBarrier:
             return False
         return (peer.kind, peer.step) == (kind, step) and peer.hopeless()
 
-    def _await(self, work: dist.Work) -> None:
-        """Wait for the barrier in a thread (gloo work cannot be polled cheaply) and ring."""
+    def _await(self, works: queue.SimpleQueue[dist.Work | None]) -> None:
+        """Wait for each barrier in turn in one thread (gloo work cannot be polled cheaply; one
+        thread for the generation, not one a barrier) and ring."""
         linux.name_thread("keeper-barrier")
-        t0 = time.monotonic()
-        try:
-            work.wait()
-        except RuntimeError as e:
-            self.failed = True
-            self.keeper.link_failed(f"the commit barrier failed: {e}", time.monotonic() - t0)
-        self.done.set()
-        doorbell.ring_main()
+        while (work := works.get()) is not None:
+            t0 = time.monotonic()
+            try:
+                work.wait()
+            except RuntimeError as e:
+                self.failed = True
+                self.keeper.link_failed(f"the commit barrier failed: {e}", time.monotonic() - t0)
+            self.done.set()
+            doorbell.ring_main()

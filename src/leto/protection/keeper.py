@@ -103,6 +103,9 @@ class Keeper:
         self.links = {
             n: Link(self, n, send=n in receivers, recv=n in senders) for n in sorted(senders | receivers) if n != node
         }
+        # by data position: each tier-2 route with the link it goes over
+        self.route_links = [[(r, self.links[r.parity_node]) for r in routes] for routes in self.routes]
+        self.wants_room = False  # the main thread found a link's send buffers full (the sender rings then)
         self.barrier = CommitBarrier(self)
         self.dirty = True
         h[H_STATE] = STATE_RUNNING
@@ -115,14 +118,15 @@ class Keeper:
     def consume_slots(self) -> bool:
         """Fold and ship what the workers staged, slot by slot; whether anything was."""
         progress = False
-        hdrs, data = self.region["slot_hdr"], self.region["slot_data"]
+        hdrs, data, ring = self.region["slot_hdr"], self.region["slot_data"], self.layout.ring_slots
         for w in range(self.W):
-            for _ in range(self.layout.ring_slots):
-                idx = self.next_slot[w] % self.layout.ring_slots
+            for _ in range(ring):
+                idx = self.next_slot[w] % ring
                 h = hdrs[w, idx]
                 if h[S_READY] != 1:  # then read the slot: total store order is assumed (shm.py)
                     break
-                kind, step, chunk, crc = int(h[S_KIND]), int(h[S_STEP]), int(h[S_CHUNK]), int(h[S_CRC])
+                f = h.tolist()
+                kind, step, chunk, crc = f[S_KIND], f[S_STEP], f[S_CHUNK], f[S_CRC]
                 payload = data[w, idx, : self.nbytes[kind]]
                 if not self._ship(kind, step, w, chunk, crc, payload):
                     return progress  # tier-2 send buffers are full; come back later
@@ -137,14 +141,15 @@ class Keeper:
     def _ship(self, kind: int, step: int, w: int, chunk: int, crc: int, payload: np.ndarray) -> bool:
         """Add this chunk's tier-2 contributions to the links' batches; False when a link has
         no free buffer (nothing is added then)."""
-        routes = self.routes[w * self.layout.geometry.n_chunks + chunk]
-        links = [self.links[r.parity_node] for r in routes]
-        if not all(link.has_room(kind) for link in links):
-            return False
-        for r, link in zip(routes, links):
-            rec = link.record(kind)
-            rec[: HDR * 8].view(np.int64)[:] = (kind, step, self.idx, r.stripe, r.p, r.i, crc, self.gen)
-            body = rec[HDR * 8 :]
+        route_links = self.route_links[w * self.layout.geometry.n_chunks + chunk]
+        self.wants_room = True  # before looking: a buffer freed after the look finds it set
+        for _, link in route_links:
+            if not link.has_room(kind):
+                return False
+        self.wants_room = False
+        for r, link in route_links:
+            header, body = link.record(kind)
+            header[:] = (kind, step, self.idx, r.stripe, r.p, r.i, crc, self.gen)
             if r.coef == 1:
                 body[...] = payload
             else:
@@ -202,6 +207,7 @@ class Keeper:
 
     def close(self, unlink: bool) -> None:
         self.closed = True
+        self.barrier.close()
         for link in self.links.values():
             link.outbox.put(None)
         self.region.close()

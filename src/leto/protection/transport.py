@@ -71,6 +71,7 @@ class Link:
         self.received = {k: 0 for k in TAG}
         self.free: dict[int, queue.SimpleQueue[int]] = {}
         self.bufs: dict[int, list[torch.Tensor]] = {}
+        self.raw: dict[int, list[np.ndarray]] = {}  # the same buffers as numpy arrays
         self.open: dict[int, list[int]] = {}  # kind -> [buffer, records in it]
         self.outbox: queue.SimpleQueue[tuple[int, int, int] | None] = queue.SimpleQueue()
         self.error: str | None = None
@@ -79,6 +80,7 @@ class Link:
             for kind in keeper.nbytes:
                 size = 8 + keeper.per_msg[kind] * keeper.record_bytes(kind)
                 self.bufs[kind] = [torch.zeros(size, dtype=torch.uint8) for _ in range(SEND_BUFFERS)]
+                self.raw[kind] = [b.numpy() for b in self.bufs[kind]]
                 self.free[kind] = queue.SimpleQueue()
                 for i in range(SEND_BUFFERS):
                     self.free[kind].put(i)
@@ -90,14 +92,16 @@ class Link:
     def has_room(self, kind: int) -> bool:
         return kind in self.open or not self.free[kind].empty()
 
-    def record(self, kind: int) -> np.ndarray:
-        """The next record of this kind's open batch (header and body), as uint8."""
-        if kind not in self.open:
-            self.open[kind] = [self.free[kind].get_nowait(), 0]
-        i, n = self.open[kind]
+    def record(self, kind: int) -> tuple[np.ndarray, np.ndarray]:
+        """The next record of this kind's open batch: its header (HDR int64) and its body (uint8)."""
+        batch = self.open.get(kind)
+        if batch is None:
+            batch = self.open[kind] = [self.free[kind].get_nowait(), 0]
+        i, n = batch
+        batch[1] = n + 1
         rb = self.keeper.record_bytes(kind)
-        self.open[kind][1] = n + 1
-        return self.bufs[kind][i].numpy()[8 + n * rb : 8 + (n + 1) * rb]
+        rec = self.raw[kind][i][8 + n * rb : 8 + (n + 1) * rb]
+        return rec[: HDR * 8].view(np.int64), rec[HDR * 8 :]
 
     def full(self, kind: int) -> bool:
         return self.open[kind][1] == self.keeper.per_msg[kind]
@@ -106,7 +110,7 @@ class Link:
         if kind not in self.open:
             return
         i, n = self.open.pop(kind)
-        self.bufs[kind][i][:8].numpy().view(np.int64)[0] = n
+        self.raw[kind][i][:8].view(np.int64)[0] = n
         self.outbox.put((kind, i, 8 + n * self.keeper.record_bytes(kind)))
 
     def idle(self) -> bool:
@@ -128,7 +132,8 @@ class Link:
                 return
             self.sent[kind] += 1
             self.free[kind].put(i)
-            doorbell.ring_main()  # the main thread may be waiting for a free buffer
+            if self.keeper.wants_room:  # the main thread waits for a free buffer
+                doorbell.ring_main()
 
     def _send(self, kind: int, data: torch.Tensor, what: str) -> bool:
         t0 = time.monotonic()
@@ -168,7 +173,7 @@ class Link:
                 if not self.keeper.reported:  # after its report the region is what recovery reads
                     for r in range(n):
                         rec = raw[8 + r * rb : 8 + (r + 1) * rb]
-                        _, step, _, stripe, p, i, crc, _ = (int(x) for x in rec[: HDR * 8].view(np.int64))
+                        _, step, _, stripe, p, i, crc, _ = rec[: HDR * 8].view(np.int64).tolist()
                         self.keeper.parity.fold_remote(kind, step, stripe, p, i, crc, rec[HDR * 8 : HDR * 8 + nbytes])
                     self.keeper.dirty = True
             self.received[kind] += 1
