@@ -6,8 +6,9 @@ Layout of one `Cluster(hosts=N)`::
     host namespace    leto-<pid>-<n>-h<i> : lo, eth0 = 10.77.0.(i+1)/24 (the other end of that veth)
 
 There is no default route anywhere and nothing is added to the root namespace, so traffic between the
-hosts never leaves these namespaces. With `etcd=True` every host runs one member of an etcd cluster
-on 10.77.0.(i+1):2379 (clients) / :2380 (peers).
+hosts never leaves these namespaces. With `etcd=True` the first `etcd_members` hosts (default: every
+host) run one member each of an etcd cluster on 10.77.0.(i+1):2379 (clients) / :2380 (peers); the
+others are plain hosts, as is one plugged in later with `add_host()` (a replacement machine).
 
 Pure stdlib (no pytest): benchmarks import it too. Needs root (CAP_SYS_ADMIN + CAP_NET_ADMIN),
 iproute2's `ip`, and for etcd the `etcd` and `etcdctl` binaries; `available()` says why not.
@@ -46,6 +47,7 @@ ETCD_HEALTH_TIMEOUT = 20.0
 # NB: a write sent just after the leader's host was killed is forwarded to the dead leader and lost;
 # its client waits out its whole deadline. Call wait_healthy() first (or retry).
 KILL_TIMEOUT = 5.0
+MAX_HOSTS = 250  # 10.77.0.1 .. 10.77.0.250
 
 _counter = itertools.count()
 _STALE_RE = re.compile(rf"^{re.escape(PREFIX)}(\d+)-")
@@ -197,7 +199,8 @@ def available() -> str | None:
 
 # --------------------------------------------------------------------------------------------- cluster
 class Cluster:
-    """N hosts as network namespaces on one bridge, optionally one etcd member per host.
+    """N hosts as network namespaces on one bridge, optionally one etcd member on each of the first
+    `etcd_members` (default: all of them); `add_host()` plugs in one more, without a member.
 
     Everything is set up in the constructor (so benchmarks can use it without `with`) and torn down
     by `close()` / `__exit__` / atexit, whichever comes first.
@@ -205,18 +208,24 @@ class Cluster:
 
     iface = "eth0"
 
-    def __init__(self, hosts: int = 3, etcd: bool = True, tag: str | None = None) -> None:
-        if not 1 <= hosts <= 250:
-            raise ValueError(f"hosts must be in 1..250, got {hosts}")
+    def __init__(
+        self, hosts: int = 3, etcd: bool = True, tag: str | None = None, etcd_members: int | None = None
+    ) -> None:
+        if not 1 <= hosts <= MAX_HOSTS:
+            raise ValueError(f"hosts must be in 1..{MAX_HOSTS}, got {hosts}")
+        members = hosts if etcd_members is None else etcd_members
+        if etcd and not 1 <= members <= hosts:
+            raise ValueError(f"etcd_members must be in 1..{hosts} (the hosts), got {members}")
         self.hosts = hosts
         self.etcd = etcd
+        self.etcd_members = members if etcd else 0
         self.tag = tag
         self._n = next(_counter)
         pid = os.getpid()
         self.prefix = f"{PREFIX}{pid}-{self._n}"
         self.switch = f"{self.prefix}-sw"
-        self._host_ns = [f"{self.prefix}-h{i}" for i in range(hosts)]
-        self._veth = [f"lv{pid % 10000}h{i}" for i in range(hosts)]  # in the switch ns; <= 15 chars
+        self._host_ns = [self._ns_name(i) for i in range(hosts)]
+        self._veth = [self._veth_name(i) for i in range(hosts)]  # in the switch ns; <= 15 chars
         self._created: list[str] = []  # namespaces that exist and are ours to delete
         self._procs: list[subprocess.Popen] = []  # every Popen, for cleanup
         self._etcd_procs: dict[int, subprocess.Popen] = {}
@@ -248,8 +257,8 @@ class Cluster:
 
     @property
     def etcd_endpoints(self) -> list[str]:
-        """["10.77.0.1:2379", ...], one per host."""
-        return [f"{self.addr(i)}:{CLIENT_PORT}" for i in range(self.hosts)]
+        """["10.77.0.1:2379", ...], one per etcd member (hosts 0 .. etcd_members-1)."""
+        return [f"{self.addr(i)}:{CLIENT_PORT}" for i in range(self.etcd_members)]
 
     @property
     def rdzv(self) -> str:
@@ -335,12 +344,14 @@ class Cluster:
     def start_etcd(self, i: int, state: str = "existing") -> subprocess.Popen:
         """Start host i's etcd member (a restart: `existing` state, same data dir)."""
         self._check(i)
+        if i >= self.etcd_members:
+            raise IndexError(f"host {i} runs no etcd member (members: hosts 0..{self.etcd_members - 1})")
         old = self._etcd_procs.get(i)
         if old is not None and old.poll() is None:
             raise RuntimeError(f"etcd member h{i} is still running (pid {old.pid})")
         assert self.tmpdir is not None
         a = self.addr(i)
-        initial = ",".join(f"h{j}=http://{self.addr(j)}:{PEER_PORT}" for j in range(self.hosts))
+        initial = ",".join(f"h{j}=http://{self.addr(j)}:{PEER_PORT}" for j in range(self.etcd_members))
         argv = [
             "etcd",
             f"--name=h{i}",
@@ -451,7 +462,7 @@ class Cluster:
         self.close()
 
     def __repr__(self) -> str:
-        return f"<Cluster {self.prefix} hosts={self.hosts} etcd={self.etcd}>"
+        return f"<Cluster {self.prefix} hosts={self.hosts} etcd_members={self.etcd_members}>"
 
     def close(self) -> None:
         """Kill every process, delete the namespaces and the temp dir. Idempotent; never leaks."""
@@ -489,10 +500,31 @@ class Cluster:
         if errors:
             raise RuntimeError(f"{self!r}: cleanup incomplete: " + "; ".join(errors))
 
+    def add_host(self) -> int:
+        """Plug one more host into the running cluster (a replacement machine: a new namespace at
+        the next address, no etcd member); its index. Cleaned up by `close()` like the others."""
+        if self._closed:
+            raise RuntimeError(f"{self!r} is closed")
+        i = self.hosts
+        if i >= MAX_HOSTS:
+            raise ValueError(f"a cluster has at most {MAX_HOSTS} hosts")
+        self._host_ns.append(self._ns_name(i))
+        self._veth.append(self._veth_name(i))
+        self.hosts += 1
+        self._plug(i)
+        self._wait_link(i, 5.0)
+        return i
+
     # ----------------------------------------------------------------------------------- internals
     def _check(self, i: int) -> None:
         if not 0 <= i < self.hosts:
             raise IndexError(f"host index {i} out of range 0..{self.hosts - 1}")
+
+    def _ns_name(self, i: int) -> str:
+        return f"{self.prefix}-h{i}"
+
+    def _veth_name(self, i: int) -> str:
+        return f"lv{os.getpid() % 10000}h{i}"
 
     def _reap(self) -> None:
         for p in self._procs:
@@ -518,21 +550,25 @@ class Cluster:
         # restore_link); no IP on the bridge, so the switch namespace is pure layer 2.
         _ip("-n", sw, "link", "add", "br0", "type", "bridge", "stp_state", "0", "forward_delay", "0")
         _ip("-n", sw, "link", "set", "br0", "up")
-        for i, ns in enumerate(self._host_ns):
-            self._add_ns(ns)
-            veth = self._veth[i]
-            # One end stays in the switch; the peer is created directly inside the host as eth0.
-            _ip("-n", sw, "link", "add", veth, "type", "veth", "peer", "name", self.iface, "netns", ns)
-            _ip("-n", sw, "link", "set", veth, "master", "br0")
-            _ip("-n", sw, "link", "set", veth, "up")
-            _ip("-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", self.iface)
-            _ip("-n", ns, "link", "set", self.iface, "up")
+        for i in range(self.hosts):
+            self._plug(i)
         for i in range(self.hosts):
             self._wait_link(i, 5.0)
         if self.etcd:
-            for i in range(self.hosts):
+            for i in range(self.etcd_members):
                 self.start_etcd(i, state="new")
             self.wait_healthy()
+
+    def _plug(self, i: int) -> None:
+        """Host i's namespace, its eth0 with its address, and its port on the switch's bridge."""
+        ns, veth, sw = self._host_ns[i], self._veth[i], self.switch
+        self._add_ns(ns)  # (recorded at once: close() deletes it, and the veth with it, if a step fails)
+        # One end stays in the switch; the peer is created directly inside the host as eth0.
+        _ip("-n", sw, "link", "add", veth, "type", "veth", "peer", "name", self.iface, "netns", ns)
+        _ip("-n", sw, "link", "set", veth, "master", "br0")
+        _ip("-n", sw, "link", "set", veth, "up")
+        _ip("-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", self.iface)
+        _ip("-n", ns, "link", "set", self.iface, "up")
 
     def _wait_link(self, i: int, timeout: float) -> None:
         ns, veth = self.ns(i), self._veth[i]

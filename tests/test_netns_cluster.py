@@ -1,4 +1,5 @@
-"""Specification of tests/netns_cluster.py: hosts as network namespaces, one etcd member per host."""
+"""Specification of tests/netns_cluster.py: hosts as network namespaces, an etcd member on each (or
+on the first few), and hosts plugged in later."""
 
 from __future__ import annotations
 
@@ -123,3 +124,38 @@ def test_close_cleans_up_when_the_body_raises() -> None:
         sleeper = c.popen(0, ["sleep", "300"])
         raise ValueError("the body failed")
     assert_gone(names, tmpdir, [sleeper])
+
+
+def test_hosts_without_an_etcd_member_and_a_host_plugged_in_later() -> None:
+    """A replacement machine: `etcd_members` hosts run the members, the others (and one added while
+    the cluster runs) are plain hosts on the same bridge that reach the members; killing one leaves
+    etcd alone, and close() removes the added host's namespace with the rest."""
+    with Cluster(hosts=3, etcd_members=2) as c:
+        assert c.rdzv == "etcd://10.77.0.1:2379,10.77.0.2:2379" and len(c.etcd_pids()) == 2
+        assert not can_connect(c, 0, 2)  # nothing listens on host 2's 2379
+        new = c.add_host()
+        assert new == 3 and c.hosts == 4 and c.addr(new) == "10.77.0.4" and c.ns(new) in list_netns()
+        assert "10.77.0.4/24" in c.run_in(new, ["ip", "-4", "addr", "show", "dev", c.iface], check=True).stdout
+        assert can_connect(c, new, 0) and can_connect(c, 2, 1)
+        put = c.etcdctl(new, "put", "leto/new", "4")
+        assert put.returncode == 0, put.stderr
+        sleeper = c.popen(new, ["sleep", "300"])
+        etcd = c.etcd_pids()
+        c.kill_host(new)
+        assert sleeper.wait(5) == -9 and c.pids(new) == [] and c.etcd_pids() == etcd
+        with pytest.raises(IndexError, match="runs no etcd member"):
+            c.start_etcd(new)
+        names, tmpdir = c.names, c.tmpdir
+        assert len(names) == 5  # four hosts and the switch
+    assert_gone(names, tmpdir, [sleeper])
+
+
+def test_an_added_host_is_cleaned_up_when_the_body_raises() -> None:
+    with pytest.raises(ValueError, match="the body failed"), Cluster(hosts=1, etcd=False) as c:
+        c.add_host()
+        names, tmpdir = c.names, c.tmpdir
+        sleeper = c.popen(1, ["sleep", "300"])
+        raise ValueError("the body failed")
+    assert_gone(names, tmpdir, [sleeper])
+    with pytest.raises(RuntimeError, match="is closed"):
+        c.add_host()
