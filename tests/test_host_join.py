@@ -211,6 +211,7 @@ def test_a_standby_host_warms_its_processes_outside_the_job_and_stops_them_all_w
 
 # ----- end to end, on the namespace cluster
 STEPS = 120  # ~0.6 s each here: the join, the grow and the next loss all come before the end
+NEW_ADDR = "10.77.0.4"  # the replacement machine: the cluster's fourth namespace, no etcd member
 # no shadow: a host's loss shrinks the job to the two hosts left, and only the replacement's
 # shadows can grow it back
 JOB = ("--workers", "6", "--nodes", "3", "--spares", "0", "--steps", str(STEPS), "--seed", "0")
@@ -236,12 +237,12 @@ def _descendants(pid: int) -> set[int]:
     return out
 
 
-def _kill_leto(cluster, i: int, keep: set[int] = frozenset()) -> None:
-    """SIGKILL every Leto process of host i but `keep` (its etcd member lives on: the host is
-    replaced, the etcd cluster keeps its quorum), until none is left."""
+def _kill_leto(cluster, i: int) -> None:
+    """SIGKILL every Leto process of host i (its etcd member lives on: the host is replaced by a
+    new machine, the etcd cluster keeps its quorum), until none is left."""
 
     def gone() -> bool:
-        left = [p for p in cluster.pids(i) if p not in cluster.etcd_pids() and p not in keep]
+        left = [p for p in cluster.pids(i) if p not in cluster.etcd_pids()]
         for pid in left:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -258,12 +259,12 @@ def _kill_leto(cluster, i: int, keep: set[int] = frozenset()) -> None:
 def test_a_replacement_host_joins_the_job_grows_back_and_the_next_host_loss_is_survived(
     tmp_path: Path, launcher, how: str
 ) -> None:
-    """Three hosts, no shadow. A worker host's processes are SIGKILLed: the job shrinks to four
-    ranks on two hosts. A new host at the same address, started then with `--join` (or from the
-    start with `--standby`), is admitted into the lost node (a new member: the old host's
-    processes stay fenced), its shadows take the two missing ranks in one grow, and a `restored`
-    event follows. Then another host is SIGKILLed with its etcd member, and the job still ends
-    with the failure-free digest."""
+    """Three hosts, no shadow. A worker host's processes are SIGKILLed (its etcd member lives on):
+    the job shrinks to four ranks on two hosts. A new machine (a fourth namespace, 10.77.0.4, no
+    etcd member), started then with `--join` (or from the start with `--standby`), is admitted
+    into the lost node (a new member: the old host's processes stay fenced), its shadows take the
+    two missing ranks in one grow, and a `restored` event follows. Then another host is SIGKILLed
+    with its etcd member, and the job still ends with the failure-free digest."""
     from netns_cluster import Cluster, available
 
     if available() is not None:
@@ -280,9 +281,11 @@ def test_a_replacement_host_joins_the_job_grows_back_and_the_next_host_loss_is_s
             with open(f"{run_dir}.host{i}.out", "a") as out, open(f"{run_dir}.host{i}.err", "a") as err:
                 hosts[i] = cluster.popen(i, argv, env=env, cwd=REPO, stdout=out, stderr=err)
 
-        def new_host(i: int, flag: str) -> subprocess.Popen:
-            with open(f"{run_dir}.join.out", "a") as out, open(f"{run_dir}.join.err", "a") as err:
-                return cluster.popen(i, [*argv, flag], env=env, cwd=REPO, stdout=out, stderr=err)
+        def new_host(flag: str) -> subprocess.Popen:
+            """A new machine plugged in now, running the job's command with `flag`."""
+            new = cluster.add_host()
+            assert cluster.addr(new) == NEW_ADDR and new >= cluster.etcd_members
+            return _host(cluster, new, [*argv, flag], env, f"{run_dir}.join")
 
         wait_for(lambda: any(r.get("step", -1) >= 3 for r in _steps(run_dir)), 180, "step 3")
         lead = int(
@@ -290,14 +293,14 @@ def test_a_replacement_host_joins_the_job_grows_back_and_the_next_host_loss_is_s
         )
         node = (lead + 1) % 3
         victim = _host_of(cluster, run_dir, node)
-        if how == "standby":  # it waits at the victim's address, untouched by the victim's loss
-            joiner = new_host(victim, "--standby")
+        if how == "standby":
+            joiner = new_host("--standby")
             wait_for(lambda: "waits as a standby" in Path(f"{run_dir}.join.err").read_text(), 60, "the standby")
-        _kill_leto(cluster, victim, keep=_descendants(joiner.pid) if how == "standby" else set())
+        _kill_leto(cluster, victim)
         wait_for(lambda: any(e["event"] == "recovery" for e in _events(run_dir)), 60, "the shrink")
         t_join = time.time()
         if how == "join":
-            joiner = new_host(victim, "--join")
+            joiner = new_host("--join")
         wait_for(lambda: any(e["event"] == "restored" for e in _events(run_dir)), 150, "the job restored")
         restored = next(e for e in _events(run_dir) if e["event"] == "restored")
         print(f"{how}: the shrink (or --join) to restored: {restored['time'] - t_join:.2f}s")
@@ -320,7 +323,7 @@ def test_a_replacement_host_joins_the_job_grows_back_and_the_next_host_loss_is_s
         if e["event"] in ("host_lost", "recovery", "host_joined", "resize", "restored")
     ]
     assert events[:5] == ["host_lost", "recovery", "host_joined", "resize", "restored"], events
-    assert [e["node"] for e in s["hosts_joined"]] == [node] and len(s["restored"]) == 1
+    assert [(e["node"], e["addr"]) for e in s["hosts_joined"]] == [(node, NEW_ADDR)] and len(s["restored"]) == 1
     assert s["recoveries"][-1]["world_size"] == 4  # the second loss: shrunk again, no shadow
     assert "joined job" in Path(f"{run_dir}.join.err").read_text()
 
@@ -330,10 +333,11 @@ def test_a_replacement_host_joins_the_job_grows_back_and_the_next_host_loss_is_s
 def test_with_spares_a_standby_takes_the_lost_node_with_warm_spares_and_the_next_host_loss_never_shrinks(
     tmp_path: Path, launcher
 ) -> None:
-    """Three hosts, one spare (zygotes fork the rest), and a standby waiting from the start with
-    its keeper, zygote and shadows warm. A worker host's processes are SIGKILLed: spares on the
-    survivors adopt its ranks (the job stays at six), then the standby is admitted into the lost
-    node, its warm processes (the same pids) bound to it: a keeper, a zygote and a spare. Then
+    """Three hosts, one spare (zygotes fork the rest), and a standby (a new machine at 10.77.0.4)
+    waiting from the start with its keeper, zygote and shadows warm. A worker host's processes are
+    SIGKILLed: spares on the survivors adopt its ranks (the job stays at six), then the standby is
+    admitted into the lost node, its warm processes (the same pids) bound to it: a keeper, a
+    zygote and a spare. Then
     another worker host is SIGKILLed with its etcd member: no shrink again, the new node's spare
     among the adopters, and the failure-free digest."""
     from netns_cluster import Cluster, available
@@ -352,11 +356,11 @@ def test_with_spares_a_standby_takes_the_lost_node_with_warm_spares_and_the_next
         lead = int(cluster.etcdctl(0, "get", key, "--print-value-only").stdout.strip())
         node = (lead + 1) % 3
         victim = _host_of(cluster, run_dir, node)
-        joiner = _host(cluster, victim, [*argv, "--standby"], env, f"{run_dir}.join")
+        joiner = _host(cluster, cluster.add_host(), [*argv, "--standby"], env, f"{run_dir}.join")  # a new machine
         wait_for(lambda: "waits as a standby" in Path(f"{run_dir}.join.err").read_text(), 60, "the standby")
         wait_for(lambda: len(_descendants(joiner.pid)) >= 6, 60, "the standby's warm processes")
         warm = _descendants(joiner.pid)
-        _kill_leto(cluster, victim, keep=warm)
+        _kill_leto(cluster, victim)
         wait_for(lambda: any(e["event"] == "host_joined" for e in _events(run_dir)), 90, "the admission")
         wait_for(lambda: {"keeper", "zygote", "shadow"} <= _roles(run_dir, node, warm), 30, "the new node's spare")
         new = [p for p in json.loads((run_dir / f"procs-host{node}.json").read_text()) if p["role"] != "controller"]
@@ -407,7 +411,7 @@ def _steps(run_dir: Path) -> list[dict]:
 def _host_of(cluster, run_dir: Path, node: int) -> int:
     """Which namespace runs node `node`: the one whose supervisor's pid it holds."""
     sup = next(p for p in json.loads((run_dir / f"procs-host{node}.json").read_text()) if p["role"] == "controller")
-    return next(i for i in range(3) if sup["pid"] in cluster.pids(i))
+    return next(i for i in range(cluster.hosts) if sup["pid"] in cluster.pids(i))
 
 
 # ----- the coordinator's side, on an in-memory store

@@ -7,9 +7,10 @@ Every host runs `leto train --rdzv` (one etcd member each, tests/netns_cluster.p
 - `partition`: the link of a host that is not the coordinator cut, then restored;
 - `coordinator-partition`: the same for the coordinator's host (which holds etcd's leader too);
 - `join` (leto only, no shadow): SIGKILL of a worker host's processes (its etcd member lives);
-  once the job has shrunk, the same command with `--join` on that host, a replacement: the time
-  from that command to its admission, to the job at full width, to tier 2 restored (`restored`
-  event), and the training pause of the grow.
+  once the job has shrunk, the same command with `--join` on a replacement machine (a new
+  namespace plugged in then, at the next address, with no etcd member): the time from that
+  command to its admission, to the job at full width, to tier 2 restored (`restored` event), and
+  the training pause of the grow.
 
 Systems, side by side in one run:
 - `leto`: in-place recovery with 2 spares;
@@ -223,8 +224,8 @@ def run_one(nc, system: str, scenario: str, out: Path, trial: int, args: argpars
 
 
 def _kill_all_but_etcd(cluster, i: int) -> None:
-    """SIGKILL every process of host i but its etcd member (the etcd cluster keeps its quorum;
-    the host is then replaced at the same address), until none is left."""
+    """SIGKILL every process of host i but its etcd member (the etcd cluster keeps its quorum
+    while a new machine replaces the host), until none is left."""
     deadline = time.monotonic() + 10
     while left := [p for p in cluster.pids(i) if p not in cluster.etcd_pids()]:
         if time.monotonic() > deadline:
@@ -238,14 +239,16 @@ def _kill_all_but_etcd(cluster, i: int) -> None:
 
 
 def _replace_host(cluster, job: _Job, victim: int, run_dir: Path) -> dict:
-    """Lose host `victim`'s processes; once the job has shrunk, start the same command with
-    `--join` there (a replacement host at the same address) and time, from that command, the
-    joiner's admission, the job back at full width and tier 2 restored, and the grow's pause."""
+    """Lose host `victim`'s processes; once the job has shrunk, plug in a new machine (the
+    cluster's next host, no etcd member), start the same command there with `--join` and time,
+    from that command, the joiner's admission, the job back at full width and tier 2 restored,
+    and the grow's pause."""
     _kill_all_but_etcd(cluster, victim)
     _wait(lambda: any(r.get("event") == "recovery" for r in _records(run_dir)), 120, "the shrink")
+    new = cluster.add_host()  # (before the clock starts: the machine is there when its command runs)
     t_join = time.time()
-    mark("join", host=victim)
-    job.procs[victim] = job.popen(victim, 0, ["--join"], name="-join")
+    mark("join", host=new)
+    job.procs.append(job.popen(new, 0, ["--join"], name="-join"))  # job.procs[i] stays host i's
     _wait(lambda: any(r.get("event") == "restored" for r in _records(run_dir)), 600, "the job restored")
     events = {r["event"]: r for r in _records(run_dir) if r.get("event") in ("host_joined", "resize", "restored")}
     return {
