@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import os
+import select
 import signal
 import socket
 import struct
@@ -169,3 +170,31 @@ def signal_process(pid: int, start: str | None, sig: int) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+class ExitWatch:
+    """Sleeps until one of a set of processes exits or a timeout passes: a pidfd per process,
+    polled together (a pidfd reads as ready once its process has exited)."""
+
+    def __init__(self) -> None:
+        self._fds: dict[int, int] = {}
+        self._poll = select.poll()
+
+    def wait(self, pids: list[int], timeout_s: float) -> None:
+        """Return when a process in `pids` has exited (maybe before the call) or after `timeout_s`."""
+        for pid in set(self._fds) - set(pids):
+            self._poll.unregister(self._fds[pid])
+            os.close(self._fds.pop(pid))
+        for pid in set(pids) - set(self._fds):
+            try:
+                self._fds[pid] = os.pidfd_open(pid)
+            except (AttributeError, OSError):  # gone already (or no pidfds): look again at once
+                timeout_s = 0.0
+                continue
+            self._poll.register(self._fds[pid], select.POLLIN)
+        self._poll.poll(timeout_s * 1e3)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
