@@ -440,6 +440,9 @@ class _Hosts:
         self.admitted.append((node, first_command))
         return HostRecord(node, request.addr, request.port, request.pid, request.lease)
 
+    def admissions(self, first_command: int) -> dict[int, int]:  # (a takeover's)
+        return {}
+
 
 def _coordinator(tmp_path: Path, hosts: _Hosts | None = None, ec: tuple[int, int] = (2, 1), spares: int = 0):
     """A coordinator of a 6-rank, 3-node job shrunk to 4 ranks on nodes 0 and 1 (node 2 lost)."""
@@ -559,3 +562,133 @@ def test_a_lost_host_that_holds_no_rank_costs_no_recovery(tmp_path) -> None:
     assert not c.procs["keeper-9"].alive and not c.procs["shadow-10"].alive and 2 in c.dead_keeper_nodes
     c._on_lost_hosts({1: ("its supervisor's connection closed", time.time())})  # one with ranks: a recovery
     assert sorted(p.rank for p, _ in c._take_failures()) == [2, 3]
+
+
+# ----- the coordinator lost between an admission and the grow
+class _Successor(_Hosts):
+    """The hosts as the next coordinator finds them: node 2's joiner admitted at `first`."""
+
+    def __init__(self, first: int) -> None:
+        super().__init__()
+        self.first = first
+
+    def joiners(self) -> list:
+        return []
+
+    def admissions(self, first_command: int) -> dict[int, int]:
+        return {2: self.first}
+
+
+def _shrunk_then_admitted(tmp_path: Path, spawns: bool):
+    """A 6-rank job on 3 nodes whose node 2 was lost (shrunk to 4 ranks), then node 2's joiner
+    admitted: its keeper and shadows asked for (`spawns`) or not yet. The store, the admission's
+    first command and the stream as the next coordinator reads it."""
+    import torch.distributed as dist
+
+    from leto.control.coordinator import Coordinator
+
+    cfg = JobConfig.from_dict(
+        {"training": {"workers": 6, "nodes": 3}, "recovery": {"spares": 0}, "run_dir": str(tmp_path), "quiet": True}
+    )
+    store = dist.HashStore()
+    old = Coordinator(store, cfg, hosts=_Hosts())
+    old.start()
+    for n in range(3):
+        store.set(keys.committed(0, n), "1")
+    old._on_lost_hosts({2: ("its supervisor's connection closed", time.time())})
+    assert old._on_failures(old._take_failures()) is None and len(old.members) == 4
+    old.pending = []  # the shrink's first step came
+    first = int(store.add(keys.COMMANDS, 0))
+    if spawns:
+        old._maybe_admit()
+    old.release()  # the coordinator's host is lost here
+    commands = {keys.command(i): store.get(keys.command(i)) for i in range(int(store.add(keys.COMMANDS, 0)))}
+    return cfg, store, first, commands
+
+
+@pytest.mark.parametrize("spawns", [True, False], ids=["spawns-written", "admission-only"])
+def test_a_coordinator_lost_between_an_admission_and_the_grow_is_succeeded_by_one_that_grows_onto_the_new_host(
+    tmp_path: Path, spawns: bool
+) -> None:
+    """The next coordinator finds node 2's admitted host: the processes the lost host had there
+    are dead (commands before the admission's first), node 2 is live, what the admission had not
+    asked for yet (its keeper and two shadows) is asked for once, and the grow waits for exactly
+    those shadows, then takes them for ranks 4 and 5. Nothing is admitted twice."""
+    from leto.control.coordinator import Coordinator
+
+    cfg, store, first, commands = _shrunk_then_admitted(tmp_path, spawns)
+    hosts = _Successor(first)
+    new = Coordinator(store, cfg, hosts=hosts)
+    new.restore(commands, {})
+    before = [p for p in new.procs.values() if p.node == 2 and int(p.proc_id.rsplit("-", 1)[1]) <= 9]
+    assert before and not any(p.alive for p in before)  # generation 0's worker4, worker5, keeper of node 2
+    assert 2 not in new.dead_keeper_nodes and new.membership.generation == 1
+    spawned = [(c["role"], c["node"]) for c in _commands(store)[first:] if c["kind"] == "spawn"]
+    assert spawned == [("keeper", 2), ("shadow", 2), ("shadow", 2)]  # by one coordinator or the other
+    [resumed] = [e for e in new.events if e["event"] == "join_resumed"]
+    assert resumed["node"] == 2 and resumed["first_command"] == first
+    assert resumed["asked"] == ([] if spawns else ["keeper", "shadow", "shadow"])
+    shadows = [p for p in new.procs.values() if p.node == 2 and p.role == "shadow"]
+    assert sorted(new._joined_shadows) == sorted(p.proc_id for p in shadows) and len(shadows) == 2
+    for i, p in enumerate(new.procs.values()):
+        p.pid = p.pid or 100 + i
+    store.set(keys.warm(shadows[0].proc_id), "1")
+    new._maybe_grow()
+    assert new.membership.generation == 1  # one shadow is not warm yet: the grow waits for both
+    store.set(keys.warm(shadows[1].proc_id), "1")
+    new._last_grow_check = 0.0
+    new._maybe_grow()
+    assert new.membership.generation == 2 and new.membership.node_of_rank[4:] == (2, 2)
+    assert set(new.membership.proc_of_rank[4:]) == {p.proc_id for p in shadows}
+    new._maybe_admit()
+    assert hosts.admitted == []
+    new.release()
+
+
+def test_a_takeover_with_no_admitted_host_leaves_a_lost_node_lost(tmp_path: Path) -> None:
+    from leto.control.coordinator import Coordinator
+
+    cfg, store, _, commands = _shrunk_then_admitted(tmp_path, spawns=False)
+    new = Coordinator(store, cfg, hosts=_Hosts())
+    new.restore(commands, {})
+    assert new.dead_keeper_nodes == {2} and new._joined_shadows == []
+    assert not [e for e in new.events if e["event"] == "join_resumed"]
+    new.release()
+
+
+def test_the_next_coordinator_finds_the_admitted_hosts_and_writes_an_admission_its_predecessor_did_not(
+    etcd,
+) -> None:
+    """On etcd: node 0 a host of the job's start (no join request), node 1 a joiner admitted at
+    command 7, node 2 a joiner whose record was created but not its admission (the coordinator
+    was lost between the two): it is admitted now at the stream's length, bound to its lease, and
+    its waiting `join.enter` returns it. An admission that names another node is refused."""
+    from leto.control import takeover
+    from leto.protocol.messages import HostRecord
+
+    store = EtcdStore([etcd], "join-takeover", 5.0)
+    store.set(keys.COORDINATOR, "0")
+    leases = [HostLease(store, 5) for _ in range(4)]  # (node 2's is the joiner's own, below)
+    records = {n: HostRecord(n, "127.0.0.1", 4000 + n, 100 + n, leases[n].id) for n in range(3)}
+    for n, rec in records.items():
+        store.create(keys.host(n), rec.to_json(), rec.lease)
+    request = JoinRequest("127.0.0.1", 4001, 101, leases[1].id)
+    store.create(keys.join_request(leases[1].id), request.to_json(), leases[1].id)
+    store.create(keys.admission(leases[1].id), Admission(1, 7).to_json(), leases[1].id)
+    joiner, t, out = _joiner(store, _config("join-takeover"))
+    wait_for(lambda: join.join_requests(store, Refusals()), 5, "the join request")
+    [waiting] = join.join_requests(store, Refusals())
+    records[2] = HostRecord(2, "127.0.0.1", waiting.port, waiting.pid, waiting.lease)
+    store.delete_key(keys.host(2))
+    store.create(keys.host(2), records[2].to_json(), waiting.lease)
+    refused = Refusals()
+    assert takeover.admissions(store, records, 12, refused) == {1: 7, 2: 12}
+    t.join(5)
+    assert out["admission"] == Admission(2, 12)
+    assert store.entry(keys.admission(waiting.lease))[2] == waiting.lease
+    assert takeover.admissions(store, records, 30, refused) == {1: 7, 2: 12}  # written once
+    records[3] = HostRecord(3, "127.0.0.1", 4003, 103, leases[3].id)
+    store.create(keys.admission(leases[3].id), Admission(0, 1).to_json(), leases[3].id)
+    assert takeover.admissions(store, records, 30, refused) == {1: 7, 2: 12}
+    for lease in [*leases, joiner]:
+        lease.close(revoke=True)

@@ -79,6 +79,10 @@ class Hosts(Protocol):
     def admit(self, node: int, request: JoinRequest, first_command: int) -> HostRecord | None:
         """Make a joiner node `node`'s host; None if it died waiting."""
 
+    def admissions(self, first_command: int) -> dict[int, int]:
+        """At a takeover: the nodes of admitted hosts, each with its first command; an admission
+        the lost coordinator had not written yet is written now, at `first_command`."""
+
 
 class Coordinator:
     """Decides the membership of one job, from start to end."""
@@ -156,8 +160,10 @@ class Coordinator:
         """Take over a running job whose coordinator was lost: the processes from the command
         and report streams (every entry so far, by key), the membership from the newest generation,
         the events from metrics.jsonl. Failures its predecessor had not decided on yet are
-        decided on at the next round (`takeover`)."""
+        decided on at the next round, an admission it had not grown onto yet is finished
+        (`takeover`, `_resume_joins`)."""
         self._exit.enter_context(self.display)
+        admitted = self._admissions()
         for key, text in takeover.ordered(commands, self._refused):
             try:
                 cmd = Command.from_json(text, key)
@@ -165,7 +171,10 @@ class Coordinator:
                 self._refused.refuse(e, text)
                 continue
             if cmd.kind in ("spawn", "fork"):
-                self.procs[cmd.proc_id] = ProcView(cmd.proc_id, cmd.role, cmd.rank, cmd.node)
+                view = ProcView(cmd.proc_id, cmd.role, cmd.rank, cmd.node)
+                if takeover.entry_seq(key) < admitted.get(cmd.node, -1):  # the replaced host's: lost with it
+                    view.code = -signal.SIGKILL
+                self.procs[cmd.proc_id] = view
         try:
             written = parse_int(self.store.get(keys.REPORTS), keys.REPORTS, minimum=0)
         except BadValue as e:
@@ -185,7 +194,9 @@ class Coordinator:
         for q, proc in self.members.items():
             proc.role, proc.rank = "worker", q
         in_membership = set(self.membership.node_of_rank)
-        self.dead_keeper_nodes = {n for n in range(self.cfg.training.nodes) if n not in in_membership}
+        self.dead_keeper_nodes = {
+            n for n in range(self.cfg.training.nodes) if n not in in_membership and n not in admitted
+        }
         for p in self.procs.values():  # undecided: a dead member, the last keeper of a node in the membership
             keeper_gone = (
                 p.role == "keeper"
@@ -208,6 +219,49 @@ class Coordinator:
         self.events = [r for r in read_jsonl(self.run_dir / runlog.METRICS) if "event" in r]
         self.event("takeover", generation=gen)
         self.display.show(notices.TookOver(gen))
+        self._resume_joins({n: first for n, first in admitted.items() if n not in in_membership})
+
+    def _admissions(self) -> dict[int, int]:
+        """The admitted hosts' nodes and first commands (`Hosts.admissions`); none with a
+        malformed command counter (said once: no admission can be finished at its end)."""
+        if self.hosts is None:
+            return {}
+        value = self.store.get(keys.COMMANDS)
+        try:
+            return self.hosts.admissions(parse_int(value, keys.COMMANDS, minimum=0))
+        except BadValue as e:
+            self._refused.refuse(e, value)
+            return {}
+
+    def _resume_joins(self, admitted: dict[int, int]) -> None:
+        """Hosts admitted by the lost coordinator and holding no rank yet: what their admission
+        started and the command stream lacks (a keeper, a zygote, shadows for the missing ranks or
+        `--spares`) is asked for now, and the grow waits for their shadows (`_maybe_grow`) as it
+        would have. A `join_resumed` event for each."""
+        missing = max(self.cfg.training.workers - len(self.members), 0)
+        for node, first in sorted(admitted.items()):
+            here = [p for p in self.procs.values() if p.node == node and p.alive]
+            asked = []
+            if self.cfg.protection.enabled and not any(p.role == "keeper" for p in here):
+                asked.append(self.processes.spawn("keeper", None, node))
+            if self.spares.zygotes_wanted() and not any(p.role == "zygote" for p in here):
+                asked.append(self.processes.spawn("zygote", None, node))
+            shadows = [p.proc_id for p in here if p.role == "shadow"]
+            for _ in range(max(missing, self.cfg.recovery.spares) - len(shadows)):
+                asked.append(self.processes.spawn("shadow", None, node))
+                shadows.append(asked[-1].proc_id)
+            self._joined_shadows += shadows[:missing]
+            missing -= len(shadows[:missing])
+            self._joined_by = time.monotonic() + JOIN_WARM_S
+            self.event(
+                "join_resumed",
+                node=node,
+                first_command=first,
+                generation=self.membership.generation,
+                asked=[p.role for p in asked],
+                shadows=len(shadows),
+            )
+        self.processes.flush()
 
     def release(self) -> None:
         """Give the console back (the end, or this host leaves the job to another coordinator)."""

@@ -17,6 +17,7 @@ import time
 import traceback
 
 from leto.config import JobConfig
+from leto.control import takeover
 from leto.control.coordinator import POLL_S, Coordinator
 from leto.control.join import JoinError, admit, enter, join_requests
 from leto.control.lease import HostLease, Liveness, LivenessWatch, reaches_any
@@ -155,6 +156,11 @@ class Cluster:
         self._watch.forget(node)
         self._watch.watch(node, record.addr, record.port)
         return record
+
+    def admissions(self, first_command: int) -> dict[int, int]:
+        """The nodes of admitted hosts among the records read at this coordinator's start, each
+        with its first command (`takeover.admissions`)."""
+        return takeover.admissions(self.store, self.records, first_command, _refused)
 
     def close(self) -> None:
         self._watch.close()

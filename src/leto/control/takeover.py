@@ -1,5 +1,10 @@
 """What a coordinator taking over a running job reads back: the command and report streams in
-order, and the newest valid membership (`Coordinator.restore`)."""
+order, the newest valid membership, and the hosts admitted into lost nodes (`Coordinator.restore`).
+
+A coordinator may be lost between a joiner's admission and the grow onto its shadows: its
+successor finds the admitted host by its host record and admission (`admissions`), finishes what
+the admission started (the node's keeper, zygote and shadows) and grows onto them; one lost
+between the host record and the admission has the admission written by its successor."""
 
 from __future__ import annotations
 
@@ -9,7 +14,8 @@ import torch.distributed as dist
 
 from leto.errors import BadValue
 from leto.protocol import keys
-from leto.protocol.messages import JobState, Membership, Refusals, parse_int
+from leto.protocol.messages import Admission, HostRecord, JobState, Membership, Refusals, parse_int
+from leto.runtime.etcd_store import EtcdError, EtcdStore
 
 
 def entry_seq(key: str) -> int:
@@ -61,3 +67,39 @@ def newest_membership(store: dist.Store, started: Container[str], refused: Refus
             if gen == 0:
                 raise
             gen -= 1
+
+
+def admissions(
+    store: EtcdStore, records: dict[int, HostRecord], first_command: int, refused: Refusals
+) -> dict[int, int]:
+    """The nodes held by admitted hosts (joiners, among the live host `records`), each with the
+    first command that is its host's (those before were for the host it replaced). A joiner whose
+    record exists but whose admission the lost coordinator never wrote is admitted now, at
+    `first_command` (the stream's length: nothing was written for it yet); one whose lease ended
+    meanwhile is left out (its loss is seen next). An admission that is malformed, or names
+    another node, is refused and its host left out: it holds no process of the job."""
+    out: dict[int, int] = {}
+    for node, record in sorted(records.items()):
+        key = keys.admission(record.lease)
+        value = store.value(key)
+        if value is None and store.value(keys.join_request(record.lease)) is not None:
+            try:
+                if store.create(key, Admission(node, first_command).to_json(), record.lease) is not None:
+                    out[node] = first_command
+                    continue
+            except EtcdError as e:  # a put bound to an ended lease: the joiner is gone
+                if "lease not found" in str(e):
+                    continue
+                raise
+            value = store.value(key)  # written meanwhile (the mirror lagged)
+        if value is None:
+            continue  # a host of the job's start
+        try:
+            admission = Admission.from_json(value, key)
+            if admission.node != node:
+                raise BadValue(key, f"names node {admission.node}, its host record node {node}")
+        except BadValue as e:
+            refused.refuse(e, value)
+            continue
+        out[node] = admission.first_command
+    return out
