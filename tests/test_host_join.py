@@ -382,6 +382,54 @@ def test_with_spares_a_standby_takes_the_lost_node_with_warm_spares_and_the_next
     assert any(p["id"] in adopters for p in new if p["role"] == "shadow"), (adopters, new)
 
 
+@beyond_ci
+@pytest.mark.timeout(900)
+def test_the_coordinators_host_lost_right_after_an_admission_is_taken_over_and_the_new_host_is_used(
+    tmp_path: Path, launcher
+) -> None:
+    """Three hosts, no shadow. A worker host's processes are SIGKILLed: the job shrinks to four
+    ranks. A new machine (10.77.0.4) joins, and the moment it is admitted (its shadows still
+    starting, the grow not yet made) the coordinator's host is SIGKILLed with its etcd member.
+    The next coordinator finds the admitted host (a `join_resumed` event: it asks for what the
+    admission had not yet, nothing twice), nobody is admitted twice, the new host's shadows take
+    the lost coordinator host's ranks, and the job ends with the failure-free digest on the two
+    hosts left."""
+    from netns_cluster import Cluster, available
+
+    if available() is not None:
+        pytest.skip(f"no namespace cluster here: {available()}")
+    reference = reference_digest(launcher, tmp_path, *without_flags(JOB, "spares"))
+    job_id, run_dir = f"tjoin{os.getpid()}", tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
+    with Cluster(hosts=3) as cluster:
+        argv = leto_cmd("train", "--rdzv", cluster.rdzv, "--job-id", job_id, "--run-dir", str(run_dir), *JOB)
+        hosts = {i: _host(cluster, i, argv, env, f"{run_dir}.host{i}") for i in range(3)}
+        wait_for(lambda: any(r.get("step", -1) >= 3 for r in _steps(run_dir)), 180, "step 3")
+        key = f"/leto/{job_id}/control/coordinator"
+        lead = int(cluster.etcdctl(0, "get", key, "--print-value-only").stdout.strip())
+        lead_host, victim = _host_of(cluster, run_dir, lead), _host_of(cluster, run_dir, (lead + 1) % 3)
+        _kill_leto(cluster, victim)
+        wait_for(lambda: any(e["event"] == "recovery" for e in _events(run_dir)), 60, "the shrink")
+        new = cluster.add_host()
+        joiner = _host(cluster, new, [*argv, "--join"], env, f"{run_dir}.join")
+        wait_for(lambda: any(e["event"] == "host_joined" for e in _events(run_dir)), 90, "the admission", every=0.01)
+        cluster.kill_host(lead_host)
+        grown_first = any(e["event"] == "resize" for e in _events(run_dir))
+        survivor = next(i for i in range(3) if i not in (victim, lead_host))
+        codes = {"survivor": hosts[survivor].wait(timeout=300), "joiner": joiner.wait(timeout=60)}
+    logs = {n: Path(f"{run_dir}.{n}.err").read_text()[-3000:] for n in (f"host{survivor}", "join")}
+    assert codes == {"survivor": 0, "joiner": 0}, (codes, logs)
+    assert not grown_first, "the grow came before the coordinator's host was killed: nothing tested"
+    s = summary(run_dir)
+    assert s["exit_code"] == 0 and s["digest"] == reference
+    events = [e for e in _events(run_dir) if e["event"] in ("host_joined", "takeover", "join_resumed", "recovery")]
+    assert [e["event"] for e in events] == ["recovery", "host_joined", "takeover", "join_resumed", "recovery"], events
+    assert events[3]["node"] == events[1]["node"] and set(events[3]["asked"]) <= {"keeper", "shadow"}, events[3]
+    # the new node's two shadows (asked for by one coordinator or the other) took the lost ranks
+    assert set(s["recoveries"][-1]["adopted_by"].values()) == set(events[3]["shadows"]), (s["recoveries"], events[3])
+    assert len(events[3]["shadows"]) == 2
+
+
 def _host(cluster, i: int, argv: list[str], env: dict[str, str], logs: str) -> subprocess.Popen:
     """`argv` on namespace host i, its output in `logs`.out and .err."""
     with open(f"{logs}.out", "a") as out, open(f"{logs}.err", "a") as err:
@@ -629,6 +677,7 @@ def test_a_coordinator_lost_between_an_admission_and_the_grow_is_succeeded_by_on
     assert resumed["node"] == 2 and resumed["first_command"] == first
     assert resumed["asked"] == ([] if spawns else ["keeper", "shadow", "shadow"])
     shadows = [p for p in new.procs.values() if p.node == 2 and p.role == "shadow"]
+    assert sorted(resumed["shadows"]) == sorted(p.proc_id for p in shadows)
     assert sorted(new._joined_shadows) == sorted(p.proc_id for p in shadows) and len(shadows) == 2
     for i, p in enumerate(new.procs.values()):
         p.pid = p.pid or 100 + i

@@ -259,7 +259,7 @@ class Coordinator:
                 first_command=first,
                 generation=self.membership.generation,
                 asked=[p.role for p in asked],
-                shadows=len(shadows),
+                shadows=shadows,
             )
         self.processes.flush()
 
