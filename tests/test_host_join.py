@@ -265,14 +265,7 @@ def test_a_replacement_host_joins_the_job_grows_back_and_the_next_host_loss_is_s
     into the lost node (a new member: the old host's processes stay fenced), its shadows take the
     two missing ranks in one grow, and a `restored` event follows. Then another host is SIGKILLed
     with its etcd member, and the job still ends with the failure-free digest."""
-    from netns_cluster import Cluster, available
-
-    if available() is not None:
-        pytest.skip(f"no namespace cluster here: {available()}")
-    reference = reference_digest(launcher, tmp_path, *without_flags(JOB, "spares"))
-    job_id = f"join{os.getpid()}"
-    run_dir = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
+    Cluster, reference, job_id, run_dir, env = _namespace_job(tmp_path, launcher, "join")
     argv = leto_cmd("train", "--rdzv", "", "--job-id", job_id, "--run-dir", str(run_dir), *JOB)
     with Cluster(hosts=3) as cluster:
         argv[argv.index("--rdzv") + 1] = cluster.rdzv
@@ -340,13 +333,7 @@ def test_with_spares_a_standby_takes_the_lost_node_with_warm_spares_and_the_next
     zygote and a spare. Then
     another worker host is SIGKILLed with its etcd member: no shrink again, the new node's spare
     among the adopters, and the failure-free digest."""
-    from netns_cluster import Cluster, available
-
-    if available() is not None:
-        pytest.skip(f"no namespace cluster here: {available()}")
-    reference = reference_digest(launcher, tmp_path, *without_flags(JOB, "spares"))
-    job_id, run_dir = f"sjoin{os.getpid()}", tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
+    Cluster, reference, job_id, run_dir, env = _namespace_job(tmp_path, launcher, "sjoin")
     with Cluster(hosts=3) as cluster:
         flags = ("--rdzv", cluster.rdzv, "--job-id", job_id, "--run-dir", str(run_dir))
         argv = leto_cmd("train", *flags, *without_flags(JOB, "spares"), "--spares", "1")
@@ -394,13 +381,7 @@ def test_the_coordinators_host_lost_right_after_an_admission_is_taken_over_and_t
     admission had not yet, nothing twice), nobody is admitted twice, the new host's shadows take
     the lost coordinator host's ranks, and the job ends with the failure-free digest on the two
     hosts left."""
-    from netns_cluster import Cluster, available
-
-    if available() is not None:
-        pytest.skip(f"no namespace cluster here: {available()}")
-    reference = reference_digest(launcher, tmp_path, *without_flags(JOB, "spares"))
-    job_id, run_dir = f"tjoin{os.getpid()}", tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
+    Cluster, reference, job_id, run_dir, env = _namespace_job(tmp_path, launcher, "tjoin")
     with Cluster(hosts=3) as cluster:
         argv = leto_cmd("train", "--rdzv", cluster.rdzv, "--job-id", job_id, "--run-dir", str(run_dir), *JOB)
         hosts = {i: _host(cluster, i, argv, env, f"{run_dir}.host{i}") for i in range(3)}
@@ -428,6 +409,17 @@ def test_the_coordinators_host_lost_right_after_an_admission_is_taken_over_and_t
     # the new node's two shadows (asked for by one coordinator or the other) took the lost ranks
     assert set(s["recoveries"][-1]["adopted_by"].values()) == set(events[3]["shadows"]), (s["recoveries"], events[3])
     assert len(events[3]["shadows"]) == 2
+
+
+def _namespace_job(tmp_path: Path, launcher, name: str) -> tuple[type, str, str, Path, dict[str, str]]:
+    """The namespace cluster's class (the test is skipped without one), the failure-free digest,
+    and the job's id, run dir and environment."""
+    from netns_cluster import Cluster, available
+
+    if available() is not None:
+        pytest.skip(f"no namespace cluster here: {available()}")
+    reference = reference_digest(launcher, tmp_path, *without_flags(JOB, "spares"))
+    return Cluster, reference, f"{name}{os.getpid()}", tmp_path / "run", dict(os.environ, PYTHONPATH=str(REPO / "src"))
 
 
 def _host(cluster, i: int, argv: list[str], env: dict[str, str], logs: str) -> subprocess.Popen:
