@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from leto import cli
-from leto.bench import cpu, overhead, persist_cost, throughput
+from leto.bench import cpu, overhead, persist_cost, protection_cpu, throughput
 from leto.bench.cpu import CpuSampler, memory_bytes
 from leto.bench.mesh import mesh_elements
 from leto.bench.overhead import (
@@ -223,7 +223,15 @@ def test_a_curve_entry_has_the_documented_keys() -> None:
     cpu_off = [{"worker": 0.10}, {"worker": 0.12}, {"worker": 0.11}]
     cpu_on = [{"worker": 0.11, "keeper": 0.02, "keeper/main": 0.01}] * 3
     e = curve_entry(
-        Point("tiny", 512), 800_000, lay, off, on, cpu_off, cpu_on, steps=12, prot=[{"stage_s": 0.001, "wait_s": 0.002}]
+        Point("tiny", 512),
+        800_000,
+        lay,
+        off,
+        on,
+        cpu_off,
+        cpu_on,
+        steps=12,
+        prot_rounds=[[{"stage_s": 0.001, "wait_s": 0.002, "stage_cpu_s": 0.0008, "wait_cpu_s": 0.0001}]],
     )
     assert ENTRY_KEYS <= set(e)
     assert e["label"] == "tiny x512 rows" and e["model"] == "tiny" and e["rows"] == 512
@@ -236,6 +244,7 @@ def test_a_curve_entry_has_the_documented_keys() -> None:
     assert e["bytes_per_element_per_step"]["total"]["staged"] == 12  # master, exp_avg, exp_avg_sq; no gradient
     assert e["rounds"] == 3 and e["steps_per_run"] == 12
     assert e["protected_elements"] == 4 * 3 * 1000
+    assert e["protection_stage_cpu_s_per_step"] == 0.0008 and e["protection_wait_cpu_s_per_step"] == 0.0001
     default = curve_entry(Point("small"), 10_000_000, lay, [4.0], [4.4], [{}], [{}], steps=12)
     assert default["rows"] == 32 and default["overhead_ratio"] == 1.1 and default["rounds"] == 1
 
@@ -351,6 +360,8 @@ def test_the_bench_interleaves_runs_and_reports_every_key(
                 "tokens_per_s": rows * 64 / step_s,
                 "stage_s": 0.001,
                 "wait_s": 0.002,
+                "stage_cpu_s": 0.001,  # x 4 workers: 4 ms a step
+                "wait_cpu_s": 0.0005,  # 2 ms
                 "time": 1000.0 + i * wall_s,
             }
             for i in range(steps)
@@ -374,7 +385,10 @@ def test_the_bench_interleaves_runs_and_reports_every_key(
         return {
             "steps": recs,
             "events": events,
-            "cpu_s_per_step": {"worker": 0.1, **({"keeper": 0.02} if protection else {})},
+            "cpu_s_per_step": {
+                "worker": 0.1,
+                **({"keeper": 0.02, "keeper/main": 0.012, "keeper/gloo": 0.008} if protection else {}),
+            },
             "memory": mem if memory_every_s else {},
         }
 
@@ -464,10 +478,28 @@ def test_the_bench_interleaves_runs_and_reports_every_key(
     assert a["ratio"] == pytest.approx(39 / 20, abs=1e-4) and a["extra_bytes"] == 19 << 20
     assert out["tp"] == 1 and out["dp"] == 4 and out["mesh"]["replicated_elements_per_slice"] == 0
     assert out["targets"]["overhead_ratio_512_rows"]["result"] == "NOT MEASURED"
+    # protection CPU: keepers 20 ms + the workers' training threads 4 + 2 ms = 26 ms, against training's 94 ms
+    pc = out["protection_cpu"]
+    assert out["protection_cpu_to_training_cpu"] == pytest.approx(26 / 94, abs=1e-4)
+    assert pc["cpu_s_per_step"]["total"]["median"] == pytest.approx(0.026)
+    assert pc["cpu_s_per_step"]["training"]["median"] == pytest.approx(0.094)
+    assert pc["cpu_s_per_step"]["training_unprotected"]["median"] == pytest.approx(0.1)
+    assert len(pc["rounds"]) == overhead.ROUNDS
+    # every floor operation 0.1 ns/B, in cache and cold: the floor is 0.1 ns x the bytes of its terms
+    fl = out["physical_floor"]
+    assert pc["vs_floor"]["total"]["cold_floor_ms"] == pytest.approx(fl["cold_total_cpu_ms_per_step"], abs=1e-3)
+    cold_ratio = 26 / fl["cold_total_cpu_ms_per_step"]
+    assert out["targets"]["protection_cpu_vs_cold_floor"]["value"] == pytest.approx(cold_ratio, rel=1e-2)
+    assert out["targets"]["protection_cpu_vs_cold_floor"]["result"] == ("met" if cold_ratio <= 1.5 else "MISS")
+    assert out["protection_cpu_s_per_step"]["total"] == pytest.approx(0.026)
+    assert out["protection_cpu_s_per_step"]["worker_difference"] == 0.0  # the old figure, beside it
     calls.clear()
     assert cli.main(["bench", "overhead", "--steps", "4", "--rounds", "3", "--curve", "none", "--rss", "off"]) == 0
     text = capsys.readouterr().out
     assert len(calls) == 10
+    head = text.index("protection CPU / training CPU 27.66 % [27.66, 27.66]")
+    assert head < text.index("wall-clock overhead ratio 1.100") < text.index("keeper/main")
+    assert "against the physical floor" in text and "protection_cpu_vs_cold_floor <= 1.5" in text
     assert "overhead ratio 1.100" in text and "memory, all in" in text and "overhead ratio 1.200 by wall time" in text
     assert "per element of the model" in text and "the whole job, measured" not in text  # --rss off
     assert "target overhead_ratio_default_job <= 1.03: 1.1000 MISS" in text
@@ -802,3 +834,81 @@ def test_cumulative_cpu_is_interpolated_between_samples() -> None:
     assert cpu.cumulative_at(times, samples, 10.5) == {"worker": 1.5, "worker/persist": 0.25}
     assert cpu.cumulative_at(times, samples, 9.0) == {"worker": 1.0}
     assert cpu.cumulative_at(times, samples, 12.0) == samples[1] and cpu.cumulative_at([], [], 1.0) == {}
+
+
+# ----- protection's CPU, part by part
+def _floor_stub() -> dict:
+    """A floor of 1 ms a term in cache, 2 ms cold (7 terms: 3 worker, 2 keeper, 2 tier 2)."""
+    names = (
+        "worker: next value aside and back",
+        "worker: XOR old and new into the slot",
+        "worker: checksum of the new value",
+        "keeper: fold into tier-1 parity",
+        "keeper: copy into the tier-2 batch",
+        "tier 2: TCP send and receive",
+        "tier 2: fold into tier-2 parity",
+    )
+    return {
+        "terms": {n: {"cpu_ms_per_step": 1.0, "cold_cpu_ms_per_step": 2.0} for n in names},
+        "total_cpu_ms_per_step": 7.0,
+        "cold_total_cpu_ms_per_step": 14.0,
+    }
+
+
+def test_protection_cpu_is_keepers_plus_the_workers_measured_part_not_a_difference() -> None:
+    """A round: keepers by thread from /proc; the workers' part is rank 0's CPU inside protection
+    times the workers plus any protection thread; training is the protected workers' CPU without
+    it (the unprotected run's, however noisy, only stands beside it)."""
+    on = {
+        "worker": 0.200,
+        "worker/main": 0.180,
+        "worker/gloo": 0.020,
+        "worker/protection": 0.004,
+        "keeper": 0.030,
+        "keeper/main": 0.012,
+        "keeper/gloo": 0.010,
+        "keeper/tier2-threads": 0.008,
+    }
+    records = [{"stage_cpu_s": 0.002, "wait_cpu_s": 0.0005}, {"stage_cpu_s": 0.004, "wait_cpu_s": 0.0015}]
+    r = protection_cpu.round_cpu(on, {"worker": 0.5}, records, workers=4)
+    assert r is not None
+    assert r["worker/staging"] == pytest.approx(0.012) and r["worker/waiting"] == pytest.approx(0.004)
+    assert r["worker/protection"] == 0.004 and r["worker"] == pytest.approx(0.020)
+    assert r["total"] == pytest.approx(0.050) and r["keeper/tier2-threads"] == 0.008
+    assert r["training"] == pytest.approx(0.180) and r["training_unprotected"] == 0.5
+    assert r["ratio"] == pytest.approx(0.050 / 0.180)
+    # records without the training thread's CPU (an older job): nothing to measure by
+    assert protection_cpu.round_cpu(on, {}, [{"stage_s": 0.001}], workers=4) is None
+
+
+def test_protection_cpu_rounds_give_median_and_spread_and_meet_the_floor_part_by_part() -> None:
+    def rnd(keeper_main: float, gloo: float, stage: float) -> dict:
+        on = {"worker": 0.2, "keeper": keeper_main + gloo, "keeper/main": keeper_main, "keeper/gloo": gloo}
+        return protection_cpu.round_cpu(on, {"worker": 0.19}, [{"stage_cpu_s": stage, "wait_cpu_s": 0.0}], 2)
+
+    rounds = [rnd(0.004, 0.004, 0.002), rnd(0.006, 0.002, 0.001), rnd(0.002, 0.003, 0.003), None]
+    pc = protection_cpu.summarize(rounds, _floor_stub())
+    assert pc["status"] == "measured" and len(pc["rounds"]) == 3  # a round without figures is left out
+    assert pc["cpu_s_per_step"]["keeper/main"] == {"median": 0.004, "min": 0.002, "max": 0.006}
+    assert pc["cpu_s_per_step"]["worker/staging"] == {"median": 0.004, "min": 0.002, "max": 0.006}
+    # totals 12, 10 and 11 ms against training's 196, 198, 194 ms
+    assert pc["cpu_s_per_step"]["total"] == {"median": 0.011, "min": 0.01, "max": 0.012}
+    assert pc["ratio_to_training_cpu"]["max"] == pytest.approx(0.012 / 0.196, abs=1e-4)
+    assert protection_cpu.headline(pc) == pytest.approx(0.011 / 0.194, abs=1e-4)
+    f = pc["vs_floor"]
+    assert f["worker staging"]["floor_ms"] == 3.0 and f["worker staging"]["cold_floor_ms"] == 6.0
+    assert f["worker staging"]["measured_ms"] == {"median": 4.0, "min": 2.0, "max": 6.0}
+    assert f["keeper fold and copy"]["cold_ratio"] == {"median": 1.0, "min": 0.5, "max": 1.5}
+    assert f["tier 2"]["measured"] == ["keeper/gloo", "keeper/tier2-threads"]
+    assert f["tier 2"]["measured_ms"]["median"] == 3.0 and f["tier 2"]["ratio"]["median"] == 1.5
+    assert pc["total_vs_cold_floor"] == {
+        "median": round(11 / 14, 3),
+        "min": round(10 / 14, 3),
+        "max": round(12 / 14, 3),
+    }
+    out = {"protection_cpu": pc}
+    assert overhead.targets(out)["protection_cpu_vs_cold_floor"]["result"] == "met"
+    out["protection_cpu"] = protection_cpu.summarize([None], _floor_stub())
+    assert out["protection_cpu"]["status"].startswith("not measured")
+    assert overhead.targets(out)["protection_cpu_vs_cold_floor"]["result"] == "NOT MEASURED"
+    assert protection_cpu.fmt_spread({"median": 0.25, "min": 0.2, "max": 0.3}, 100, " %") == "25.00 % [20.00, 30.00]"

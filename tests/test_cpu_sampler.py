@@ -31,6 +31,7 @@ def test_thread_names_map_to_what_the_threads_do() -> None:
     assert thread_group("gloo_tcp_loop") == thread_group("pt_gloo_runloop") == "gloo"
     assert thread_group("keeper-send") == thread_group("keeper-recv") == "tier2-threads"
     assert thread_group("leto-keeper") == "main"
+    assert thread_group("leto-protect-x") == "protection"  # a thread protection adds to a worker
     assert thread_group("python3") == "other"
 
 

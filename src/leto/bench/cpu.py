@@ -26,6 +26,8 @@ _TICK = os.sysconf("SC_CLK_TCK")
 TICK_S = 1.0 / _TICK  # the kernel's resolution of a thread's CPU time
 BY_THREAD = {"keeper", "worker"}  # roles whose CPU is also reported by thread group
 SHORT_LIVED = "short-lived"  # CPU of threads that ended between two samples, of no one known group
+PROTECTION_THREAD_PREFIX = "leto-protect"  # OS names of threads protection adds to a worker
+WORKER_PROTECTION_GROUPS = ("protection",)  # a worker's thread groups charged to protection, not training
 
 
 def cpu_seconds(pid: int, tid: int | None = None) -> float | None:
@@ -51,6 +53,8 @@ def thread_group(name: str, main: bool = False) -> str:
         return "gloo"  # gloo's transport threads (TCP, its run loop)
     if name in ("keeper-send", "keeper-recv"):
         return "tier2-threads"  # Python threads feeding gloo and folding what arrives
+    if name.startswith(PROTECTION_THREAD_PREFIX):
+        return "protection"  # a thread protection adds to a worker (none today: a worker stages on its training thread)
     if name == "leto-persist":
         return "persist"  # a persistent checkpoint's write (DCP save, marker, commit)
     if name == "leto-dcp-import":

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from leto.bench import persist_cost
+from leto.bench import persist_cost, protection_cpu
 from leto.bench.floor import floor
 from leto.bench.mesh import MeshElements, check_mesh, mesh_elements, mesh_flags, mesh_shape, shard_accounting
 from leto.bench.noise import MET, MISS, NOT_MEASURED, noise_word
@@ -55,6 +55,7 @@ RSS_EVERY_S = 0.5
 TARGET_RATIO_DEFAULT = 1.03  # overhead_ratio on the default job
 TARGET_RATIO_ROWS, TARGET_ROWS = 1.01, 512  # overhead_ratio at 512 rows of the default model
 TARGET_MEMORY = 3.0  # all-in memory_overhead on the default job
+TARGET_CPU_FLOOR = 1.5  # protection's whole CPU a step (keepers and workers) / the cold physical floor
 PROTECTION_ROLES = ("keeper", "zygote")  # processes that exist only for protection
 RECOVERY_ROLES = ("shadow",)  # warm spares: for recovery, reported apart
 
@@ -376,13 +377,14 @@ def curve_entry(
     cpu_off: list[dict[str, float]],
     cpu_on: list[dict[str, float]],
     steps: int,
-    prot: list[dict] | None = None,
+    prot_rounds: list[list[dict]] | None = None,
 ) -> dict:
     """One curve entry from its runs (median of each run's steady step time, median CPU by role
-    and thread over the rounds)."""
+    and thread over the rounds; `prot_rounds`: each protected round's step records)."""
     step_off, step_on = statistics.median(off), statistics.median(on)
     tokens = point.global_rows * PRESETS[point.model].block_size
-    prot = prot or []
+    prot = [r for rnd in prot_rounds or [] for r in rnd]
+    cpu_in = {k: [r[k] for r in prot if k in r] for k in ("stage_cpu_s", "wait_cpu_s")}  # the training thread's
     return {
         "label": point.label,
         "model": point.model,
@@ -404,6 +406,7 @@ def curve_entry(
         "step_s_on_runs": [round(x, 5) for x in on],
         "protection_stage_s_per_step": round(statistics.mean(r.get("stage_s", 0) for r in prot), 6) if prot else None,
         "protection_wait_s_per_step": round(statistics.mean(r.get("wait_s", 0) for r in prot), 6) if prot else None,
+        **{f"protection_{k}_per_step": round(statistics.mean(v), 6) if v else None for k, v in cpu_in.items()},
     }
 
 
@@ -428,8 +431,9 @@ def _measure(
     persist: dict | None = None,
     tp: int = 1,
     pp: int = 1,
-) -> tuple[list[float], list[float], list[dict], list[dict], list[dict]]:
-    """`rounds` interleaved off/on runs of one point: step times, CPU by role, protected steps.
+) -> tuple[list[float], list[float], list[dict], list[dict], list[list[dict]]]:
+    """`rounds` interleaved off/on runs of one point: step times, CPU by role, each protected
+    round's step records of its measured window.
     With `persist` (a dict to fill), each round also runs protection + persistence at its default
     K, and the wall time per step of all three goes into it."""
     off, on, cpu_off, cpu_on, prot = [], [], [], [], []
@@ -483,8 +487,8 @@ def _measure(
                 persist.setdefault(f"wall_step_s_{v}", []).append(wall_step_s(res["steps"]))
             (on if protection else off).append(steady_step_s(res["steps"]))
             (cpu_on if protection else cpu_off).append(res["cpu_s_per_step"])
-            if protection:
-                prot += res["steps"][WARMUP_STEPS:]
+            if protection:  # the records of run_job's CPU window (each carries its step's protection time)
+                prot.append(res["steps"][WARMUP_STEPS:])
     return off, on, cpu_off, cpu_on, prot
 
 
@@ -562,6 +566,10 @@ def targets(out: dict) -> dict[str, dict]:
         f"overhead_ratio_{TARGET_ROWS}_rows": (at_rows, TARGET_RATIO_ROWS),
         "memory_overhead_default_job": (out.get("memory_overhead"), TARGET_MEMORY),
         "memory_overhead_per_model_byte": (out.get("mesh", {}).get("memory_overhead_per_model_byte"), TARGET_MEMORY),
+        "protection_cpu_vs_cold_floor": (
+            ((out.get("protection_cpu") or {}).get("total_vs_cold_floor") or {}).get("median"),
+            TARGET_CPU_FLOOR,
+        ),
     }
     judged = {
         name: {"value": v, "target": f"<= {limit}", "result": verdict(v, limit)} for name, (v, limit) in checks.items()
@@ -650,6 +658,10 @@ def main(args: argparse.Namespace) -> int:
         rss_out["fixed_rss_per_protected_byte"] = round(
             sum(rss_out["fixed_rss_bytes_per_node"].values()) / protected_per_node, 2
         )
+    physical_floor = floor(layout, step_off, os.cpu_count() or 1)
+    pc = protection_cpu.summarize(
+        [protection_cpu.round_cpu(a, b, r, args.workers) for a, b, r in zip(cpu_on, cpu_off, prot)], physical_floor
+    )
     out = {
         "model": args.model,
         "workers": args.workers,
@@ -667,8 +679,8 @@ def main(args: argparse.Namespace) -> int:
         "overhead_ratio_of_medians": round(step_on / step_off, 4),
         "step_s_off_runs": [round(x, 5) for x in off],
         "step_s_on_runs": [round(x, 5) for x in on],
-        "protection_stage_s_per_step": round(statistics.mean(r.get("stage_s", 0) for r in prot), 6),
-        "protection_wait_s_per_step": round(statistics.mean(r.get("wait_s", 0) for r in prot), 6),
+        "protection_stage_s_per_step": curve[0]["protection_stage_s_per_step"],
+        "protection_wait_s_per_step": curve[0]["protection_wait_s_per_step"],
         "encode_gbps": round(codec["encode_gbps"], 2),
         "xor_gbps": round(codec["xor_gbps"], 2),
         "checksum_gbps": round(codec["checksum_gbps"], 2),
@@ -676,8 +688,10 @@ def main(args: argparse.Namespace) -> int:
         "cpu_s_per_step_off": curve[0]["cpu_s_per_step_off"],
         "cpu_s_per_step_on": curve[0]["cpu_s_per_step_on"],
         "bytes_per_element_per_step": bytes_per_element_per_step(layout),
-        "protection_cpu_s_per_step": _protection_cpu(curve[0]),
-        "physical_floor": floor(layout, step_off, os.cpu_count() or 1),
+        "protection_cpu_to_training_cpu": protection_cpu.headline(pc),
+        "protection_cpu": pc,
+        "protection_cpu_s_per_step": _protection_cpu(curve[0], pc),
+        "physical_floor": physical_floor,
         "persistence": persistence_entry(persist),
         **mem,
         "mesh": mesh_figures(layout, mesh_elements(args.model, tp, pp)),
@@ -696,16 +710,23 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _protection_cpu(entry: dict) -> dict[str, float]:
-    """CPU seconds per step protection adds: the keepers' (from /proc, steady) and the workers'
-    difference between protected and unprotected rounds (noisy on a shared machine)."""
+def _protection_cpu(entry: dict, pc: dict) -> dict[str, float | None]:
+    """CPU seconds per step protection costs (medians over the rounds, `protection_cpu`): the
+    keepers', the workers' part measured on their threads, their sum and its share of training's
+    CPU; beside them the workers' difference between protected and unprotected runs (noisy on a
+    shared machine: the figure this one replaces)."""
     on, off = entry["cpu_s_per_step_on"], entry["cpu_s_per_step_off"]
-    keeper, worker = on.get("keeper", 0.0), on.get("worker", 0.0) - off.get("worker", 0.0)
+    parts = pc.get("cpu_s_per_step", {})
+
+    def med(key: str) -> float | None:
+        return None if parts.get(key) is None else round(parts[key]["median"], 5)
+
     return {
-        "keeper": round(keeper, 5),
-        "worker_difference": round(worker, 5),
-        "total": round(keeper + worker, 5),
-        "share_of_training_cpu": round((keeper + worker) / off["worker"], 4) if off.get("worker") else None,
+        "keeper": med("keeper"),
+        "worker": med("worker"),
+        "total": med("total"),
+        "share_of_training_cpu": protection_cpu.headline(pc),
+        "worker_difference": round(on.get("worker", 0.0) - off.get("worker", 0.0), 5),
     }
 
 
@@ -781,6 +802,33 @@ def _print_persistence(pe: dict) -> None:
     )
 
 
+def _print_protection_cpu(out: dict) -> None:
+    """The headline (protection CPU / training CPU, the wall-clock ratio beside it), then every
+    part by role and thread and against its floor terms: median [min, max] over the rounds."""
+    pc, fmt = out["protection_cpu"], protection_cpu.fmt_spread
+    if pc["status"] != "measured":
+        print(f"  protection CPU / training CPU: {pc['status']}; wall-clock overhead ratio {out['overhead_ratio']:.3f}")
+        return
+    parts = pc["cpu_s_per_step"]
+    print(
+        f"  protection CPU / training CPU {fmt(pc['ratio_to_training_cpu'], 100, ' %')} "
+        f"(median [min, max] of {len(pc['rounds'])} rounds); wall-clock overhead ratio {out['overhead_ratio']:.3f}"
+    )
+    print(
+        f"  CPU a step, ms: protection {fmt(parts['total'], 1e3)} = keepers {fmt(parts['keeper'], 1e3)} + workers "
+        f"{fmt(parts['worker'], 1e3)}; training {fmt(parts['training'], 1e3)} (unprotected run "
+        f"{fmt(parts['training_unprotected'], 1e3)})"
+    )
+    for key in sorted(k for k in parts if k.startswith(("keeper/", "worker/"))):
+        print(f"    {key:<22} {fmt(parts[key], 1e3)} ms")
+    print("  against the physical floor (in cache / cold), ms a step and measured / cold floor:")
+    for name, v in pc["vs_floor"].items():
+        print(
+            f"    {name:<22} {fmt(v['measured_ms'], nd=1)} vs {v['floor_ms']:.2f} / {v['cold_floor_ms']:.2f}: "
+            f"{fmt(v['cold_ratio'])} x ({' + '.join(v['measured'])})"
+        )
+
+
 def _print(out: dict, mem: dict) -> None:
     flags = mesh_flags(out["tp"], out["pp"])
     mesh = f", {flags} ({mesh_shape(out['workers'], out['tp'], out['pp'])})" if flags else ""
@@ -788,6 +836,7 @@ def _print(out: dict, mem: dict) -> None:
         f"default job ({out['model']}, {out['workers']} workers{mesh}, {out['nodes']} nodes, --ec {out['ec']}), "
         f"{out['rounds']} interleaved rounds of {out['steps_per_run']} steps"
     )
+    _print_protection_cpu(out)
     print(
         f"  step time off {out['step_s_off'] * 1e3:.1f} ms, on {out['step_s_on'] * 1e3:.1f} ms: "
         f"overhead ratio {out['overhead_ratio']:.3f}"

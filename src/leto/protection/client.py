@@ -47,7 +47,8 @@ class Protector:
         self.layout, self.rank, self.timeout_s, self.abort_check = layout, rank, timeout_s, abort_check
         g = layout.geometry
         self.staging = staging or HostStaging(max(g.state_bytes, g.grad_bytes), device)
-        self.spent = {"stage_s": 0.0, "wait_s": 0.0}  # time on the training thread, for metrics
+        # the training thread's time in protection, wall and its own CPU (thread_time), for metrics
+        self.spent = {"stage_s": 0.0, "wait_s": 0.0, "stage_cpu_s": 0.0, "wait_cpu_s": 0.0}
         self.node = layout.node_of_rank[rank]
         self.w = layout.local_index(rank)
         why = await_keys(store, [keys.ready(layout.generation, self.node)], timeout_s, abort_check)
@@ -64,11 +65,12 @@ class Protector:
     def _wait_until(self, pred: Callable[[], bool], what: str, poll: float = 1e-4) -> None:
         if pred():
             return
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             self._poll(pred, what, poll)
         finally:
             self.spent["wait_s"] += time.perf_counter() - t0
+            self.spent["wait_cpu_s"] += time.thread_time() - c0
 
     def _poll(self, pred: Callable[[], bool], what: str, poll: float) -> None:
         deadline = time.monotonic() + self.timeout_s
@@ -103,14 +105,14 @@ class Protector:
 
     def stage_grads(self, step: int, grads: torch.Tensor, before_chunk: Callable[[int], None] = lambda c: None) -> None:
         """Hand over this rank's gradient shard of `step` ([n_chunks, chunk_elems])."""
-        t0, w0 = time.perf_counter(), self.spent["wait_s"]
+        t0, c0, w0, wc0 = time.perf_counter(), time.thread_time(), self.spent["wait_s"], self.spent["wait_cpu_s"]
         for c in range(grads.shape[0]):
             before_chunk(c)
             src = self.staging.host(grads[c])
             idx = self._slot()
             self.data[idx, : src.size] = src
             self._publish(idx, KIND_GRAD, step, c, checksum(src), c == grads.shape[0] - 1)
-        self.spent["stage_s"] += time.perf_counter() - t0 - (self.spent["wait_s"] - w0)
+        self._spent_staging(t0, c0, w0, wc0)
 
     def stage_deltas(
         self,
@@ -129,7 +131,7 @@ class Protector:
         the checksum of `new`; `last`: the step's last chunk. Returns once the slot is published;
         only a wait for a free slot can raise (PeerFailure), and then nothing of this chunk was
         handed over."""
-        t0, w0 = time.perf_counter(), self.spent["wait_s"]
+        t0, c0, w0, wc0 = time.perf_counter(), time.thread_time(), self.spent["wait_s"], self.spent["wait_cpu_s"]
         nb = self.staging.host(new, 0)
         idx = self._slot()
         dst = self.data[idx, : nb.size]
@@ -138,7 +140,22 @@ class Protector:
         else:
             np.bitwise_xor(self.staging.host(old, 1), nb, out=dst)
         self._publish(idx, KIND_DELTA, step, c, checksum(nb), last)
-        self.spent["stage_s"] += time.perf_counter() - t0 - (self.spent["wait_s"] - w0)
+        self._spent_staging(t0, c0, w0, wc0)
+
+    def charged(self, fn: Callable[..., object], *args: object) -> None:
+        """Run `fn(*args)`, work done only because the state is protected (the in-place update's
+        copy back from its scratch chunk), and count its time as staging."""
+        t0, c0 = time.perf_counter(), time.thread_time()
+        fn(*args)
+        self.spent["stage_s"] += time.perf_counter() - t0
+        self.spent["stage_cpu_s"] += time.thread_time() - c0
+
+    def _spent_staging(self, t0: float, c0: float, w0: float, wc0: float) -> None:
+        """Count the time since `t0` (wall) and `c0` (this thread's CPU) as staging, less the
+        waits inside it (the wait counters were `w0`, `wc0` then)."""
+        s = self.spent
+        s["stage_s"] += time.perf_counter() - t0 - (s["wait_s"] - w0)
+        s["stage_cpu_s"] += time.thread_time() - c0 - (s["wait_cpu_s"] - wc0)
 
     def wait_grad_commit(self, step: int) -> None:
         h = self.region.header

@@ -105,7 +105,7 @@ class EveryStepInPlace(Protected):
         new = s.next_chunk(src[c], grads[c], t + 1, c)
         self.fault("parity", t + 1, c)
         self.protector.stage_delta(t + 1, c, src[c], new, c == s.n_chunks - 1)
-        s.replace_chunk(c, t + 1)
+        self.protector.charged(s.replace_chunk, c, t + 1)  # the copy back: protection's, not training's
 
 
 class EveryNSteps(Protected):
