@@ -614,7 +614,11 @@ class Coordinator:
         """Whether an admitted host's shadows are still starting (one grow takes them all, one
         pause of training rather than one per shadow), for at most `JOIN_WARM_S`."""
         ready = {s.proc_id for s in warm}
-        waiting = [p for p in self._joined_shadows if p not in ready and p in self.procs and self.procs[p].alive]
+        waiting = [  # a shadow a recovery made a worker meanwhile is no longer awaited
+            p
+            for p in self._joined_shadows
+            if p not in ready and p in self.procs and self.procs[p].alive and self.procs[p].role == "shadow"
+        ]
         if not waiting or now < self._joined_by:
             return bool(waiting)
         self.display.show(notices.NotWarm(len(waiting), JOIN_WARM_S))
