@@ -912,3 +912,10 @@ def test_protection_cpu_rounds_give_median_and_spread_and_meet_the_floor_part_by
     assert out["protection_cpu"]["status"].startswith("not measured")
     assert overhead.targets(out)["protection_cpu_vs_cold_floor"]["result"] == "NOT MEASURED"
     assert protection_cpu.fmt_spread({"median": 0.25, "min": 0.2, "max": 0.3}, 100, " %") == "25.00 % [20.00, 30.00]"
+
+
+def test_a_curve_points_worker_cpu_is_the_measured_part_where_the_records_carry_it() -> None:
+    e = {"cpu_s_per_step_on": {"worker": 0.2}, "cpu_s_per_step_off": {"worker": 0.21}}
+    assert overhead._curve_worker_cpu(e, 4) == "-10 ms (difference of the runs)"
+    e |= {"protection_stage_cpu_s_per_step": 0.001, "protection_wait_cpu_s_per_step": 0.0005}
+    assert overhead._curve_worker_cpu(e, 4) == "6.0 ms inside protection"

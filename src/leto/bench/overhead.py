@@ -829,6 +829,16 @@ def _print_protection_cpu(out: dict) -> None:
         )
 
 
+def _curve_worker_cpu(e: dict, workers: int) -> str:
+    """A curve point's workers' protection CPU a step: their training threads' inside protection
+    (rank 0's, times the workers), else the difference of the protected and unprotected runs."""
+    stage, wait = e.get("protection_stage_cpu_s_per_step"), e.get("protection_wait_cpu_s_per_step")
+    if stage is not None:
+        return f"{(stage + (wait or 0.0)) * workers * 1e3:.1f} ms inside protection"
+    diff = e["cpu_s_per_step_on"].get("worker", 0) - e["cpu_s_per_step_off"].get("worker", 0)
+    return f"{diff * 1e3:+.0f} ms (difference of the runs)"
+
+
 def _print(out: dict, mem: dict) -> None:
     flags = mesh_flags(out["tp"], out["pp"])
     mesh = f", {flags} ({mesh_shape(out['workers'], out['tp'], out['pp'])})" if flags else ""
@@ -894,7 +904,7 @@ def _print(out: dict, mem: dict) -> None:
                 f"  {e['label']:>18}: {e['tokens_per_param_per_step']:.4g} tokens/param/step, off "
                 f"{e['step_s_off'] * 1e3:.1f} ms, on {e['step_s_on'] * 1e3:.1f} ms: ratio {e['overhead_ratio']:.3f}; "
                 f"CPU keepers {e['cpu_s_per_step_on'].get('keeper', 0) * 1e3:.0f} ms, workers "
-                f"{(e['cpu_s_per_step_on'].get('worker', 0) - e['cpu_s_per_step_off'].get('worker', 0)) * 1e3:+.0f} ms"
+                + _curve_worker_cpu(e, out["workers"])
             )
     print(
         f"  memory, all in: {out['memory_overhead']:.2f} B per protected B ("
