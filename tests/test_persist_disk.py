@@ -18,6 +18,10 @@ from conftest import REPO, Launcher, leto_cmd, reference_digest, summary, tmpfs,
 from leto.persistence import ckpt_format
 
 STEPS = 30
+# the hung-write test: steps enough after the hung write for its timeout to run out and a later
+# checkpoint to commit even at 30 ms a step (70 measured here on an idle machine)
+LONG_STEPS = 80
+HUNG_TIMEOUT_S = 1
 JOB = ("--workers", "2", "--nodes", "1", "--spares", "0", "--steps", str(STEPS), "--seed", "0")
 PERSIST = ("--protection", "off", "--persist", "on", "--persist-every", "2")
 FAILED = (
@@ -31,6 +35,16 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     lx = Launcher(tmp)
     try:
         yield reference_digest(lx, tmp, *JOB)
+    finally:
+        lx.cleanup()
+
+
+@pytest.fixture(scope="module")
+def reference_long(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    tmp = tmp_path_factory.mktemp("ref-long")
+    lx = Launcher(tmp)
+    try:
+        yield reference_digest(lx, tmp, *JOB, "--steps", str(LONG_STEPS))
     finally:
         lx.cleanup()
 
@@ -86,13 +100,13 @@ def fill(folder: Path) -> Path:
     return filler
 
 
-def finished(popen: subprocess.Popen, run_dir: Path, reference: str) -> str:
-    """Wait for the job; check it ended well with the failure-free digest; its stderr."""
+def finished(popen: subprocess.Popen, run_dir: Path, reference: str, steps: int = STEPS) -> str:
+    """Wait for the job; check it ended well, `steps` steps, with the failure-free digest; its stderr."""
     popen.wait(timeout=300)
     err = run_dir.with_suffix(".err").read_text()
     assert popen.returncode == 0, err[-3000:]
     s = summary(run_dir)
-    assert s["digest"] == reference and s["steps"] == STEPS
+    assert s["digest"] == reference and s["steps"] == steps
     return err
 
 
@@ -136,23 +150,23 @@ def test_a_full_checkpoint_disk_is_reported_and_later_checkpoints_are_written(
 
 
 def test_a_hung_checkpoint_write_is_abandoned_and_later_checkpoints_are_written(
-    launcher: Launcher, tmp_path: Path, reference: str
+    launcher: Launcher, tmp_path: Path, reference_long: str
 ) -> None:
     """Rank 0's checkpoint file of step 8 is a FIFO nobody reads: DCP's `open()` blocks forever,
     as on a hung file server. After --persist-timeout it is reported and abandoned; the writes
     skipped meanwhile and the later ones go on, and the blocked thread does not hold the job at its end."""
     run_dir, ckpts = tmp_path / "run", tmp_path / "checkpoints"
-    popen = start(launcher, run_dir, ckpts, "--persist-timeout", "2")
+    popen = start(launcher, run_dir, ckpts, "--persist-timeout", str(HUNG_TIMEOUT_S), "--steps", str(LONG_STEPS))
     wait_for(lambda: ckpts.is_dir() or popen.poll() is not None, 60, "the checkpoint folder")
     part = ckpt_format.part_dir(ckpt_format.step_dir(ckpts, 8), 0)
     part.mkdir(parents=True)
     os.mkfifo(part / "__0_0.distcp")
     assert not events(run_dir, "persist_commit"), "the job checkpointed before the FIFO was in place"
-    err = finished(popen, run_dir, reference)
+    err = finished(popen, run_dir, reference_long, LONG_STEPS)
 
     (hung,) = events(run_dir, "persist_failed")
     assert hung["step"] == 8 and hung["rank"] == 0
-    assert hung["error"] == "the write did not finish within 2 s (persist_write_s); abandoned"
+    assert hung["error"] == f"the write did not finish within {HUNG_TIMEOUT_S} s (persist_write_s); abandoned"
     assert said_once_per_rank(err, FAILED) == {0} and "checkpoint of step 8 failed" in err
     commits = [c["step"] for c in events(run_dir, "persist_commit")]
     assert 8 not in commits and max(commits) > 8
