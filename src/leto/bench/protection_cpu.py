@@ -17,6 +17,7 @@ from __future__ import annotations
 import statistics
 
 from leto.bench.cpu import WORKER_PROTECTION_GROUPS
+from leto.bench.noise import measured as present
 
 STAGING, WAITING = "worker/staging", "worker/waiting"  # the training thread's CPU inside protection
 # each measured part -> (what of the measured figures it is, the floor terms it is set against)
@@ -57,7 +58,7 @@ def round_cpu(cpu_on: dict[str, float], cpu_off: dict[str, float], records: list
 
 def spread(values: list[float | None], nd: int = 6) -> dict[str, float] | None:
     """Median, min and max of the values present (None if none is)."""
-    vals = [v for v in values if v is not None]
+    vals = present(values)
     if not vals:
         return None
     return {"median": round(statistics.median(vals), nd), "min": round(min(vals), nd), "max": round(max(vals), nd)}
