@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import beyond_ci
+from leto import cli
 from leto.baselines.faults import Kill
 from leto.bench import noise, productivity, runs
 from leto.bench.productivity import (
@@ -25,11 +26,12 @@ from leto.bench.productivity import (
     summarize_trial,
 )
 from leto.bench.runs import (
+    FIRST_KILL_STEP,
+    MIN_GAP_STEPS,
     Run,
-    ScheduledKill,
     System,
     failure_schedule,
-    kill_steps,
+    max_failures,
     productive_fraction,
     work_time_s,
 )
@@ -403,29 +405,97 @@ def test_in_run_failure_free_time_takes_out_what_failures_cost() -> None:
     assert runs.in_run_failure_free_s(recs, 0.0, 30, [kill]) == pytest.approx(1.9 + 30 * 0.1, abs=0.06)
 
 
-def test_failure_schedule_is_the_same_for_every_system() -> None:
-    a = failure_schedule(15.0, 300.0, 0, 4)
-    assert a == failure_schedule(15.0, 300.0, 0, 4)
-    assert a != failure_schedule(15.0, 300.0, 1, 4)
-    assert all(0 <= k.rank < 4 for k in a) and [k.at_s for k in a] == sorted(k.at_s for k in a)
+# ----- the failure schedule: failures per run, at steps, whatever the machine's speed
+def test_the_schedule_places_exactly_the_failures_asked_for() -> None:
+    for n in (0, 1, 6, max_failures(240)):
+        specs = failure_schedule(n, 240, 0, 4)
+        assert len(specs) == n
+        assert all(s["kind"] == "kill" and s["node"] is None and 0 <= s["rank"] < 4 for s in specs)
 
 
-def test_kill_steps_follow_the_reference_runs_progress() -> None:
-    """Failure times map to the step the failure-free reference run had completed by then."""
-    ref = [{"event": "job_up", "time": 101.0}] + steps_every(1, 50, 105.0, 0.5)  # started at 100, step 1 at 105
-    sched = [ScheduledKill(2.0, 1), ScheduledKill(10.0, 3), ScheduledKill(10.1, 0), ScheduledKill(40.0, 2)]
-    specs = kill_steps(sched, ref, t_start=100.0, steps=20)
-    assert [(s["step"], s["rank"]) for s in specs] == [(1, 1), (11, 3), (12, 0)]  # 40 s is past step 20
-    assert all(s["kind"] == "kill" and s["node"] is None for s in specs)
-    assert kill_steps([], ref, 100.0, 20) == []
+def test_the_schedule_is_a_function_of_its_seed() -> None:
+    assert failure_schedule(6, 240, 0, 4) == failure_schedule(6, 240, 0, 4)
+    assert failure_schedule(6, 240, 0, 4) != failure_schedule(6, 240, 1, 4)
+
+
+def test_kill_steps_are_after_the_warm_up_spaced_and_before_the_end() -> None:
+    """Each kill has a pre-failure step time to be measured against, and MIN_GAP_STEPS steps after
+    it to recover in before the next kill or the end of the work."""
+    for seed in range(20):
+        for steps, n in ((240, 6), (60, 2), (60, max_failures(60)), (20, 2)):
+            at = [s["step"] for s in failure_schedule(n, steps, seed, 4)]
+            assert at == sorted(at) and at[0] >= FIRST_KILL_STEP and at[-1] <= steps - MIN_GAP_STEPS
+            assert all(b - a >= MIN_GAP_STEPS for a, b in zip(at, at[1:], strict=False))
+
+
+def test_the_kill_steps_spread_over_the_whole_run() -> None:
+    """Uniform over the run: over many seeds, kills fall early, in the middle and late."""
+    at = [s["step"] for seed in range(200) for s in failure_schedule(6, 240, seed, 4)]
+    thirds = [sum(1 for a in at if lo <= a < lo + 80) for lo in (0, 80, 160)]
+    assert all(t > 0.25 * len(at) for t in thirds), thirds
+    ranks = {s["rank"] for seed in range(50) for s in failure_schedule(6, 240, seed, 4)}
+    assert ranks == {0, 1, 2, 3}
+
+
+def test_how_many_failures_fit_in_a_run() -> None:
+    assert max_failures(FIRST_KILL_STEP + MIN_GAP_STEPS - 1) == 0
+    assert max_failures(FIRST_KILL_STEP + MIN_GAP_STEPS) == 1
+    assert max_failures(240) == (240 - MIN_GAP_STEPS - FIRST_KILL_STEP) // MIN_GAP_STEPS + 1
+    steps = FIRST_KILL_STEP + 10 * MIN_GAP_STEPS  # room for 10 kills exactly: packed, no choice left
+    at = [s["step"] for s in failure_schedule(max_failures(steps), steps, 0, 4)]
+    assert at == list(range(FIRST_KILL_STEP, steps - MIN_GAP_STEPS + 1, MIN_GAP_STEPS)) and len(at) == 10
+    with pytest.raises(ValueError, match="do not fit"):
+        failure_schedule(max_failures(240) + 1, 240, 0, 4)
+    with pytest.raises(ValueError, match="do not fit"):
+        failure_schedule(-1, 240, 0, 4)
+
+
+@pytest.mark.parametrize(
+    "argv, problem",
+    [
+        (["--failures", "-1"], "--failures must be at least 0, got -1"),
+        (["--failures", str(max_failures(240) + 1)], f"do not fit in 240 steps: at most {max_failures(240)}"),
+        (["--steps", "60", "--failures", "11"], f"do not fit in 60 steps: at most {max_failures(60)}"),
+        (["--steps", "12"], "--failures 6 do not fit in 12 steps: at most 0"),  # the default does not fit
+    ],
+)
+def test_the_cli_refuses_a_schedule_that_cannot_be_run_in_one_line(
+    argv: list[str], problem: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def no_run(*a: object, **kw: object) -> object:
+        raise AssertionError("no job may run")
+
+    monkeypatch.setattr(productivity, "run_all", no_run)
+    assert cli.main(["bench", "productivity", *argv]) == 2
+    err = capsys.readouterr().err
+    assert problem in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_failures_are_for_the_productivity_bench_only(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", "recovery", "--failures", "2"]) == 2
+    assert "--failures is for `leto bench productivity`" in capsys.readouterr().err
+
+
+def test_the_report_states_the_schedule_in_failures_per_run(capsys: pytest.CaptureFixture[str]) -> None:
+    specs = failure_schedule(2, 100, productivity.SCHEDULE_SEED, 4)
+    rep = build_report(CFG, THREE_TRIALS, NAMES, specs=specs, torchft="not installed")
+    cfg = rep["config"]
+    assert cfg["failures"] == 2 and cfg["kills"] == specs and cfg["seed"] == productivity.SCHEDULE_SEED
+    assert cfg["schedule"].startswith("2 failures per run")
+    assert "mtbf_s" not in cfg and "kill_steps_from" not in cfg  # nothing in seconds of a machine's speed
+    rep.update(json="productivity.json", plots=[])
+    productivity.print_table(rep)
+    first = capsys.readouterr().out.splitlines()[0]
+    steps = ", ".join(str(s["step"]) for s in specs)
+    assert f"2 worker SIGKILLs per run (seed 0) after steps {steps}, the same for every system" in first
 
 
 # ----- the trials, run with a stand-in for the systems
 def test_every_trial_runs_every_system_failure_free_then_with_the_same_kills(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Kill steps come from trial 1's first failure-free run (Leto's) and are reused, unchanged, by
-    every system in every trial; the order rotates; every run has its own folder."""
+    """The same kills, unchanged, for every system in every trial; the order rotates; every run has
+    its own folder."""
     calls: list[tuple[str, str, list[dict]]] = []
 
     def fake_run_system(system: System, cfg: runs.JobConfig, run_dir: Path, injector: object, limit_s: float) -> Run:
@@ -447,10 +517,11 @@ def test_every_trial_runs_every_system_failure_free_then_with_the_same_kills(
 
     monkeypatch.setattr(productivity, "run_system", fake_run_system)
     systems = [System("leto", "leto"), System("memory-restart", "memory-restart"), System("torchft", "torchft")]
-    sched = [ScheduledKill(2.45, 1), ScheduledKill(3.05, 2)]  # steps 5 and 11 of the reference run
-    all_runs, specs, orders, reference = productivity.run_all(runs.JobConfig(steps=20), tmp_path, systems, sched, 3)
-    assert [(s["step"], s["rank"]) for s in specs] == [(5, 1), (11, 2)]
-    assert reference == {"trial": 1, "system": "leto", "work_s": pytest.approx(3.9)}
+    specs = [
+        {"kind": "kill", "rank": 1, "node": None, "step": 5},
+        {"kind": "kill", "rank": 2, "node": None, "step": 11},
+    ]
+    all_runs, orders = productivity.run_all(runs.JobConfig(steps=20), tmp_path, systems, specs, 3)
     assert orders == [
         ["leto", "memory-restart", "torchft"],
         ["memory-restart", "torchft", "leto"],
@@ -463,22 +534,24 @@ def test_every_trial_runs_every_system_failure_free_then_with_the_same_kills(
     assert len(all_runs) == 3 and all(set(r["failures"]) == {"leto", "memory-restart", "torchft"} for r in all_runs)
 
 
-def test_a_reference_run_that_did_not_finish_hands_the_kill_steps_to_the_next(
+def test_a_failure_free_run_that_did_not_finish_does_not_cancel_the_run_with_failures(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The kill steps do not depend on any run: a system whose failure-free run fell short still
+    runs with the same kills as the others."""
+    seen: dict[str, list[dict]] = {}
+
     def fake_run_system(system: System, cfg: runs.JobConfig, run_dir: Path, injector: object, limit_s: float) -> Run:
+        seen[run_dir.name] = list(getattr(injector, "specs", []))
         last = cfg.steps - 1 if run_dir.name == "trial1-failure-free-leto" else cfg.steps  # Leto's falls short
         return Run(system.name, run_dir, 0.0, 10.0, 0, None, {}, steps_every(1, last, 2.0, 0.1), [])
 
     monkeypatch.setattr(productivity, "run_system", fake_run_system)
     systems = [System("leto", "leto"), System("memory-restart", "memory-restart")]
-    all_runs, specs, _, reference = productivity.run_all(
-        runs.JobConfig(steps=20), tmp_path, systems, [ScheduledKill(2.45, 1)], 2
-    )
-    assert reference is not None and reference["system"] == "memory-restart" and specs[0]["step"] == 5
-    assert "leto" not in all_runs[0]["failures"] and "leto" in all_runs[1]["failures"]
-    rep = build_report(runs.JobConfig(steps=20), all_runs, ["leto", "memory-restart"], specs=specs)
-    assert rep["systems"]["leto"]["trials"][0]["error"].startswith("not run")
+    specs = failure_schedule(1, 20, 0, 4)
+    all_runs, _ = productivity.run_all(runs.JobConfig(steps=20), tmp_path, systems, specs, 1)
+    assert set(all_runs[0]["failures"]) == {"leto", "memory-restart"}
+    assert seen["trial1-failures-leto"] == seen["trial1-failures-memory-restart"] == specs
 
 
 # ----- one short real run: Leto and memory-restart, two failures (~90 s: beyond CI's budget; the
@@ -494,16 +567,14 @@ def test_productivity_bench_end_to_end(
         "SYSTEMS",
         (System("leto", "leto", 1), System("memory-restart", "memory-restart"), System("torchft", "torchft")),
     )
-    # two failures, after steps 1 and 2 of the reference run whatever its speed: a short, bounded test
-    monkeypatch.setattr(productivity, "failure_schedule", lambda *a: [ScheduledKill(0.0, 1), ScheduledKill(0.0, 2)])
     monkeypatch.setattr(productivity, "torchft_status", lambda: "not installed")
-    args = argparse.Namespace(json=True, steps=8, trials=1, out=tmp_path / "out", workers=4, model="tiny")
+    args = argparse.Namespace(json=True, steps=20, failures=2, trials=1, out=tmp_path / "out", workers=4, model="tiny")
     code = productivity.main(args)
     doc = json.loads(capsys.readouterr().out)  # stdout is the JSON document and nothing else
     assert code == 0
     kills = doc["config"]["kills"]
-    assert doc["config"]["trials"] == 1 and doc["config"]["kill_steps_from"]["system"] == "leto"
-    assert [(k["step"], k["rank"]) for k in kills] == [(1, 1), (2, 2)]
+    assert doc["config"]["trials"] == 1 and doc["config"]["failures"] == 2
+    assert kills == failure_schedule(2, 20, productivity.SCHEDULE_SEED, 4)
     assert doc["systems"]["torchft"]["status"] == "not installed" and doc["difference_pp"]["torchft"] is None
     (tr,) = doc["trials"]
     for name in ("leto", "memory-restart"):

@@ -350,6 +350,12 @@ def build_parser() -> _Parser:
     bench.add_argument("--json", action="store_true", help="print JSON")
     bench.add_argument("--steps", type=int, default=None, help="measured steps per run [per benchmark]")
     bench.add_argument("--trials", type=int, default=3, help="trials per system (recovery, productivity) [3]")
+    bench.add_argument(
+        "--failures",
+        type=int,
+        default=None,
+        help="productivity: worker SIGKILLs per run, at seeded random steps, the same for every system [6]",
+    )
     bench.add_argument("--out", type=Path, default=None, help="folder for plots and raw results [a temp folder]")
     bench.add_argument("--workers", type=int, default=4)
     bench.add_argument(
@@ -854,6 +860,8 @@ def _bench(args: argparse.Namespace) -> int:
         raise UsageError(
             "leto bench: error: --hosts is for `leto bench recovery`, with 3 to 5 hosts (one etcd member each)"
         )
+    if args.failures is not None and args.what != "productivity":
+        raise UsageError("leto bench: error: --failures is for `leto bench productivity`")
     if not 1 <= args.workers <= PRESETS[args.model].batch_size:
         raise UsageError(f"leto bench: error: --workers must be in 1..{PRESETS[args.model].batch_size}")
     if args.out is not None:

@@ -1,13 +1,13 @@
 """`leto bench productivity`: the same training work under the same failures, per system, in trials.
 
-Work: `steps` steps of the built-in GPT job. Failures: a Poisson process (MTBF in seconds of
-failure-free training, time compressed), seeded, each a SIGKILL of a seeded random worker,
-injected from outside by PID (`leto.baselines.faults`). The failure times are mapped onto training
-progress once - the step the first failure-free run of the first trial (Leto's) had completed that
-many seconds after its start - and every system, in every trial, loses the same workers at the
-same steps: on a shared machine a time-based schedule gives a system that happens to run in a
-quiet minute fewer failures, and the same failures in every trial make the trials repeats of one
-measurement (their spread is the machine's noise, not the schedule's).
+Work: `steps` steps of the built-in GPT job. Failures: `--failures N` per run (default
+DEFAULT_FAILURES), each a SIGKILL of a seeded random worker once a seeded random step is recorded,
+injected from outside by PID (`leto.baselines.faults`); the steps are N uniform points over the
+run's steps after the warm-up, at least `runs.MIN_GAP_STEPS` apart (`runs.failure_schedule`). The
+schedule is a function of N, the steps and the seed only: every system, in every trial, loses the
+same workers after the same steps, however fast the machine runs that day (a schedule in seconds
+drew one failure on a fast day and six on a slow one), and the same failures in every trial make
+the trials repeats of one measurement (their spread is the machine's noise, not the schedule's).
 
 A trial runs every system failure-free and then with the failures, back to back (A, A', B, B',
 ...); the order of the systems rotates by one from trial to trial (trial 2 starts with B), so no
@@ -53,19 +53,20 @@ from leto.bench.mesh import refuse_tp
 from leto.bench.noise import NOISE_RULE, NOT_MEASURED, every_repeat, measured, noise_word, on_median, within_noise
 from leto.bench.runs import (
     DEFAULT_MTBF_S,
+    FIRST_KILL_STEP,
     LETO,
+    MIN_GAP_STEPS,
     BenchInterrupted,
     JobConfig,
     NoInjector,
     Run,
-    ScheduledKill,
     System,
     default_out,
     failure_schedule,
     in_run_failure_free_s,
-    kill_steps,
     log,
     machine,
+    max_failures,
     median,
     median_index,
     productive_fraction,
@@ -74,12 +75,16 @@ from leto.bench.runs import (
     torchft_status,
     work_time_s,
 )
+from leto.errors import UsageError
 from leto.training.model import PRESETS
 
 DEFAULT_STEPS = 240
 DEFAULT_TRIALS = 3
+# Six: about what the earlier schedule in seconds (MTBF 8 s) drew on runs of 40-50 s, the results in
+# docs/benchmarks.md (five in 120 steps on 2026-12-01, six in 480 on 2026-12-04); over the default 240
+# steps one kill per 40 steps on average: several recoveries per run, most steps undisturbed.
+DEFAULT_FAILURES = 6
 SCHEDULE_SEED = 0  # the same seed, and the same kill steps and ranks, in every trial
-HORIZON_S = 3600.0
 SYSTEMS = (
     System(LETO, LETO, 1),
     System("checkpoint-restart", "checkpoint-restart"),
@@ -139,6 +144,18 @@ DEFINITIONS = {
 }
 
 
+def schedule_words(failures: int, steps: int) -> str:
+    """The failure schedule in words, as `config.schedule` carries it."""
+    return (
+        f"{failures} failures per run, each a SIGKILL of a seeded random worker once a seeded random step is "
+        "recorded (the highest step number so far: steps a restart redoes do not count again), the steps "
+        f"uniform over [{FIRST_KILL_STEP}, {steps - MIN_GAP_STEPS}] and at least {MIN_GAP_STEPS} apart (seed "
+        f"{SCHEDULE_SEED}); the same steps and ranks for every system in every trial, whatever the machine's "
+        "speed; a system that shrinks (NVRx) is not killed where the target rank no longer exists, so its "
+        "failures are those injected"
+    )
+
+
 def pp(a: float | None, b: float | None) -> float | None:
     """a - b in percentage points."""
     return None if a is None or b is None else round(100.0 * (a - b), 2)
@@ -161,16 +178,13 @@ def trial_order(systems: list[System], trial: int) -> list[System]:
 
 
 def run_all(
-    cfg: JobConfig, out: Path, systems: list[System], schedule: list[ScheduledKill], trials: int
-) -> tuple[list[dict[str, dict[str, Run]]], list[dict], list[list[str]], dict | None]:
+    cfg: JobConfig, out: Path, systems: list[System], specs: list[dict], trials: int
+) -> tuple[list[dict[str, dict[str, Run]]], list[list[str]]]:
     """Every trial: per system in turn (rotated per trial), the failure-free run, then the run with
-    the kills. The kill steps come from the first failure-free run that finished the work (Leto's in
-    trial 1) and are the same in every trial. Returns per trial the runs, the kills (faults.ExternalInjector
-    specs), the order of every trial and which run the kill steps came from."""
+    the kills `specs` (faults.ExternalInjector specs: the same in every trial). Returns per trial
+    the runs, and the order of every trial."""
     all_runs: list[dict[str, dict[str, Run]]] = []
     orders: list[list[str]] = []
-    specs: list[dict] | None = None
-    reference: dict | None = None
     timeout_s = 120.0 + 20.0 * cfg.steps
     for trial in range(trials):
         runs: dict[str, dict[str, Run]] = {"failure-free": {}, "failures": {}}
@@ -189,15 +203,6 @@ def run_all(
             runs["failure-free"][system.name] = free
             _log_run(tag, system.name, "failure-free", free, cfg.steps)
             ff_s = work_time_s(free.records, free.t_start, cfg.steps)
-            if specs is None:
-                if ff_s is None:
-                    log(
-                        f"[productivity] {system.name}'s failure-free run did not finish the work: it cannot give "
-                        f"the kill steps; its run with failures is skipped"
-                    )
-                    continue
-                specs = kill_steps(schedule, free.records, free.t_start, cfg.steps)
-                reference = {"trial": trial + 1, "system": system.name, "work_s": ff_s}
             run_dir = out / "runs" / f"trial{trial + 1}-failures-{system.name}"
             run = run_system(
                 system,
@@ -208,7 +213,7 @@ def run_all(
             )
             runs["failures"][system.name] = run
             _log_run(tag, system.name, "failures", run, cfg.steps)
-    return all_runs, specs or [], orders, reference
+    return all_runs, orders
 
 
 def _log_run(tag: str, name: str, phase: str, run: Run, steps: int) -> None:
@@ -258,7 +263,7 @@ def summarize_trial(cfg: JobConfig, runs: dict[str, dict[str, Run]], names: list
             RATIO: _ratio(whole.get(name), fastest_peer(whole, name)),
             WORK_RATIO: _ratio(work.get(name), fastest_peer(work, name)),
             "ok": wall is not None,
-            "error": run.error if run else "not run (no kill steps yet)",
+            "error": run.error if run else "not run",
             "failure_free_error": ff.error if ff else "not run",
             "kills": [
                 {
@@ -462,7 +467,7 @@ def make_plot(out: Path, report: dict, runs: list[dict[str, dict[str, Run]]], to
     cfg = report["config"]
     path = plots.timeline(
         [free_col, fail_col],
-        ["failure-free", f"{len(cfg['kills'])} worker kills at the same steps (Poisson, MTBF {cfg['mtbf_s']:g} s)"],
+        ["failure-free", f"{cfg['failures']} worker kills per run, at the same steps for every system"],
         tokens,
         out / "productivity-timeline.png",
         f"Tokens/s over wall time, {cfg['steps']} steps (each system's median trial of {cfg['trials']})",
@@ -531,9 +536,9 @@ def print_table(report: dict) -> None:
     n = cfg["trials"]
     print(
         f"leto bench productivity: {cfg['steps']} steps of the {cfg['model']} job, {cfg['workers']} workers on "
-        f"{cfg['nodes']} nodes, {n} trial{'' if n == 1 else 's'}; {len(cfg['kills'])} worker SIGKILLs (Poisson, "
-        f"MTBF {cfg['mtbf_s']:g} s, seed {cfg['seed']}) after steps "
-        f"{', '.join(str(k['step']) for k in cfg['kills']) or '-'}, the same in every trial"
+        f"{cfg['nodes']} nodes, {n} trial{'' if n == 1 else 's'}; {cfg['failures']} worker SIGKILLs per run "
+        f"(seed {cfg['seed']}) after steps {', '.join(str(k['step']) for k in cfg['kills']) or '-'}, the same for "
+        "every system in every trial"
     )
     print(f"medians of {n} trials, [min..max] beside them" if n > 1 else "one trial: no medians, no spread")
     head = (
@@ -597,7 +602,6 @@ def build_report(
     *,
     specs: list[dict],
     orders: list[list[str]] | None = None,
-    reference: dict | None = None,
     torchft: str | None = None,
     info: dict | None = None,
 ) -> dict:
@@ -615,16 +619,12 @@ def build_report(
             "nodes": cfg.nodes,
             "model": cfg.model,
             "steps": cfg.steps,
-            "mtbf_s": DEFAULT_MTBF_S,
+            "failures": len(specs),
             "seed": SCHEDULE_SEED,
             "trials": len(all_runs),
             "kills": specs,
-            "kill_steps_from": reference,
             "ckpt_mtbf_s": cfg.mtbf_s,
-            "schedule": "Poisson failure times in seconds of failure-free training (seed "
-            f"{SCHEDULE_SEED} in every trial), mapped once onto the steps of the "
-            "first failure-free run that finished the work (kill_steps_from): the "
-            "same kill steps and ranks for every system in every trial",
+            "schedule": schedule_words(len(specs), cfg.steps),
             "order": "each trial: per system in turn, its failure-free run then its run with "
             "failures; the order of the systems rotates by one per trial",
         },
@@ -667,6 +667,16 @@ def main(args: argparse.Namespace) -> int:
     refuse_tp(args, "productivity")
     steps = args.steps or DEFAULT_STEPS
     trials = getattr(args, "trials", None) or DEFAULT_TRIALS
+    failures = getattr(args, "failures", None)
+    failures = DEFAULT_FAILURES if failures is None else failures
+    if failures < 0:
+        raise UsageError(f"leto bench productivity: error: --failures must be at least 0, got {failures}")
+    if failures > max_failures(steps):
+        raise UsageError(
+            f"leto bench productivity: error: --failures {failures} do not fit in {steps} steps: at most "
+            f"{max_failures(steps)} (the first after step {FIRST_KILL_STEP}, {MIN_GAP_STEPS} steps apart, the last "
+            f"{MIN_GAP_STEPS} steps before the end); give fewer --failures or more --steps"
+        )
     nodes = min(2, args.workers)
     cfg = JobConfig(workers=args.workers, nodes=nodes, steps=steps, model=args.model, mtbf_s=DEFAULT_MTBF_S)
     out = Path(args.out) if args.out else default_out("productivity")
@@ -677,16 +687,16 @@ def main(args: argparse.Namespace) -> int:
     for name, why in (("torchft", tf), ("nvrx", nv)):
         if why is not None:
             log(f"{name}: {why}")
-    schedule = failure_schedule(DEFAULT_MTBF_S, HORIZON_S, SCHEDULE_SEED, args.workers)
+    specs = failure_schedule(failures, steps, SCHEDULE_SEED, args.workers)
     info = machine()
     try:
         with stdout_to_stderr():
-            all_runs, specs, orders, reference = run_all(cfg, out, systems, schedule, trials)
+            all_runs, orders = run_all(cfg, out, systems, specs, trials)
     except BenchInterrupted as e:
         log(f"leto bench productivity: {e}; stopped")
         return 130
     info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    report = build_report(cfg, all_runs, names, specs=specs, orders=orders, reference=reference, torchft=tf, info=info)
+    report = build_report(cfg, all_runs, names, specs=specs, orders=orders, torchft=tf, info=info)
     report["json"] = str(out / "productivity.json")
     report["plots"] = make_plot(out, report, all_runs, PRESETS[cfg.model].batch_size * PRESETS[cfg.model].block_size)
     Path(report["json"]).write_text(dumps(report))

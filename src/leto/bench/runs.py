@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Protocol
 
 from leto import config as job_config
-from leto.baselines.faults import ExternalInjector, Kill, poisson_schedule
+from leto.baselines.faults import ExternalInjector, Kill
 from leto.baselines.restart import run_baseline
 from leto.bench.mesh import mesh_elements, shard_accounting
-from leto.bench.throughput import steady_step_s
+from leto.bench.throughput import WARMUP_STEPS, steady_step_s
 from leto.console import read_jsonl
 from leto.control.one_host import run_job
 from leto.protection.placement import default_code
@@ -39,7 +39,7 @@ LETO = "leto"
 WINDOW = 3  # consecutive steps that must run at pre-failure throughput ...
 TOLERANCE = 1.25  # ... together in at most this many times their pre-failure median time
 # (over a window, not step by step: single protected steps vary by +-40 % on this shared box)
-DEFAULT_MTBF_S = 8.0  # the productivity schedule's MTBF; checkpoint-restart's K is set for it
+DEFAULT_MTBF_S = 8.0  # the MTBF checkpoint-restart's Young/Daly K is set for (JobConfig.mtbf_s)
 SEGMENTS = ("detect", "restart / rebuild", "restore", "recompute", "back to speed")
 INTERRUPTED = (130, 143)  # a controller stopped by SIGINT / SIGTERM
 
@@ -269,33 +269,34 @@ def step_injector(run_dir: Path, kind: str, who: int, step: int, timeout_s: floa
     return ExternalInjector(run_dir, [spec], timeout_s=timeout_s)
 
 
-@dataclass(frozen=True)
-class ScheduledKill:
-    at_s: float  # seconds of failure-free training after the start of the run
-    rank: int
+FIRST_KILL_STEP = WARMUP_STEPS + WINDOW  # the first step a kill may follow: warm-up, then a pre-failure step time
+MIN_GAP_STEPS = WINDOW + 2  # between kills, and after the last: the lost step, the back-to-speed window, one spare
 
 
-def failure_schedule(mtbf_s: float, horizon_s: float, seed: int, workers: int) -> list[ScheduledKill]:
-    """Poisson failure times (`poisson_schedule`) with a seeded random worker for each."""
-    rng = random.Random(f"leto-bench-ranks-{seed}")
-    return [ScheduledKill(t, rng.randrange(workers)) for t in poisson_schedule(mtbf_s, horizon_s, seed)]
+def max_failures(steps: int) -> int:
+    """How many kills `failure_schedule` can place in a run of `steps` steps."""
+    last = steps - MIN_GAP_STEPS
+    return 0 if last < FIRST_KILL_STEP else (last - FIRST_KILL_STEP) // MIN_GAP_STEPS + 1
 
 
-def kill_steps(schedule: list[ScheduledKill], reference: list[dict], t_start: float, steps: int) -> list[dict]:
-    """Map failure times onto training progress: failure i comes once the step is recorded that
-    the failure-free `reference` run (its step records, started at `t_start`) had completed
-    `at_s` seconds after its start (at least step 1; strictly increasing; only before the last
-    step of the work). Returns `faults.ExternalInjector` specs."""
-    done = sorted((r["time"] - t_start, r["step"]) for r in reference if "event" not in r and "step" in r)
-    out: list[dict] = []
-    last = 0
-    for k in sorted(schedule, key=lambda k: k.at_s):
-        step = max([s for t, s in done if t <= k.at_s] + [1, last + 1])
-        if step >= steps:
-            break
-        out.append({"kind": "kill", "rank": k.rank, "node": None, "step": step, "at_s": round(k.at_s, 3)})
-        last = step
-    return out
+def failure_schedule(failures: int, steps: int, seed: int, workers: int) -> list[dict]:
+    """`failures` SIGKILLs of seeded random workers, each once a seeded random step is recorded:
+    `faults.ExternalInjector` specs. The steps are `failures` uniform points over
+    [FIRST_KILL_STEP, steps - MIN_GAP_STEPS] (a Poisson process over the run's steps, conditioned
+    on `failures` points), at least MIN_GAP_STEPS apart: every spaced placement is equally likely.
+    A function of its arguments only, never of a run's speed. ValueError if they do not fit
+    (`max_failures`)."""
+    if not 0 <= failures <= max_failures(steps):
+        raise ValueError(f"{failures} failures do not fit in {steps} steps (0 to {max_failures(steps)} do)")
+    rng = random.Random(f"leto-bench-failures-{seed}")
+    # draw from the steps with the gaps taken out, then put the gaps back: spaced, and uniform
+    room = steps - MIN_GAP_STEPS - FIRST_KILL_STEP - (failures - 1) * (MIN_GAP_STEPS - 1)
+    picks = sorted(rng.sample(range(room + 1), failures))
+    ranks = [rng.randrange(workers) for _ in picks]
+    return [
+        {"kind": "kill", "rank": rank, "node": None, "step": FIRST_KILL_STEP + p + i * (MIN_GAP_STEPS - 1)}
+        for i, (p, rank) in enumerate(zip(picks, ranks, strict=True))
+    ]
 
 
 class NoInjector:
