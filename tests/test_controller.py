@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import textwrap
@@ -35,6 +36,33 @@ def test_procs_json_lists_every_process_by_role(launcher, tmp_path: Path) -> Non
     assert workers == {0: 0, 1: 0, 2: 1, 3: 1}
     assert {p["node"] for p in procs if p["role"] == "shadow"} == {0, 1}
     assert next(p for p in procs if p["role"] == "controller")["pid"] == ctl.pid
+    ctl.send_signal(signal.SIGTERM)
+    ctl.wait(timeout=30)
+
+
+def _policies(pid: int) -> set[int]:
+    policies = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            policies.add(os.sched_getscheduler(int(tid)))
+        except (ProcessLookupError, PermissionError):
+            pass  # a thread that ended meanwhile
+    return policies
+
+
+def test_keepers_serve_at_sched_batch_and_workers_at_normal_priority(launcher, tmp_path: Path) -> None:
+    """A keeper woken by a doorbell must never preempt a worker, yet get its fair share."""
+    run_dir = tmp_path / "run"
+    ctl = launcher.start("train", "--workers", "4", "--nodes", "2", "--steps", "100000", "--run-dir", str(run_dir))
+    wait_for(lambda: (run_dir / "metrics.jsonl").exists(), 60, "training to start")
+    procs = read_procs(run_dir)
+    keepers = [p["pid"] for p in procs if p["role"] == "keeper"]
+    workers = [p["pid"] for p in procs if p["role"] == "worker"]
+    assert len(keepers) == 2 and len(workers) == 4
+    for pid in keepers:
+        assert _policies(pid) == {os.SCHED_BATCH}, f"keeper {pid}"
+    for pid in workers:
+        assert _policies(pid) == {os.SCHED_OTHER}, f"worker {pid}"
     ctl.send_signal(signal.SIGTERM)
     ctl.wait(timeout=30)
 

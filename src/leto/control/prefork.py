@@ -42,7 +42,7 @@ PERSIST_PRELOAD = ("torch.distributed.checkpoint",)  # ~2 s more per process whe
 def start_keeper() -> None:
     """A keeper starts with its doorbells blocked, so every thread it starts inherits the mask and
     leaves the rings to the thread that sleeps on them. It starts at idle priority, so that it
-    never slows the workers' own start, and takes normal priority back once it is about to serve
+    never slows the workers' own start, and takes SCHED_BATCH once it is about to serve
     (`keeper.main`)."""
     linux.die_with_parent()
     doorbell.block()

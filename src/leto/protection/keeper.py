@@ -221,7 +221,10 @@ def main() -> None:
     doorbell.install()
     linux.name_thread("leto-keeper")
     torch.set_num_threads(1)
-    linux.normal_priority()  # torch is imported (at idle priority, see the controller): serve at normal priority
+    # torch is imported (at idle priority, see the controller): serve at SCHED_BATCH, a fair share
+    # of the CPU, but a doorbell waking the keeper never preempts a worker (docs/protection.md,
+    # "Keepers' priority")
+    linux.batch_priority()
     job = rt.init(device="cpu")
     if standby.pending() and not standby.bind(job):  # a standby host's: warm, it waits for its node
         return

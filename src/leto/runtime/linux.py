@@ -82,6 +82,12 @@ def normal_priority(pid: int | str = "self") -> None:
     _set_policy(pid, os.SCHED_OTHER)
 
 
+def batch_priority(pid: int | str = "self") -> None:
+    """Give every thread of a process SCHED_BATCH: its fair share of the CPU like SCHED_OTHER,
+    but waking up never preempts a running thread (allowed unprivileged from SCHED_IDLE too)."""
+    _set_policy(pid, os.SCHED_BATCH)
+
+
 def idle_priority_of(pid: int) -> None:
     """Put every thread of another process (of this user) back to SCHED_IDLE."""
     _set_policy(pid, os.SCHED_IDLE)
