@@ -47,7 +47,7 @@ class HostStaging:
                 f"a chunk of {src.numel()} bytes does not fit the {self.bufs[slot].numel()}-byte staging buffer"
             )
         dst = self.bufs[slot][: src.numel()]
-        if self.stream is None:
+        if self.stream is None or src.device.type == "cpu":  # a host tensor (a resharded state): no device copy
             dst.copy_(src)
             return dst.numpy()
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the chunk's producers first

@@ -207,7 +207,14 @@ class ShardedState:
     def update_chunk(self, old: torch.Tensor, grad: torch.Tensor, dst: torch.Tensor, step: int, offset: int) -> None:
         """The optimizer update to `step` of the chunk whose first element is flat element
         `offset` (also used to replay a decoded chunk): each parameter group's range with its own
-        hyper-parameters."""
+        hyper-parameters. A chunk held elsewhere (a recovery's decoded chunk, on the host) is
+        updated on this shard's device, by the kernels of the step itself, so to the same bits."""
+        dev = self._scratch.device
+        if old.device != dev or grad.device != dev or dst.device != dev:
+            out = torch.empty(dst.shape, device=dev)
+            self.update_chunk(old.to(dev), grad.to(dev), out, step, offset)
+            dst.copy_(out)
+            return
         for lo, hi, opt in self.groups.segments(offset, self.chunk_elems):
             if hi - lo == self.chunk_elems:
                 opt.update(old, grad, dst, step, self._scratch)
