@@ -4,9 +4,9 @@
 #      one) and Leto (installed, else this checkout's src/ on PYTHONPATH; wheels carried in ./.whl
 #      install to a folder on PYTHONPATH, for a host that reaches no registry),
 #   2. runs the recovery tests on CUDA (every test picks the GPU when there is one: a worker
-#      SIGKILLed in three phases, two nodes of a 2+2 stripe lost, digests exact against a
-#      failure-free CUDA run; ranks share the one GPU over gloo with host copies, NCCL where each
-#      rank has a GPU),
+#      SIGKILLed in three phases, two nodes of a 2+2 stripe lost, a shrink with no shadow left
+#      (the resharded path), digests exact against a failure-free CUDA run; ranks share the one
+#      GPU over gloo with host copies, NCCL where each rank has a GPU),
 #   3. measures device-to-host bandwidth (pinned on a side stream, pageable, and through
 #      `HostStaging`), `leto bench overhead` (one round, no persistence calibration run) and
 #      `leto bench recovery` (Leto alone: a worker SIGKILL and a node loss) on CUDA with a model
@@ -143,7 +143,7 @@ fi
 
 step tests 200 250 "$PY" -m pytest -p no:cacheprovider -v --durations=0 tests/test_staging.py \
   tests/test_sharded_optimizer.py tests/test_recovery.py \
-  -k "staging or sharded or 2_plus_2 or (any_phase and (1-update-auto or 3-grads-on or 2-reduce-scatter))" \
+  -k "staging or sharded or 2_plus_2 or no_shadow_left or balanced_shrink or (any_phase and (1-update-auto or 3-grads-on or 2-reduce-scatter))" \
   > "$OUT/gpu-tests.log" 2>&1
 tail -3 "$OUT/gpu-tests.log"
 
