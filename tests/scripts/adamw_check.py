@@ -18,8 +18,8 @@ data = torch.Generator().manual_seed(7)
 X, Y = torch.randn(5, 12, 8, generator=data), torch.randn(5, 12, 4, generator=data)  # 5 steps, 12 rows
 for step in trainer.steps(5):
     rows = torch.arange(12).tensor_split(trainer.world_size)[trainer.rank]
-    x, y = X[step, rows], Y[step, rows]
+    x, y = X[step, rows].to(job.device), Y[step, rows].to(job.device)  # the model is on the job's device
     trainer.step(lambda: nn.functional.mse_loss(model(x), y), weight=len(rows) / 12)
 state = trainer.full_state()
 if trainer.rank == 0:
-    torch.save({k: v.clone() for k, v in state.items()}, sys.argv[1])
+    torch.save({k: v.cpu().clone() for k, v in state.items()}, sys.argv[1])
