@@ -21,7 +21,7 @@ import pytest
 
 from conftest import REPO, Launcher, alive, read_procs, summary, wait_for
 from leto.baselines.ckpt_job import MemoryCheckpointer, steps_between
-from leto.baselines.faults import ExternalInjector, kill_at_step, poisson_schedule
+from leto.baselines.faults import ExternalInjector, kill_at_step
 from leto.runtime.runlog import write_procs
 
 STEPS = 12
@@ -184,13 +184,6 @@ def test_memory_commit_markers_guard_every_slot(tmp_path: Path) -> None:
 
 def test_steps_between() -> None:
     assert steps_between(6.0, 0.1) == 60 and steps_between(0.0, 0.1) == 1
-
-
-def test_poisson_schedule_is_seeded_and_has_the_right_rate() -> None:
-    a, b = poisson_schedule(10.0, 10_000.0, seed=1), poisson_schedule(10.0, 10_000.0, seed=1)
-    assert a == b and a != poisson_schedule(10.0, 10_000.0, seed=2)
-    assert a == sorted(a) and all(0 <= t < 10_000 for t in a)
-    assert 900 < len(a) < 1100
 
 
 def _fake_job(tmp_path: Path) -> tuple[Path, list[subprocess.Popen]]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import threading
 import time
@@ -145,19 +144,6 @@ def kill_at_step(
     with that `rank`, or to every process (worker, shadow, keeper) of `node`, by PID from
     run_dir/procs.json. Returns time.time() of the kill; TimeoutError if the step never comes."""
     return inject_at_step(run_dir, rank=rank, node=node, step=step, sig=sig, timeout_s=timeout_s).time
-
-
-def poisson_schedule(mtbf_s: float, horizon_s: float, seed: int) -> list[float]:
-    """Failure times (seconds from the start) of a Poisson process with mean gap `mtbf_s`."""
-    if mtbf_s <= 0 or horizon_s < 0:
-        raise ValueError(f"need mtbf_s > 0 and horizon_s >= 0, got {mtbf_s}, {horizon_s}")
-    rng = random.Random(seed)
-    out: list[float] = []
-    t = rng.expovariate(1.0 / mtbf_s)
-    while t < horizon_s:
-        out.append(t)
-        t += rng.expovariate(1.0 / mtbf_s)
-    return out
 
 
 class ExternalInjector:
