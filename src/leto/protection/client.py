@@ -22,6 +22,8 @@ from leto.protection.shm import (
     S_KIND,
     S_READY,
     S_STEP,
+    SLOT_FREE,
+    SLOT_STAGED,
     Region,
 )
 from leto.protection.staging import HostStaging
@@ -88,15 +90,15 @@ class Protector:
 
     def _slot(self) -> int:
         idx = self.seq % self.layout.ring_slots
-        if self.hdr[idx, S_READY] != 0:
+        if self.hdr[idx, S_READY] != SLOT_FREE:
             self.bell.ring()  # whatever it last heard, the keeper has a full ring to fold
-            self._wait_until(lambda: self.hdr[idx, S_READY] == 0, "a free staging slot")
+            self._wait_until(lambda: self.hdr[idx, S_READY] == SLOT_FREE, "a free staging slot")
         return idx
 
     def _publish(self, idx: int, kind: int, step: int, chunk: int, crc: int, last: bool) -> None:
         h = self.hdr[idx]
         h[S_KIND], h[S_STEP], h[S_CHUNK], h[S_CRC] = kind, step, chunk, crc
-        h[S_READY] = 1  # last: the keeper applies only complete slots (total store order: see shm.py)
+        h[S_READY] = SLOT_STAGED  # last: the keeper applies only complete slots (total store order: see shm.py)
         self.seq += 1
         # every half ring and at a step's last chunk: the keeper folds while the worker stages the
         # next ones, and wakes up half as often as there are chunks (a lost ring costs latency only)

@@ -1,14 +1,16 @@
-"""The keepers' gloo group of a generation, and its early formation as soon as the
-generation's membership is out."""
+"""The keepers of a generation as a group (their gloo group and their tier-2 connections), and its
+early formation as soon as the generation's membership is out."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from leto.errors import BadValue
 from leto.protection.layout import Layout
+from leto.protection.peer_sockets import PeerSockets
 from leto.protocol import keys
 from leto.protocol.messages import Refusals
 from leto.runtime import env as rt
@@ -18,17 +20,27 @@ from leto.runtime.membership import read_membership
 _refused = Refusals("leto keeper")  # malformed store values this keeper ignored (said once each)
 
 
-def keeper_group(store: dist.Store, gen: int, nodes: list[int], node: int, timeout_s: float) -> dist.ProcessGroup:
-    """The gloo group of generation `gen`'s keepers (one per node of its membership, in node order).
-    Every wait on it ends within `timeout_s` (the job's collective timeout): idle links carry
-    keepalives (`transport.Link`), and blocked waits of an abandoned generation end by that time too."""
-    return dist.ProcessGroupGloo(
+@dataclass(frozen=True)
+class KeeperGroup:
+    """A generation's keepers together: their gloo group (the commit barrier's all-reduce) and
+    this keeper's TCP connections to the others (tier-2 traffic: `transport.Link`)."""
+
+    pg: dist.ProcessGroup
+    sockets: PeerSockets
+
+
+def keeper_group(store: dist.Store, gen: int, nodes: list[int], node: int, timeout_s: float) -> KeeperGroup:
+    """Generation `gen`'s keepers (one per node of its membership, in node order). Every wait on
+    them ends within `timeout_s` (the job's collective timeout): idle links carry keepalives
+    (`transport.Link`), and blocked waits of an abandoned generation end by that time too."""
+    pg = dist.ProcessGroupGloo(
         dist.PrefixStore(keys.keeper_pg(gen), store), nodes.index(node), len(nodes), timedelta(seconds=timeout_s)
     )
+    return KeeperGroup(pg, PeerSockets(store, gen, nodes, node, timeout_s))
 
 
 class EarlyGroup:
-    """Generation `gen`'s keeper group, built in a thread as soon as its membership is out (its nodes
+    """Generation `gen`'s `KeeperGroup`, built in a thread as soon as its membership is out (its nodes
     are the membership's): its rendezvous through the store overlaps the workers' recovery instead of
     following rank 0's layout, which comes only once the state is rebuilt. A generation that is
     superseded before its layout leaves its thread blocked in the rendezvous, like the waits of
@@ -47,7 +59,7 @@ class EarlyGroup:
         except Exception as e:  # noqa: BLE001 (raised by `take`)
             self._box.append(e)
 
-    def take(self, layout: Layout) -> dist.ProcessGroup:
+    def take(self, layout: Layout) -> KeeperGroup:
         """The group, once built (bounded by the timeout); raises what the rendezvous raised."""
         if layout.nodes != self.nodes:
             raise RuntimeError(

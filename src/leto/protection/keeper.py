@@ -1,11 +1,11 @@
 """The keeper: one process per node that holds the node's protection data in shared memory.
 
 It outlives worker crashes. Workers hand it chunks through staging slots; it folds them into
-tier-1 XOR parity, ships tier-2 contributions to other nodes' keepers over its own gloo group,
+tier-1 XOR parity, ships tier-2 contributions to other nodes' keepers over TCP connections of its own,
 folds the contributions it receives, and agrees with the other keepers, step by step, on what
 is committed (see docs/protection.md). Its parts: `parity.py` (folding), `transport.py` (the
 tier-2 links), `barrier.py` (the agreement), `drain.py` (drains and reports), `group.py` (the
-keepers' gloo group); this module runs them and is the keeper process's main.
+keepers' gloo group and connections); this module runs them and is the keeper process's main.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from leto.protection import doorbell
 from leto.protection.barrier import CommitBarrier
 from leto.protection.codec import scale_into
 from leto.protection.drain import drain_of, message, read_drain, report_for, superseded
-from leto.protection.group import EarlyGroup, early_group, keeper_group
+from leto.protection.group import EarlyGroup, KeeperGroup, early_group, keeper_group
 from leto.protection.layout import Layout
 from leto.protection.parity import Parity
 from leto.protection.shm import (
@@ -42,11 +42,14 @@ from leto.protection.shm import (
     S_KIND,
     S_READY,
     S_STEP,
+    SLOT_FREE,
+    SLOT_HELD,
+    SLOT_STAGED,
     STATE_RUNNING,
     Region,
     check_store_order,
 )
-from leto.protection.transport import HDR, Link, kinds, records_per_batch
+from leto.protection.transport import HDR, Link, kinds, records_per_batch, scaled_links
 from leto.protocol import keys
 from leto.protocol.protection import KeeperReady
 from leto.runtime import env as rt
@@ -71,7 +74,7 @@ class Keeper:
         node: int,
         layout: Layout,
         timeout_s: float,
-        pg: dist.ProcessGroup | None = None,
+        group: KeeperGroup | None = None,
     ) -> None:
         self.store, self.job, self.node, self.layout = store, job, node, layout
         self.timeout_s = timeout_s
@@ -86,6 +89,8 @@ class Keeper:
         self.parity = Parity(self.region, layout, node)
         self.W = self.parity.W  # the node's workers
         self.next_slot = [0] * self.W
+        self._holds: dict[tuple[int, int], int] = {}  # staging slot (worker, index) -> holds on it
+        self._slot_lock = threading.Lock()
         g = layout.geometry
         self.grads = layout.protects_grads  # else gradients are not staged (an interval, or gloo's replicas)
         self.nbytes = kinds(layout)
@@ -94,14 +99,23 @@ class Keeper:
         self.shipped: dict[tuple[int, int], int] = {}  # (kind, step) -> local chunks shipped
         self.routes = [layout.routes(node, pos) for pos in range(self.W * g.n_chunks)]  # by data position
         trace.mark("keeper_region", generation=self.gen)
-        self.pg = pg if pg is not None else keeper_group(store, self.gen, layout.nodes, node, timeout_s)
+        group = group if group is not None else keeper_group(store, self.gen, layout.nodes, node, timeout_s)
+        self.pg, self.sockets = group.pg, group.sockets
         senders, receivers = set(layout.senders_to(node)), set(layout.receivers_from(node))
         # set with the first report, under the lock: from then on nothing changes the region. A
         # peer cut off by a partition may deliver its queued contributions once the link is back,
         # while survivors decode from this region (they read the versions of the report).
         self.reported = False
+        out, inbound = self.sockets.out, self.sockets.inbound
+        for n in set(out) - receivers:  # connections this layout sends nothing over
+            out.pop(n).close()
+        for n in set(inbound) - senders:
+            inbound.pop(n).close()
+        scaled = scaled_links(layout, node)
         self.links = {
-            n: Link(self, n, send=n in receivers, recv=n in senders) for n in sorted(senders | receivers) if n != node
+            n: Link(self, n, out.get(n), inbound.get(n), scaled=n in scaled)
+            for n in sorted(senders | receivers)
+            if n != node
         }
         # by data position: each tier-2 route with the link it goes over
         self.route_links = [[(r, self.links[r.parity_node]) for r in routes] for routes in self.routes]
@@ -123,38 +137,55 @@ class Keeper:
             for _ in range(ring):
                 idx = self.next_slot[w] % ring
                 h = hdrs[w, idx]
-                if h[S_READY] != 1:  # then read the slot: total store order is assumed (shm.py)
+                if h[S_READY] != SLOT_STAGED:  # then read the slot: total store order is assumed (shm.py)
                     break
                 f = h.tolist()
                 kind, step, chunk, crc = f[S_KIND], f[S_STEP], f[S_CHUNK], f[S_CRC]
                 payload = data[w, idx, : self.nbytes[kind]]
-                if not self._ship(kind, step, w, chunk, crc, payload):
+                if not self._ship(kind, step, w, idx, chunk, crc, payload):
                     return progress  # tier-2 send buffers are full; come back later
                 with self.lock:
                     self.parity.fold_local(kind, step, w, chunk, crc, payload)
                     self.dirty = True
-                h[S_READY] = 0
+                self.hand_back([(w, idx)])
                 self.next_slot[w] += 1
                 progress = True
         return progress
 
-    def _ship(self, kind: int, step: int, w: int, chunk: int, crc: int, payload: np.ndarray) -> bool:
+    def hand_back(self, slots: list[tuple[int, int]]) -> None:
+        """Drop one hold on each of these staging slots; a slot nobody holds any more is the
+        worker's again."""
+        with self._slot_lock:
+            for slot in slots:
+                left = self._holds.pop(slot) - 1
+                if left:
+                    self._holds[slot] = left
+                else:
+                    self.region["slot_hdr"][slot[0], slot[1], S_READY] = SLOT_FREE
+
+    def _ship(self, kind: int, step: int, w: int, idx: int, chunk: int, crc: int, payload: np.ndarray) -> bool:
         """Add this chunk's tier-2 contributions to the links' batches; False when a link has
-        no free buffer (nothing is added then)."""
+        no free buffer (nothing is added then). The slot is held from then on, once by the
+        caller and once by each batch that sends from it (`hand_back`)."""
         route_links = self.route_links[w * self.layout.geometry.n_chunks + chunk]
         self.wants_room = True  # before looking: a buffer freed after the look finds it set
         for _, link in route_links:
             if not link.has_room(kind):
                 return False
         self.wants_room = False
+        slot = (w, idx)
+        with self._slot_lock:
+            self._holds[slot] = 1 + sum(r.coef == 1 for r, _ in route_links)
+            self.region["slot_hdr"][w, idx, S_READY] = SLOT_HELD
         for r, link in route_links:
-            header, body = link.record(kind)
-            header[:] = (kind, step, self.idx, r.stripe, r.p, r.i, crc, self.gen)
-            if r.coef == 1:
-                body[...] = payload
+            if r.coef == 1:  # sent from the slot itself
+                header = link.record(kind, payload, slot)
             else:
+                header = link.record(kind)
+                body = link.scratch(kind)
                 body[...] = 0
                 scale_into(body, r.coef, payload)
+            header[:] = (kind, step, self.idx, r.stripe, r.p, r.i, crc, self.gen)
             if link.full(kind):
                 link.flush(kind)
         key = (kind, step)
@@ -210,6 +241,7 @@ class Keeper:
         self.barrier.close()
         for link in self.links.values():
             link.outbox.put(None)
+        self.sockets.shutdown()  # the receiver threads return
         self.region.close()
         if unlink:
             self.region.unlink()

@@ -31,18 +31,22 @@ STATE_RUNNING, STATE_DRAINED = 1, 2
 
 # staging slot header fields (int64)
 S_READY, S_KIND, S_STEP, S_CHUNK, S_CRC, S_SEQ = range(6)
+# S_READY: the worker's to fill; staged (the keeper's to take); held by the keeper (its tier-2
+# batches send from it), the worker's again once they are sent
+SLOT_FREE, SLOT_STAGED, SLOT_HELD = 0, 1, 2
 KIND_GRAD, KIND_DELTA = 1, 2
 EMPTY = -1  # version of a chunk nothing was folded for yet
 
 # Store order. A staging slot is published with plain stores and no fence (Python has none): the
 # worker writes the slot's bytes and header fields, then S_READY = 1 (`Protector._publish`); the
 # keeper reads S_READY == 1, then the header and bytes (`Keeper.consume_slots`), and hands the
-# slot back with S_READY = 0 after it has read them. This is correct only where another core sees
-# one core's stores in program order and loads are not reordered with older loads: total store
-# order, x86-64 (each numpy assignment is a separate C call, so neither compiler reorders them
-# across one another). On a weaker machine (arm64, POWER) the keeper could fold a slot's stale
-# bytes; the checksums recorded with every chunk would then fail at decode, and recovery would
-# fall back to tier 2 or stop rather than go on with wrong state, but protection would be lost.
+# slot back with S_READY = 0 once it has folded and sent them (`Keeper.hand_back`). This is
+# correct only where another core sees one core's stores in program order and loads are not
+# reordered with older loads: total store order, x86-64 (each numpy assignment is a separate C
+# call, so neither compiler reorders them across one another). On a weaker machine (arm64, POWER)
+# the keeper could fold a slot's stale bytes; the checksums recorded with every chunk would then
+# fail at decode, and recovery would fall back to tier 2 or stop rather than go on with wrong
+# state, but protection would be lost.
 TOTAL_STORE_ORDER = frozenset({"x86_64", "amd64", "i386", "i686"})
 
 

@@ -1,27 +1,29 @@
-"""Tier-2 transport: the batches of contributions keepers send each other over their gloo group,
-one `Link` per peer keeper (docs/protection.md)."""
+"""Tier-2 transport: the batches of contributions keepers send each other over TCP, one `Link`
+per peer keeper (docs/protection.md)."""
 
 from __future__ import annotations
 
 import queue
+import socket
 import time
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from leto.protection import doorbell
 from leto.protection.layout import Layout
+from leto.protection.peer_sockets import read_exactly, send_all
 from leto.protection.shm import KIND_DELTA, KIND_GRAD
 from leto.runtime import linux, threads
 
 if TYPE_CHECKING:
     from leto.protection.keeper import Keeper
 
-HDR = 8  # int64 fields in a tier-2 message header
-TAG = {KIND_GRAD: 1, KIND_DELTA: 2}
+HDR = 8  # int64 fields in a tier-2 record header
+PREFIX = 2  # int64 fields before a batch's records: its kind, its record count
+KINDS = (KIND_GRAD, KIND_DELTA)  # the kinds of tier-2 data
 SEND_BUFFERS = 2  # tier-2 batches per link and kind (one filling, one in flight)
-BATCH_BYTES = 1 << 20  # largest tier-2 message: memory per protected byte against gloo's cost per message
+BATCH_BYTES = 1 << 20  # largest tier-2 message: memory per protected byte against the cost per message
 KEEPALIVES_PER_TIMEOUT = 4  # an idle tier-2 link carries a keepalive this many times per timeout (docs/protection.md)
 
 
@@ -35,73 +37,105 @@ def kinds(layout: Layout) -> dict[int, int]:
 
 def records_per_batch(layout: Layout, nbytes: int) -> int:
     """Records of `nbytes` in one tier-2 batch: up to a step's chunks of the largest node, within
-    BATCH_BYTES (the same for every keeper: receivers size their buffers by it)."""
-    return max(1, min(layout.positions_per_node, BATCH_BYTES // (HDR * 8 + nbytes)))
+    BATCH_BYTES, and at most half a worker's staging ring: a batch holds the slots it sends
+    from until it is sent, and one that could hold a worker's whole ring would wait for that
+    worker's next chunk forever (the same for every keeper: receivers size their buffers by it)."""
+    return max(1, min(layout.positions_per_node, BATCH_BYTES // (HDR * 8 + nbytes), layout.ring_slots // 2))
+
+
+def scaled_links(layout: Layout, node: int) -> set[int]:
+    """The nodes `node`'s keeper sends some scaled contribution to (a Reed-Solomon coefficient
+    other than 1): those batches carry the scaled bodies; every other body is sent from its
+    staging slot."""
+    positions = len(layout.local_ranks(node)) * layout.geometry.n_chunks
+    return {r.parity_node for pos in range(positions) for r in layout.routes(node, pos) if r.coef != 1}
 
 
 def batch_buffer_bytes(layout: Layout, node: int) -> int:
     """Bytes of `node`'s keeper's tier-2 batch buffers: SEND_BUFFERS per kind on every link it
-    ships over, one per kind on every link it receives from."""
-    senders, receivers = set(layout.senders_to(node)), set(layout.receivers_from(node))
+    ships over (headers, and the bodies of scaled contributions), one per kind on every link
+    it receives from (whole records)."""
+    senders, receivers = set(layout.senders_to(node)) - {node}, set(layout.receivers_from(node)) - {node}
+    scaled = scaled_links(layout, node)
     total = 0
     for nb in kinds(layout).values():
-        size = 8 + records_per_batch(layout, nb) * (HDR * 8 + nb)
-        total += size * (SEND_BUFFERS * len(receivers - {node}) + len(senders - {node}))
+        per_msg = records_per_batch(layout, nb)
+        for n in receivers:
+            total += SEND_BUFFERS * (PREFIX * 8 + per_msg * (HDR * 8 + (nb if n in scaled else 0)))
+        total += len(senders) * (PREFIX * 8 + per_msg * (HDR * 8 + nb))
     return total
 
 
 class Link:
-    """Tier-2 traffic with one other keeper: a sender thread and receiver threads.
+    """Tier-2 traffic with one other keeper: a sender thread and a receiver thread, each on a
+    TCP connection of its own (`peer_sockets.PeerSockets`), which it closes when it ends.
 
-    Contributions travel in batches: a message holds up to `per_msg[kind]` records (a header of
-    HDR int64 and the chunk) after a leading record count; the keeper flushes a batch when it is
-    full, when every local chunk of a step has been shipped, and before a drain. gloo costs about
-    as much per message as per megabyte here, so one message a step instead of one a chunk
-    halves the transport's CPU. gloo's send/recv work objects cannot be polled (`is_completed()`
-    stays False until `wait()`), so each direction blocks in its own thread; the GIL is released
-    while it waits. Every wait is bounded by the group's timeout (the job's); a link with nothing
-    to send sends an empty batch (a keepalive) several times per timeout, so only a peer that is
-    stuck or cut off lets a wait run out (docs/protection.md, "Timeouts").
+    Contributions travel in batches: a message is a prefix (PREFIX int64: kind, record count)
+    and that many records (a header of HDR int64 and the chunk); the keeper flushes a batch
+    when it is full, when every local chunk of a step has been shipped, and before a drain.
+    Every read and write is bounded by the generation's timeout (the job's); a link with
+    nothing to send sends an empty batch (a keepalive) several times per timeout, so only a
+    peer that is stuck or cut off lets a read run out (docs/protection.md, "Timeouts"); a
+    peer that dies closes its connections, which ends the link at once.
     """
 
-    def __init__(self, keeper: Keeper, node: int, send: bool, recv: bool) -> None:
+    def __init__(
+        self,
+        keeper: Keeper,
+        node: int,
+        out: socket.socket | None,
+        inbound: socket.socket | None,
+        scaled: bool = True,
+    ) -> None:
         self.keeper, self.node = keeper, node
-        self.peer_rank = keeper.layout.nodes.index(node)
-        self.sent = {k: 0 for k in TAG}  # messages
-        self.received = {k: 0 for k in TAG}
+        self.sent = {k: 0 for k in KINDS}  # messages
+        self.received = {k: 0 for k in KINDS}
         self.free: dict[int, queue.SimpleQueue[int]] = {}
-        self.bufs: dict[int, list[torch.Tensor]] = {}
-        self.raw: dict[int, list[np.ndarray]] = {}  # the same buffers as numpy arrays
+        self.bufs: dict[int, list[np.ndarray]] = {}
+        # per kind and buffer: where each record's body is sent from, and the staging slots the
+        # batch holds (handed back once it is sent)
+        self.bodies: dict[int, list[list[np.ndarray]]] = {}
+        self.slots: dict[int, list[list[tuple[int, int]]]] = {}
         self.open: dict[int, list[int]] = {}  # kind -> [buffer, records in it]
         self.outbox: queue.SimpleQueue[tuple[int, int, int] | None] = queue.SimpleQueue()
         self.error: str | None = None
-        self.keepalive = torch.zeros(8, dtype=torch.uint8)  # a batch of no records
-        if send:
-            for kind in keeper.nbytes:
-                size = 8 + keeper.per_msg[kind] * keeper.record_bytes(kind)
-                self.bufs[kind] = [torch.zeros(size, dtype=torch.uint8) for _ in range(SEND_BUFFERS)]
-                self.raw[kind] = [b.numpy() for b in self.bufs[kind]]
+        self.scaled = scaled  # whether some contribution over this link is scaled (not sent from its slot)
+        if out is not None:
+            for kind, nb in keeper.nbytes.items():
+                size = PREFIX * 8 + keeper.per_msg[kind] * (HDR * 8 + (nb if scaled else 0))
+                self.bufs[kind] = [np.zeros(size, dtype=np.uint8) for _ in range(SEND_BUFFERS)]
+                self.bodies[kind] = [[] for _ in range(SEND_BUFFERS)]
+                self.slots[kind] = [[] for _ in range(SEND_BUFFERS)]
                 self.free[kind] = queue.SimpleQueue()
                 for i in range(SEND_BUFFERS):
                     self.free[kind].put(i)
-            threads.start(self._send_loop, f"keeper-send-{node}")
-        if recv:
-            for kind in keeper.nbytes:
-                threads.start(self._recv_loop, f"keeper-recv-{node}-{kind}", kind)
+            threads.start(self._send_loop, f"keeper-send-{node}", out)
+        if inbound is not None:
+            threads.start(self._recv_loop, f"keeper-recv-{node}", inbound)
 
     def has_room(self, kind: int) -> bool:
         return kind in self.open or not self.free[kind].empty()
 
-    def record(self, kind: int) -> tuple[np.ndarray, np.ndarray]:
-        """The next record of this kind's open batch: its header (HDR int64) and its body (uint8)."""
+    def record(self, kind: int, body: np.ndarray | None = None, slot: tuple[int, int] | None = None) -> np.ndarray:
+        """Add a record to this kind's open batch; returns its header (HDR int64) to fill. Its
+        body is `body`, sent from where it is (staging slot `slot`, handed back to the keeper
+        once the batch is sent), else a buffer of the batch's to fill (`scratch`)."""
         batch = self.open.get(kind)
         if batch is None:
             batch = self.open[kind] = [self.free[kind].get_nowait(), 0]
         i, n = batch
         batch[1] = n + 1
-        rb = self.keeper.record_bytes(kind)
-        rec = self.raw[kind][i][8 + n * rb : 8 + (n + 1) * rb]
-        return rec[: HDR * 8].view(np.int64), rec[HDR * 8 :]
+        rb = HDR * 8 + (self.keeper.nbytes[kind] if self.scaled else 0)
+        rec = self.bufs[kind][i][PREFIX * 8 + n * rb : PREFIX * 8 + (n + 1) * rb]
+        self.bodies[kind][i].append(rec[HDR * 8 :] if body is None else body)
+        if slot is not None:
+            self.slots[kind][i].append(slot)
+        return rec[: HDR * 8].view(np.int64)
+
+    def scratch(self, kind: int) -> np.ndarray:
+        """The body of the record last added without one (`record`), to fill."""
+        i, _ = self.open[kind]
+        return self.bodies[kind][i][-1]
 
     def full(self, kind: int) -> bool:
         return self.open[kind][1] == self.keeper.per_msg[kind]
@@ -110,71 +144,105 @@ class Link:
         if kind not in self.open:
             return
         i, n = self.open.pop(kind)
-        self.raw[kind][i][:8].view(np.int64)[0] = n
-        self.outbox.put((kind, i, 8 + n * self.keeper.record_bytes(kind)))
+        self.bufs[kind][i][: PREFIX * 8].view(np.int64)[:] = (kind, n)
+        self.outbox.put((kind, i, n))
 
     def idle(self) -> bool:
         return not self.open and all(q.qsize() == SEND_BUFFERS for q in self.free.values())
 
-    def _send_loop(self) -> None:
+    def _send_loop(self, sock: socket.socket) -> None:
         linux.name_thread("keeper-send")  # OS thread names: `leto bench overhead` reports CPU by thread
-        while True:
-            try:
-                item = self.outbox.get(timeout=self.keeper.timeout_s / KEEPALIVES_PER_TIMEOUT)
-            except queue.Empty:
-                if not all(self._send(kind, self.keepalive, "a keepalive") for kind in self.keeper.nbytes):
+        keepalive = np.zeros(PREFIX, dtype=np.int64).view(np.uint8)  # a batch of no records
+        with sock:
+            while True:
+                try:
+                    item = self.outbox.get(timeout=self.keeper.timeout_s / KEEPALIVES_PER_TIMEOUT)
+                except queue.Empty:
+                    if not self._send(sock, [keepalive], "a keepalive"):
+                        return
+                    continue
+                if item is None:
                     return
-                continue
-            if item is None:
-                return
-            kind, i, used = item
-            if not self._send(kind, self.bufs[kind][i][:used], "a batch"):
-                return
-            self.sent[kind] += 1
-            self.free[kind].put(i)
-            if self.keeper.wants_room:  # the main thread waits for a free buffer
-                doorbell.ring_main()
+                kind, i, n = item
+                buf, bodies, slots = self.bufs[kind][i], self.bodies[kind][i], self.slots[kind][i]
+                rb = HDR * 8 + (self.keeper.nbytes[kind] if self.scaled else 0)
+                parts = [buf[: PREFIX * 8]]
+                for r in range(n):
+                    at = PREFIX * 8 + r * rb
+                    parts += (buf[at : at + HDR * 8], bodies[r])
+                if not self._send(sock, parts, "a batch"):
+                    return
+                self.keeper.hand_back(slots)
+                bodies.clear()
+                slots.clear()
+                self.sent[kind] += 1
+                self.free[kind].put(i)
+                if self.keeper.wants_room:  # the main thread waits for a free buffer
+                    doorbell.ring_main()
 
-    def _send(self, kind: int, data: torch.Tensor, what: str) -> bool:
+    def _send(self, sock: socket.socket, parts: list[np.ndarray], what: str) -> bool:
         t0 = time.monotonic()
         try:
-            self.keeper.pg.send([data], self.peer_rank, TAG[kind]).wait()
+            send_all(sock, parts, self.keeper.timeout_s)
             return True
-        except RuntimeError as e:
-            self.fail(f"sending {what} to node {self.node} failed: {e}", time.monotonic() - t0)
+        except OSError as e:  # a timeout too
+            if not self.keeper.closed:
+                self.fail(f"sending {what} to node {self.node} failed: {e or type(e).__name__}", time.monotonic() - t0)
             return False
 
     def fail(self, why: str, waited_s: float = 0.0) -> None:
-        """This link is broken for the rest of its generation (a gloo error breaks the group)."""
+        """This link is broken for the rest of its generation."""
         self.error = why
         self.keeper.link_failed(why, waited_s)
 
-    def _recv_loop(self, kind: int) -> None:
+    def _recv_loop(self, sock: socket.socket) -> None:
         linux.name_thread("keeper-recv")
-        rb, nbytes = self.keeper.record_bytes(kind), self.keeper.nbytes[kind]
-        buf = torch.zeros(8 + self.keeper.per_msg[kind] * rb, dtype=torch.uint8)
-        raw = buf.numpy()
-        while not self.keeper.closed:
-            t0 = time.monotonic()
-            try:
-                self.keeper.pg.recv([buf], self.peer_rank, TAG[kind]).wait()
-            except RuntimeError as e:
-                self.fail(f"receiving from node {self.node} failed: {e}", time.monotonic() - t0)
-                return
-            if self.keeper.closed:
-                return
-            n = int(raw[:8].view(np.int64)[0])
-            if n == 0:  # a keepalive: the peer lives, it has nothing to send
-                continue
-            if not 0 < n <= self.keeper.per_msg[kind]:
-                self.fail(f"node {self.node} sent a batch of {n} records (at most {self.keeper.per_msg[kind]})")
-                return
-            with self.keeper.lock:
-                if not self.keeper.reported:  # after its report the region is what recovery reads
-                    for r in range(n):
-                        rec = raw[8 + r * rb : 8 + (r + 1) * rb]
-                        _, step, _, stripe, p, i, crc, _ = rec[: HDR * 8].view(np.int64).tolist()
-                        self.keeper.parity.fold_remote(kind, step, stripe, p, i, crc, rec[HDR * 8 : HDR * 8 + nbytes])
-                    self.keeper.dirty = True
-            self.received[kind] += 1
-            doorbell.ring_main()
+        k = self.keeper
+        prefix = np.zeros(PREFIX, dtype=np.int64)
+        size = {kind: PREFIX * 8 + k.per_msg[kind] * k.record_bytes(kind) for kind in k.nbytes}  # as a sent batch
+        bufs = {kind: np.zeros(nb, dtype=np.uint8) for kind, nb in size.items()}
+        with sock:
+            while not k.closed:
+                t0 = time.monotonic()
+                try:
+                    read_exactly(sock, prefix.view(np.uint8))
+                    kind, n = int(prefix[0]), int(prefix[1])
+                    if n == 0:  # a keepalive: the peer lives, it has nothing to send
+                        continue
+                    if kind not in bufs or not 0 < n <= k.per_msg[kind]:
+                        self.fail(f"node {self.node} sent a batch of {n} records of kind {kind}")
+                        return
+                    rb = k.record_bytes(kind)
+                    raw = bufs[kind][PREFIX * 8 : PREFIX * 8 + n * rb]
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, raw.size)  # wake once, not per segment
+                    read_exactly(sock, raw)
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+                except OSError as e:  # a timeout, or the peer closed its end
+                    if not k.closed:
+                        self.fail(
+                            f"receiving from node {self.node} failed: {e or type(e).__name__}", time.monotonic() - t0
+                        )
+                    return
+                if not self._fold(kind, n, raw):
+                    return
+                self.received[kind] += 1
+                doorbell.ring_main()
+
+    def _fold(self, kind: int, n: int, raw: np.ndarray) -> bool:
+        """Fold a batch's `n` records into the parity (none once the keeper reported); False if
+        a record names a place this keeper holds no parity of."""
+        k = self.keeper
+        rb, nbytes = k.record_bytes(kind), k.nbytes[kind]
+        with k.lock:
+            if k.reported:  # after its report the region is what recovery reads
+                return True
+            for r in range(n):
+                rec = raw[r * rb : (r + 1) * rb]
+                _, step, _, stripe, p, i, crc, _ = rec[: HDR * 8].view(np.int64).tolist()
+                try:
+                    k.parity.fold_remote(kind, step, stripe, p, i, crc, rec[HDR * 8 : HDR * 8 + nbytes])
+                except (KeyError, IndexError, ValueError) as e:
+                    self.fail(f"node {self.node} sent a record for stripe {stripe}, position {p}, offset {i}: {e!r}")
+                    return False
+            k.dirty = True
+        return True

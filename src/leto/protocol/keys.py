@@ -124,6 +124,11 @@ def keeper_pg(gen: int) -> str:
     return f"kpg/g{gen}/"
 
 
+def tier2_address(gen: int, node: int) -> str:
+    """Where generation `gen`'s keeper of `node` listens for its peers' tier-2 connections."""
+    return f"kpg/g{gen}/tier2/{node}"
+
+
 def group(gen: int, name: str) -> str:
     """The rendezvous prefix of generation `gen`'s process group `name` (workers' groups)."""
     return f"pg/g{gen}/{name}/"

@@ -6,6 +6,7 @@ reader parses and checks a value as `messages.parse` does (`BadValue` naming the
 
 from __future__ import annotations
 
+import ipaddress
 import json
 from dataclasses import dataclass, fields
 from typing import Any
@@ -33,6 +34,29 @@ class KeeperReady:
     @staticmethod
     def from_json(text: str | bytes, key: str = "") -> KeeperReady:
         return KeeperReady(parse_pid(text, key))
+
+
+@dataclass(frozen=True)
+class Tier2Address:
+    """`keys.tier2_address`: the IPv4 address and port a keeper listens on for its peers'
+    tier-2 connections."""
+
+    addr: str
+    port: int
+
+    def to_json(self) -> str:
+        return json.dumps({"addr": self.addr, "port": self.port})
+
+    @staticmethod
+    def from_json(text: str | bytes, key: str = "") -> Tier2Address:
+        return parse(Tier2Address, text, key)
+
+    def problem(self) -> str | None:
+        try:
+            ipaddress.IPv4Address(self.addr)
+        except ValueError:
+            return f"address {self.addr[:60]!r} is not an IPv4 address"
+        return None if 0 < self.port < 65536 else f"port {self.port} is not one"
 
 
 @dataclass(frozen=True)

@@ -126,14 +126,19 @@ def interface_of(addr: str) -> str | None:
     """The network interface that holds IPv4 address `addr` (gloo binds to an interface by
     name: `GLOO_SOCKET_IFNAME`); None if no interface does."""
     for _, name in socket.if_nameindex():
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            try:  # SIOCGIFADDR: the interface's IPv4 address
-                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
-            except OSError:
-                continue
-        if socket.inet_ntoa(raw[20:24]) == addr:
+        if address_of(name) == addr:
             return name
     return None
+
+
+def address_of(interface: str) -> str | None:
+    """The IPv4 address of network interface `interface`; None if it has none (or is no interface)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:  # SIOCGIFADDR: the interface's IPv4 address
+            raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", interface.encode()[:15]))
+        except OSError:
+            return None
+    return socket.inet_ntoa(raw[20:24])
 
 
 def start_time(pid: int) -> str | None:
