@@ -60,12 +60,12 @@ def test_memory_parts_of_the_nccl_path_by_hand() -> None:
         "staging_slots": 2 * 8 * 8 * 8 + 2 * 8 * 12000,  # slot headers and data: 8 slots per worker
         # header; v1, crc1, g1_step, g1_count, gcrc1; v2, crc2, g2_step, g2_count, gcrc2 (int64)
         "tables": 128 + 8 * (6 + 6 + 6 + 6 + 12) + 8 * (6 + 6 + 12 + 12 + 12),
-        # one link each way; per kind SEND_BUFFERS to send, each of a prefix and 4 record headers
-        # (a batch holds at most half a worker's ring of 8 slots; 1+1 sends every body from its
-        # staging slot), and one to receive, of a prefix and 4 records of HDR int64 and the chunk
-        "tier2_batch_buffers": SEND_BUFFERS * 2 * (16 + 4 * HDR * 8)
-        + (16 + 4 * (HDR * 8 + 4000))
-        + (16 + 4 * (HDR * 8 + 12000)),
+        # one link each way; per kind SEND_BUFFERS to send, each of a prefix and 6 record headers
+        # (a step's 6 chunks fit in a batch; 1+1 sends every body from its staging slot), and one
+        # to receive, of a prefix and 6 records of HDR int64 and the chunk
+        "tier2_batch_buffers": SEND_BUFFERS * 2 * (16 + 6 * HDR * 8)
+        + (16 + 6 * (HDR * 8 + 4000))
+        + (16 + 6 * (HDR * 8 + 12000)),
     }
     for part, b in per_node.items():
         assert parts[part] == 2 * b, part
@@ -87,7 +87,7 @@ def test_memory_parts_of_the_gloo_path_leave_out_gradients() -> None:
     lay = layout(replicated_grads=True)
     parts = memory_parts(lay)
     assert parts["gradient_parity"] == parts["worker_second_grads"] == 0
-    assert parts["tier2_batch_buffers"] == 2 * (SEND_BUFFERS * (16 + 4 * HDR * 8) + 16 + 4 * (HDR * 8 + 12000))
+    assert parts["tier2_batch_buffers"] == 2 * (SEND_BUFFERS * (16 + 6 * HDR * 8) + 16 + 6 * (HDR * 8 + 12000))
     assert parts["worker_second_state"] == 0 and parts["worker_chunk_scratch"] == 4 * 12000
     assert parts["tier1_parity"] + parts["tier2_parity"] == 2 * (3 + 6) * 12000
     # the limit for a large model: 1/W tier 1 + m/k tier 2 (and the tables)

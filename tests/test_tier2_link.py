@@ -13,9 +13,8 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from leto.protection.layout import Geometry, Layout
 from leto.protection.shm import KIND_DELTA
-from leto.protection.transport import HDR, PREFIX, Link, records_per_batch
+from leto.protection.transport import HDR, PREFIX, Link
 
 TIMEOUT_S = 5.0
 NBYTES = 48
@@ -140,11 +139,3 @@ def test_the_sender_sends_bodies_from_their_slots_and_hands_them_back_once_sent(
     finally:
         link.outbox.put(None)
         peer.close()
-
-
-def test_a_batch_never_holds_more_than_half_a_worker_s_staging_ring() -> None:
-    """Bodies are sent from their slots, so a batch holds them until it is sent: one that could
-    take a worker's whole ring would wait for that worker's next chunk forever."""
-    many_small_chunks = Layout(0, 0, Geometry(n_chunks=40, chunk_elems=16), (0, 0, 1, 1), (1, 1), ring_slots=8)
-    assert many_small_chunks.positions_per_node == 80
-    assert records_per_batch(many_small_chunks, many_small_chunks.geometry.state_bytes) == 4

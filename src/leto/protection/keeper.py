@@ -130,7 +130,8 @@ class Keeper:
         return HDR * 8 + self.nbytes[kind]
 
     def consume_slots(self) -> bool:
-        """Fold and ship what the workers staged, slot by slot; whether anything was."""
+        """Fold and ship what the workers staged, slot by slot, then send the open batches
+        (they hold their slots until sent); whether anything was staged."""
         progress = False
         hdrs, data, ring = self.region["slot_hdr"], self.region["slot_data"], self.layout.ring_slots
         for w in range(self.W):
@@ -150,6 +151,9 @@ class Keeper:
                 self.hand_back([(w, idx)])
                 self.next_slot[w] += 1
                 progress = True
+        if progress:
+            for kind in self.nbytes:
+                self.flush(kind)
         return progress
 
     def hand_back(self, slots: list[tuple[int, int]]) -> None:

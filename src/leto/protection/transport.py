@@ -37,10 +37,8 @@ def kinds(layout: Layout) -> dict[int, int]:
 
 def records_per_batch(layout: Layout, nbytes: int) -> int:
     """Records of `nbytes` in one tier-2 batch: up to a step's chunks of the largest node, within
-    BATCH_BYTES, and at most half a worker's staging ring: a batch holds the slots it sends
-    from until it is sent, and one that could hold a worker's whole ring would wait for that
-    worker's next chunk forever (the same for every keeper: receivers size their buffers by it)."""
-    return max(1, min(layout.positions_per_node, BATCH_BYTES // (HDR * 8 + nbytes), layout.ring_slots // 2))
+    BATCH_BYTES (the same for every keeper: receivers size their buffers by it)."""
+    return max(1, min(layout.positions_per_node, BATCH_BYTES // (HDR * 8 + nbytes)))
 
 
 def scaled_links(layout: Layout, node: int) -> set[int]:
@@ -72,7 +70,9 @@ class Link:
 
     Contributions travel in batches: a message is a prefix (PREFIX int64: kind, record count)
     and that many records (a header of HDR int64 and the chunk); the keeper flushes a batch
-    when it is full, when every local chunk of a step has been shipped, and before a drain.
+    when it is full, when it has taken every slot its workers staged (a batch holds the slots
+    it sends from until it is sent, so one left open could hold the slot a worker waits for),
+    and before a drain.
     Every read and write is bounded by the generation's timeout (the job's); a link with
     nothing to send sends an empty batch (a keepalive) several times per timeout, so only a
     peer that is stuck or cut off lets a read run out (docs/protection.md, "Timeouts"); a
@@ -214,9 +214,7 @@ class Link:
                         return
                     rb = k.record_bytes(kind)
                     raw = bufs[kind][PREFIX * 8 : PREFIX * 8 + n * rb]
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, raw.size)  # wake once, not per segment
                     read_exactly(sock, raw)
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
                 except OSError as e:  # a timeout, or the peer closed its end
                     if not k.closed:
                         self.fail(
