@@ -3,9 +3,9 @@
 What every-step protection must do to a byte of unique state, whatever the implementation
 (docs/protection.md, "What each step moves"; in place, replicated gradients): the worker writes
 the chunk's next value aside and back (a copy), XORs it with the old one into a staging slot and
-checksums it; the keeper folds the slot into tier-1 parity and copies it into a tier-2 batch;
-each tier-2 byte crosses one TCP connection (the kernel copies it in on one end and out on the
-other) and is folded into the parity node's tier-2 parity. Each operation is timed here, CPU
+checksums it; the keeper folds the slot into tier-1 parity; each tier-2 byte crosses one TCP
+connection (the kernel copies it in on one end, from the slot, and out on the other) and is
+folded into the parity node's tier-2 parity. Each operation is timed here, CPU
 seconds per byte, on chunk-sized buffers (192 KiB: the worker's side sees its chunk in cache) and
 on buffers far larger than the caches (`cold`: what the keepers see, reading slots another core
 wrote and parity rows last touched a step ago), so that the floor is a measurement of this machine
@@ -109,7 +109,6 @@ def floor(
         "worker: XOR old and new into the slot": (staged, "xor_two_into_slot"),
         "worker: checksum of the new value": (per_elem["checksummed"] * elements, "checksum"),
         "keeper: fold into tier-1 parity": (staged, "fold"),
-        "keeper: copy into the tier-2 batch": (tier2, "copy"),
         "tier 2: TCP send and receive": (tier2, "tcp_loopback"),
         "tier 2: fold into tier-2 parity": (tier2, "fold"),
     }

@@ -23,7 +23,7 @@ STAGING, WAITING = "worker/staging", "worker/waiting"  # the training thread's C
 # each measured part -> (what of the measured figures it is, the floor terms it is set against)
 FLOOR_PARTS = {
     "worker staging": ((STAGING,), ("worker: ",)),
-    "keeper fold and copy": (("keeper/main",), ("keeper: ",)),
+    "keeper fold": (("keeper/main",), ("keeper: ",)),
     "tier 2": (("keeper/gloo", "keeper/tier2-threads"), ("tier 2: ",)),
 }
 
