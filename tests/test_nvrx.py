@@ -104,6 +104,17 @@ def test_spare_takes_over_a_sigkilled_worker(nvrx_runs: list[Path], tmp_path: Pa
     assert not [pid for pid in job_pids(run_dir) if alive(pid)]  # ... and nothing outlives the run
 
 
+@needs_nvrx
+def test_a_run_dir_given_relative_to_the_working_directory_runs(
+    nvrx_runs: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NVRx takes only absolute paths for its monitors' logs (the benches pass relative ones)."""
+    monkeypatch.chdir(tmp_path)
+    nvrx_runs.append(tmp_path / "nvrx")
+    s = run("nvrx", Path("nvrx"))
+    assert s["exit_code"] == 0 and s["steps"] == STEPS
+
+
 class _Comm:
     """One process standing in for every rank: agreements agree, gathers fill in this rank's part."""
 

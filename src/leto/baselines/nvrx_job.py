@@ -639,7 +639,7 @@ def run(
     status = nvrx_status()
     if status is not None:
         raise RuntimeError(f"nvidia-resiliency-ext=={NVRX_VERSION} is {status}")
-    run_dir = Path(run_dir)
+    run_dir = Path(run_dir).absolute()  # NVRx takes only absolute paths for its monitors' logs
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in ("metrics.jsonl", "summary.json", "result.json", "procs.json"):
         (run_dir / stale).unlink(missing_ok=True)
