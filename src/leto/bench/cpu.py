@@ -50,9 +50,9 @@ def thread_group(name: str, main: bool = False) -> str:
     """What a thread of a keeper or a worker does, from its OS name (`main`: the process's first
     thread, a worker's training thread)."""
     if name.startswith(("gloo", "pt_gloo")):
-        return "gloo"  # gloo's transport threads (TCP, its run loop)
+        return "gloo"  # gloo's transport threads (TCP, its run loop); a keeper's carry its commit barrier
     if name in ("keeper-send", "keeper-recv"):
-        return "tier2-threads"  # Python threads feeding gloo and folding what arrives
+        return "tier2-threads"  # a keeper's tier-2 TCP links: sending batches, receiving and folding them
     if name.startswith(PROTECTION_THREAD_PREFIX):
         return "protection"  # a thread protection adds to a worker (none today: a worker stages on its training thread)
     if name == "leto-persist":
