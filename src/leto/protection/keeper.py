@@ -91,6 +91,7 @@ class Keeper:
         self.next_slot = [0] * self.W
         self._holds: dict[tuple[int, int], int] = {}  # staging slot (worker, index) -> holds on it
         self._slot_lock = threading.Lock()
+        self._slot_hdr = self.region["slot_hdr"]  # kept: a sender may hand a slot back after `close`
         g = layout.geometry
         self.grads = layout.protects_grads  # else gradients are not staged (an interval, or gloo's replicas)
         self.nbytes = kinds(layout)
@@ -165,7 +166,7 @@ class Keeper:
                 if left:
                     self._holds[slot] = left
                 else:
-                    self.region["slot_hdr"][slot[0], slot[1], S_READY] = SLOT_FREE
+                    self._slot_hdr[slot[0], slot[1], S_READY] = SLOT_FREE
 
     def _ship(self, kind: int, step: int, w: int, idx: int, chunk: int, crc: int, payload: np.ndarray) -> bool:
         """Add this chunk's tier-2 contributions to the links' batches; False when a link has
@@ -180,7 +181,7 @@ class Keeper:
         slot = (w, idx)
         with self._slot_lock:
             self._holds[slot] = 1 + sum(r.coef == 1 for r, _ in route_links)
-            self.region["slot_hdr"][w, idx, S_READY] = SLOT_HELD
+            self._slot_hdr[w, idx, S_READY] = SLOT_HELD
         for r, link in route_links:
             if r.coef == 1:  # sent from the slot itself
                 header = link.record(kind, payload, slot)
