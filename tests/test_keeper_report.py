@@ -138,3 +138,15 @@ def test_after_its_report_a_keeper_receives_late_batches_but_folds_none(cluster:
     t0 = time.monotonic()
     assert drain(cluster.a, {A, B}, TIMEOUT_S) == report  # at once: no wait for B's sent counts
     assert time.monotonic() - t0 < TIMEOUT_S / 2
+
+
+def test_a_drain_folds_every_staged_chunk_into_tier_1_when_the_tier_2_peer_is_gone(cluster: Cluster) -> None:
+    """B's worker updated each chunk in place once its slot was published, so B's report must
+    show every staged delta folded, although B's only tier-2 peer died and its batches can
+    never leave (they would fill B's send buffers and stop the drain's folding)."""
+    cluster.a.close(unlink=False)  # node A is gone: its connections close
+    for step in range(4):  # 8 slots, a whole ring, none taken yet: more batches than send buffers
+        cluster.worker.stage_deltas(step, None if step == 0 else _state(step - 1), _state(step))
+    report = drain(cluster.b, {B}, TIMEOUT_S)
+    assert report.v1 == [[3, 3]]
+    assert cluster.b.links[A].error is not None

@@ -76,8 +76,14 @@ def drain(
         with keeper.lock:
             return report(keeper)
     deadline = time.monotonic() + timeout_s
-    while keeper.consume_slots() and time.monotonic() < deadline:
-        pass
+    # everything staged goes into tier 1 before the report: a worker updated its chunk in place
+    # once the slot was published (a live link's full send buffers only make it wait a moment)
+    while time.monotonic() < deadline:
+        if keeper.consume_slots():
+            continue
+        if not keeper.staged() or abandoned():
+            break
+        time.sleep(1e-3)
     for kind in keeper.nbytes:  # batches a dead worker left unfinished
         keeper.flush(kind)
     for n, link in keeper.links.items():  # let our queued sends leave, then say how many

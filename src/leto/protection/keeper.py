@@ -157,6 +157,11 @@ class Keeper:
                 self.flush(kind)
         return progress
 
+    def staged(self) -> bool:
+        """Whether a worker's next slot is staged and not yet taken."""
+        ring = self.layout.ring_slots
+        return any(self._slot_hdr[w, self.next_slot[w] % ring, S_READY] == SLOT_STAGED for w in range(self.W))
+
     def hand_back(self, slots: list[tuple[int, int]]) -> None:
         """Drop one hold on each of these staging slots; a slot nobody holds any more is the
         worker's again."""
@@ -171,8 +176,10 @@ class Keeper:
     def _ship(self, kind: int, step: int, w: int, idx: int, chunk: int, crc: int, payload: np.ndarray) -> bool:
         """Add this chunk's tier-2 contributions to the links' batches; False when a link has
         no free buffer (nothing is added then). The slot is held from then on, once by the
-        caller and once by each batch that sends from it (`hand_back`)."""
-        route_links = self.route_links[w * self.layout.geometry.n_chunks + chunk]
+        caller and once by each batch that sends from it (`hand_back`). A broken link is
+        passed over: its batches are never sent, and waiting for its buffers would keep a
+        drain from folding what the workers staged into tier 1."""
+        route_links = [rl for rl in self.route_links[w * self.layout.geometry.n_chunks + chunk] if rl[1].error is None]
         self.wants_room = True  # before looking: a buffer freed after the look finds it set
         for _, link in route_links:
             if not link.has_room(kind):
