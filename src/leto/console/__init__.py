@@ -39,10 +39,13 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def say(text: str, err: bool = False) -> None:
-    """Print one line to stdout (`err`: stderr) now. A console that cannot be written (redirected
-    to a file on a full disk) loses the line rather than stopping the job."""
+    """Print one line to stdout (`err`: stderr) now, in one write: processes that share a console
+    (a job's ranks) would otherwise interleave a line and its newline. A console that cannot be
+    written (redirected to a file on a full disk) loses the line rather than stopping the job."""
+    stream = sys.stderr if err else sys.stdout
     try:
-        print(text, file=sys.stderr if err else sys.stdout, flush=True)
+        stream.write(text + "\n")
+        stream.flush()
     except OSError:
         pass
 

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from leto.config import PersistenceConfig
+from leto.console import say
 from leto.errors import BadValue
 from leto.persistence import ckpt_format
 from leto.persistence.interval import daly_interval_s, parse_duration, steps_between
@@ -247,14 +248,13 @@ class Persister:
             self.failed += 1
             self._event("persist_failed", step=w.step, rank=rank, error=error)
             if not self.failing:
-                print(
+                say(
                     f"leto: rank {rank}: checkpoint of step {w.step} failed ({error}); training goes on, "
                     f"the previous complete checkpoint stays",
-                    file=sys.stderr,
-                    flush=True,
+                    err=True,
                 )
         elif self.failing:
-            print(f"leto: rank {rank}: checkpoints are written again (step {w.step})", file=sys.stderr, flush=True)
+            say(f"leto: rank {rank}: checkpoints are written again (step {w.step})", err=True)
         self.failing = error is not None
         if rank == 0 and not self.calibrated:
             self._choose_k(w.step, write_s)
