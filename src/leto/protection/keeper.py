@@ -97,7 +97,6 @@ class Keeper:
         self.nbytes = kinds(layout)
         self.idx = layout.nodes.index(node)
         self.per_msg = {k: records_per_batch(layout, nb) for k, nb in self.nbytes.items()}
-        self.shipped: dict[tuple[int, int], int] = {}  # (kind, step) -> local chunks shipped
         self.routes = [layout.routes(node, pos) for pos in range(self.W * g.n_chunks)]  # by data position
         trace.mark("keeper_region", generation=self.gen)
         group = group if group is not None else keeper_group(store, self.gen, layout.nodes, node, timeout_s)
@@ -145,7 +144,7 @@ class Keeper:
                 kind, step, chunk, crc = f[S_KIND], f[S_STEP], f[S_CHUNK], f[S_CRC]
                 payload = data[w, idx, : self.nbytes[kind]]
                 if not self._ship(kind, step, w, idx, chunk, crc, payload):
-                    return progress  # tier-2 send buffers are full; come back later
+                    break  # tier-2 send buffers are full; come back later
                 with self.lock:
                     self.parity.fold_local(kind, step, w, chunk, crc, payload)
                     self.dirty = True
@@ -200,11 +199,6 @@ class Keeper:
             header[:] = (kind, step, self.idx, r.stripe, r.p, r.i, crc, self.gen)
             if link.full(kind):
                 link.flush(kind)
-        key = (kind, step)
-        self.shipped[key] = self.shipped.get(key, 0) + 1
-        if self.shipped[key] == self.W * self.layout.geometry.n_chunks:  # the step's last local chunk
-            del self.shipped[key]
-            self.flush(kind)
         return True
 
     def flush(self, kind: int) -> None:
