@@ -61,7 +61,11 @@ def test_two_nodes_of_a_2_plus_2_stripe_lost_at_once(launcher, tmp_path: Path) -
         launcher, tmp_path / "run", *job, "--inject", "node-kill:node=0:step=4", "--inject", "node-kill:node=3:step=4"
     )
     rec = check_recovered(res, s, digest, tmp_path / "run")[0]
-    assert rec["failed_nodes"] == [0, 3] and rec["tier"] == "tier2"
+    assert rec["failed_nodes"] == [0, 3], rec
+    # Each node's first rank fires its own kill: on a loaded machine the second may land during
+    # the recovery from the first (one record naming the cut-short generation in `interrupted`),
+    # and that recovery may rebuild a rank of the interim layout from tier 1 as well.
+    assert rec["tier"] == "tier2" if not rec["interrupted"] else "tier2" in rec["tier"].split("+"), rec
 
 
 def test_parity_blocks_that_folded_different_versions_are_not_decoded_together() -> None:
