@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from leto.protection import transport
 from leto.protection.client import Protector
 from leto.protection.drain import drain
 from leto.protection.integrity import checksum
@@ -48,6 +49,7 @@ class Cluster:
 
     def __init__(self, store: dist.Store, job: str, keepers: dict[int, Keeper]) -> None:
         self.a, self.b = keepers[A], keepers[B]
+        self.store, self.job = store, job
         self.worker = Protector(store, LAYOUT, B, job, TIMEOUT_S, lambda: None)  # rank 1 runs on node B
 
     def ship(self, step: int, old: torch.Tensor | None, new: torch.Tensor) -> None:
@@ -150,3 +152,28 @@ def test_a_drain_folds_every_staged_chunk_into_tier_1_when_the_tier_2_peer_is_go
     report = drain(cluster.b, {B}, TIMEOUT_S)
     assert report.v1 == [[3, 3]]
     assert cluster.b.links[A].error is not None
+
+
+def test_a_receiver_rings_the_main_loop_only_once_a_batch_completes_the_next_barrier_s_step(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ring per batch woke the keeper's main loop more often than it had anything to fold;
+    the fold that leaves the next barrier's step complete still rings it."""
+    rings: list[str] = []
+    monkeypatch.setattr(transport.doorbell, "ring_main", lambda: rings.append(threading.current_thread().name))
+    cluster.ship(0, None, _state(0))  # at A, rank 0's own chunks of step 0 are still missing
+    assert rings == []
+    rank0 = Protector(cluster.store, LAYOUT, A, cluster.job, TIMEOUT_S, lambda: None)
+    try:
+        rank0.stage_deltas(0, None, _state(0))
+        link = cluster.b.links[A]
+
+        def received() -> bool:
+            cluster.a.consume_slots()  # A folds rank 0's chunks and ships them to B
+            return link.received[KIND_DELTA] > 0 or link.error is not None
+
+        _within(received, "node B to receive A's step-0 batch")
+        assert link.error is None, link.error
+        assert rings == [f"keeper-recv-{A}"]  # B held its own rank's step 0: A's batch completes it
+    finally:
+        rank0.close()

@@ -30,6 +30,11 @@ class FakeParity:
         self.folded.append((step, stripe, p, i, crc, body.tobytes()))
 
 
+class FakeBarrier:
+    def may_enter(self) -> bool:
+        return False
+
+
 class FakeKeeper:
     """What a Link uses of its keeper."""
 
@@ -40,6 +45,7 @@ class FakeKeeper:
         self.closed = self.reported = self.dirty = self.wants_room = False
         self.lock = threading.Lock()
         self.parity = FakeParity()
+        self.barrier = FakeBarrier()
         self.failures: list[str] = []
         self.handed_back: list[tuple[int, int]] = []
 

@@ -81,6 +81,16 @@ class CommitBarrier:
             return True
         return False
 
+    def may_enter(self) -> bool:
+        """Whether the next barrier is not in flight and its step is complete here (call under
+        the keeper's lock): a thread that folded something rings the main loop only then (a
+        barrier in flight rings it itself when it ends, and the main loop looks again)."""
+        k = self.keeper
+        kind, step = self.next
+        if self.work is not None or self.broken:
+            return False
+        return k.parity.deltas_complete(step) if kind == KIND_DELTA else k.parity.grads_complete(step)
+
     def close(self) -> None:
         """End `_await`'s thread (a barrier still in flight is waited out first)."""
         if self._works is not None:

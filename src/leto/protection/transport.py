@@ -221,19 +221,23 @@ class Link:
                             f"receiving from node {self.node} failed: {e or type(e).__name__}", time.monotonic() - t0
                         )
                     return
-                if not self._fold(kind, n, raw):
+                folded = self._fold(kind, n, raw)
+                if folded is None:
                     return
                 self.received[kind] += 1
-                doorbell.ring_main()
+                if folded:
+                    doorbell.ring_main()
 
-    def _fold(self, kind: int, n: int, raw: np.ndarray) -> bool:
-        """Fold a batch's `n` records into the parity (none once the keeper reported); False if
-        a record names a place this keeper holds no parity of."""
+    def _fold(self, kind: int, n: int, raw: np.ndarray) -> bool | None:
+        """Fold a batch's `n` records into the parity (none once the keeper reported); whether
+        the keeper's next barrier can be entered now (its main loop is rung then: a wake-up for
+        every batch cost it more than the fold); None if a record names a place this keeper
+        holds no parity of."""
         k = self.keeper
         rb, nbytes = k.record_bytes(kind), k.nbytes[kind]
         with k.lock:
             if k.reported:  # after its report the region is what recovery reads
-                return True
+                return False
             for r in range(n):
                 rec = raw[r * rb : (r + 1) * rb]
                 _, step, _, stripe, p, i, crc, _ = rec[: HDR * 8].view(np.int64).tolist()
@@ -241,6 +245,6 @@ class Link:
                     k.parity.fold_remote(kind, step, stripe, p, i, crc, rec[HDR * 8 : HDR * 8 + nbytes])
                 except (KeyError, IndexError, ValueError) as e:
                     self.fail(f"node {self.node} sent a record for stripe {stripe}, position {p}, offset {i}: {e!r}")
-                    return False
+                    return None
             k.dirty = True
-        return True
+            return k.barrier.may_enter()
