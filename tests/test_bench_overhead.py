@@ -923,3 +923,19 @@ def test_a_curve_points_worker_cpu_is_the_measured_part_where_the_records_carry_
     assert overhead._curve_worker_cpu(e, 4) == "-10 ms (difference of the runs)"
     e |= {"protection_stage_cpu_s_per_step": 0.001, "protection_wait_cpu_s_per_step": 0.0005}
     assert overhead._curve_worker_cpu(e, 4) == "6.0 ms inside protection"
+
+
+def test_the_wall_ratio_targets_carry_what_the_physical_floor_alone_would_cost() -> None:
+    """A wall-clock target below the floor's own ratio cannot be met on the machine that ran it;
+    the verdict stays a measured one, the floor is shown beside it."""
+    out = {
+        "model": "tiny",
+        "overhead_ratio": 1.12,
+        "physical_floor": {"floor_overhead_ratio": 1.029, "cold_floor_overhead_ratio": 1.044},
+    }
+    t = targets(out)
+    assert t["overhead_ratio_default_job"]["result"] == "MISS"
+    assert t["overhead_ratio_default_job"]["floor"] == {"in_cache": 1.029, "cold": 1.044}
+    assert "floor" not in t["memory_overhead_default_job"]
+    del out["physical_floor"]
+    assert "floor" not in targets(out)["overhead_ratio_default_job"]

@@ -574,6 +574,10 @@ def targets(out: dict) -> dict[str, dict]:
     judged = {
         name: {"value": v, "target": f"<= {limit}", "result": verdict(v, limit)} for name, (v, limit) in checks.items()
     }
+    fl = out.get("physical_floor") or {}
+    if "floor_overhead_ratio" in fl:  # what the data movement alone costs in wall time here
+        for name in ("overhead_ratio_default_job", "overhead_ratio_default_job_with_persistence"):
+            judged[name]["floor"] = {"in_cache": fl["floor_overhead_ratio"], "cold": fl["cold_floor_overhead_ratio"]}
     return {**judged, **persist_cost.targets(out.get("persistence") or {})}
 
 
@@ -936,4 +940,10 @@ def _print(out: dict, mem: dict) -> None:
     for name, t in out["targets"].items():
         v = t["value"]
         shown = "-" if v is None else f"{v:.4f}" if isinstance(v, float) else json.dumps(v)
-        print(f"  target {name} {t['target']}: {shown} {t['result']}")
+        floor = t.get("floor")
+        note = (
+            ""
+            if floor is None
+            else f" (the physical floor alone would cost {floor['in_cache']:.3f} in cache, {floor['cold']:.3f} cold)"
+        )
+        print(f"  target {name} {t['target']}: {shown} {t['result']}{note}")
