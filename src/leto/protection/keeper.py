@@ -89,12 +89,18 @@ class Keeper:
         self.parity = Parity(self.region, layout, node)
         self.W = self.parity.W  # the node's workers
         self.next_slot = [0] * self.W
+        ring = layout.ring_slots
+        hdrs, data = self.region["slot_hdr"], self.region["slot_data"]
+        self._slot_rows = [[hdrs[w, i] for i in range(ring)] for w in range(self.W)]  # views made once
         self._holds: dict[tuple[int, int], int] = {}  # staging slot (worker, index) -> holds on it
         self._slot_lock = threading.Lock()
         self._slot_hdr = self.region["slot_hdr"]  # kept: a sender may hand a slot back after `close`
         g = layout.geometry
         self.grads = layout.protects_grads  # else gradients are not staged (an interval, or gloo's replicas)
         self.nbytes = kinds(layout)
+        self._payloads = {
+            k: [[data[w, i, :nb] for i in range(ring)] for w in range(self.W)] for k, nb in self.nbytes.items()
+        }
         self.idx = layout.nodes.index(node)
         self.per_msg = {k: records_per_batch(layout, nb) for k, nb in self.nbytes.items()}
         self.routes = [layout.routes(node, pos) for pos in range(self.W * g.n_chunks)]  # by data position
@@ -117,8 +123,10 @@ class Keeper:
             for n in sorted(senders | receivers)
             if n != node
         }
-        # by data position: each tier-2 route with the link it goes over
+        # by data position: each tier-2 route with the link it goes over, and how many of its
+        # records are sent from the slot itself (coefficient 1)
         self.route_links = [[(r, self.links[r.parity_node]) for r in routes] for routes in self.routes]
+        self._from_slot = [sum(r.coef == 1 for r in routes) for routes in self.routes]
         self.wants_room = False  # the main thread found a link's send buffers full (the sender rings then)
         self.barrier = CommitBarrier(self)
         self.dirty = True
@@ -133,23 +141,24 @@ class Keeper:
         """Fold and ship what the workers staged, slot by slot, then send the open batches
         (they hold their slots until sent); whether anything was staged."""
         progress = False
-        hdrs, data, ring = self.region["slot_hdr"], self.region["slot_data"], self.layout.ring_slots
+        ring, nxt = self.layout.ring_slots, self.next_slot
         for w in range(self.W):
+            rows = self._slot_rows[w]
             for _ in range(ring):
-                idx = self.next_slot[w] % ring
-                h = hdrs[w, idx]
-                if h[S_READY] != SLOT_STAGED:  # then read the slot: total store order is assumed (shm.py)
+                idx = nxt[w] % ring
+                h = rows[idx]
+                if h.item(S_READY) != SLOT_STAGED:  # then read the slot: total store order is assumed (shm.py)
                     break
                 f = h.tolist()
                 kind, step, chunk, crc = f[S_KIND], f[S_STEP], f[S_CHUNK], f[S_CRC]
-                payload = data[w, idx, : self.nbytes[kind]]
+                payload = self._payloads[kind][w][idx]
                 if not self._ship(kind, step, w, idx, chunk, crc, payload):
                     break  # tier-2 send buffers are full; come back later
                 with self.lock:
                     self.parity.fold_local(kind, step, w, chunk, crc, payload)
                     self.dirty = True
                 self.hand_back([(w, idx)])
-                self.next_slot[w] += 1
+                nxt[w] += 1
                 progress = True
         if progress:
             for kind in self.nbytes:
@@ -178,7 +187,12 @@ class Keeper:
         caller and once by each batch that sends from it (`hand_back`). A broken link is
         passed over: its batches are never sent, and waiting for its buffers would keep a
         drain from folding what the workers staged into tier 1."""
-        route_links = [rl for rl in self.route_links[w * self.layout.geometry.n_chunks + chunk] if rl[1].error is None]
+        pos = w * self.layout.geometry.n_chunks + chunk
+        route_links = self.route_links[pos]
+        from_slot = self._from_slot[pos]
+        if any(link.error is not None for _, link in route_links):
+            route_links = [rl for rl in route_links if rl[1].error is None]
+            from_slot = sum(r.coef == 1 for r, _ in route_links)
         self.wants_room = True  # before looking: a buffer freed after the look finds it set
         for _, link in route_links:
             if not link.has_room(kind):
@@ -186,7 +200,7 @@ class Keeper:
         self.wants_room = False
         slot = (w, idx)
         with self._slot_lock:
-            self._holds[slot] = 1 + sum(r.coef == 1 for r, _ in route_links)
+            self._holds[slot] = 1 + from_slot
             self._slot_hdr[w, idx, S_READY] = SLOT_HELD
         for r, link in route_links:
             if r.coef == 1:  # sent from the slot itself

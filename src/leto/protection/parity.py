@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from leto.protection.codec import xor_into
+from leto.protection.codec import words, xor_into
 from leto.protection.layout import Layout
 from leto.protection.shm import KIND_DELTA, Region
 
@@ -20,6 +20,11 @@ class Parity:
         self.interval = layout.protect_every > 1  # docs/protection.md, "Protection interval"
         self.stripes = {s.index: (s, j) for s, j in layout.parity_stripes(node)}  # the stripes it holds parity of
         self.expected, self.real = self._expected_counts()
+        # the delta path's rows and tables, looked up once: a fold is one XOR and two stores
+        self._p1, self._crc1, self._v1 = [words(row) for row in region["p1"]], region["crc1"], region["v1"]
+        self._p2 = {si: [words(row) for row in region[f"p2_{si}"]] for si in self.stripes}
+        self._crc2 = {si: region[f"crc2_{si}"] for si in self.stripes}
+        self._v2 = {si: region[f"v2_{si}"] for si in self.stripes}
 
     def _expected_counts(self) -> tuple[dict[int, np.ndarray], dict[tuple[int, int], np.ndarray]]:
         """Per parity stripe: contributions expected at each offset, and which offsets of each
@@ -41,10 +46,11 @@ class Parity:
         r = self.region
         if kind == KIND_DELTA:
             if self.interval:
-                self._keep_preimage("p1", "crc1", r["v1"][:, chunk], chunk, step)
-            xor_into(r["p1"][chunk], payload)
-            r["crc1"][w, chunk] = crc
-            r["v1"][w, chunk] = step
+                self._keep_preimage("p1", "crc1", self._v1[:, chunk], chunk, step)
+            row = self._p1[chunk]
+            np.bitwise_xor(row, words(payload), out=row)
+            self._crc1[w, chunk] = crc
+            self._v1[w, chunk] = step
             return
         b = step % 2
         if r["g1_step"][b, chunk] != step:
@@ -58,14 +64,19 @@ class Parity:
 
     def fold_remote(self, kind: int, step: int, stripe: int, p: int, i: int, crc: int, body: np.ndarray) -> None:
         """Fold another node's contribution (data position `p`, offset `i`) into `stripe`'s parity."""
-        r = self.region
+        r, v2, rows = self.region, self._v2[stripe], self._p2[stripe]
+        if not (0 <= p < v2.shape[0] and 0 <= i < len(rows)):  # a peer's numbers: no wrap-around
+            raise IndexError(f"no position {p}, offset {i} in stripe {stripe}")
         if kind == KIND_DELTA:
             if self.layout.tier2_preimages:
-                real = [p for p in range(r[f"v2_{stripe}"].shape[0]) if self.real[(stripe, p)][i]]
-                self._keep_preimage(f"p2_{stripe}", f"crc2_{stripe}", r[f"v2_{stripe}"][real, i], i, step)
-            xor_into(r[f"p2_{stripe}"][i], body)
-            r[f"crc2_{stripe}"][p, i] = crc
-            r[f"v2_{stripe}"][p, i] = step
+                real = [p for p in range(v2.shape[0]) if self.real[(stripe, p)][i]]
+                self._keep_preimage(f"p2_{stripe}", f"crc2_{stripe}", v2[real, i], i, step)
+            row = rows[i]
+            if len(body) != row.nbytes:
+                raise ValueError(f"a body of {len(body)} bytes for a parity row of {row.nbytes}")
+            np.bitwise_xor(row, words(body), out=row)
+            self._crc2[stripe][p, i] = crc
+            v2[p, i] = step
             return
         b = step % 2
         if r[f"g2_step_{stripe}"][b, i] != step:

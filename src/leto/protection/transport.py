@@ -92,6 +92,7 @@ class Link:
         self.received = {k: 0 for k in KINDS}
         self.free: dict[int, queue.SimpleQueue[int]] = {}
         self.bufs: dict[int, list[np.ndarray]] = {}
+        self._records: dict[int, list[list[tuple[np.ndarray, np.ndarray]]]] = {}
         # per kind and buffer: where each record's body is sent from, and the staging slots the
         # batch holds (handed back once it is sent)
         self.bodies: dict[int, list[list[np.ndarray]]] = {}
@@ -104,6 +105,14 @@ class Link:
             for kind, nb in keeper.nbytes.items():
                 size = PREFIX * 8 + keeper.per_msg[kind] * (HDR * 8 + (nb if scaled else 0))
                 self.bufs[kind] = [np.zeros(size, dtype=np.uint8) for _ in range(SEND_BUFFERS)]
+                rb = HDR * 8 + (nb if scaled else 0)
+                self._records[kind] = [  # each record's header (int64) and scratch body, as views made once
+                    [
+                        (buf[at : at + HDR * 8].view(np.int64), buf[at + HDR * 8 : at + rb])
+                        for at in range(PREFIX * 8, size, rb)
+                    ]
+                    for buf in self.bufs[kind]
+                ]
                 self.bodies[kind] = [[] for _ in range(SEND_BUFFERS)]
                 self.slots[kind] = [[] for _ in range(SEND_BUFFERS)]
                 self.free[kind] = queue.SimpleQueue()
@@ -125,12 +134,11 @@ class Link:
             batch = self.open[kind] = [self.free[kind].get_nowait(), 0]
         i, n = batch
         batch[1] = n + 1
-        rb = HDR * 8 + (self.keeper.nbytes[kind] if self.scaled else 0)
-        rec = self.bufs[kind][i][PREFIX * 8 + n * rb : PREFIX * 8 + (n + 1) * rb]
-        self.bodies[kind][i].append(rec[HDR * 8 :] if body is None else body)
+        header, scratch = self._records[kind][i][n]
+        self.bodies[kind][i].append(scratch if body is None else body)
         if slot is not None:
             self.slots[kind][i].append(slot)
-        return rec[: HDR * 8].view(np.int64)
+        return header
 
     def scratch(self, kind: int) -> np.ndarray:
         """The body of the record last added without one (`record`), to fill."""
