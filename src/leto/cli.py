@@ -356,6 +356,14 @@ def build_parser() -> _Parser:
         default=None,
         help="productivity: worker SIGKILLs per run, at seeded random steps, the same for every system [6]",
     )
+    bench.add_argument(
+        "--rank-cpu",
+        default=None,
+        metavar="auto|off|CPUS",
+        help="productivity: each process that runs a rank gets this CPU quota (a cgroup of its own), so a job "
+        "that shrinks loses its lost ranks' hardware as on a GPU cluster; auto = the machine's cores / the "
+        "ranks when cgroups allow it, else off [auto]",
+    )
     bench.add_argument("--out", type=Path, default=None, help="folder for plots and raw results [a temp folder]")
     bench.add_argument("--workers", type=int, default=4)
     bench.add_argument(

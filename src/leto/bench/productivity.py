@@ -48,7 +48,7 @@ from pathlib import Path
 
 from leto.baselines.faults import ExternalInjector
 from leto.baselines.nvrx_job import nvrx_status
-from leto.bench import plots
+from leto.bench import capacity, plots
 from leto.bench.mesh import refuse_tp
 from leto.bench.noise import NOISE_RULE, NOT_MEASURED, every_repeat, measured, noise_word, on_median, within_noise
 from leto.bench.runs import (
@@ -540,6 +540,16 @@ def print_table(report: dict) -> None:
         f"(seed {cfg['seed']}) after steps {', '.join(str(k['step']) for k in cfg['kills']) or '-'}, the same for "
         "every system in every trial"
     )
+    rc = cfg.get("rank_cpu") or {}
+    if rc.get("cpu_per_rank") is not None:
+        print(
+            f"each process that runs a rank capped at {rc['cpu_per_rank']:g} CPU ({rc['why']}, cgroup {rc['cgroup']}): "
+            "a job that shrinks loses its lost ranks' hardware, as on a GPU cluster"
+        )
+    else:
+        print(f"rank processes not capped ({rc.get('why')}): a job that shrinks keeps every core")
+    for e in cfg.get("capacity_errors") or []:
+        print(f"  capping: {e}")
     print(f"medians of {n} trials, [min..max] beside them" if n > 1 else "one trial: no medians, no spread")
     head = (
         f"  {'system':20} {'productivity':>22} {'leto +pp':>20} {'failure-free run':>20} {'/ fastest peer':>20} "
@@ -604,6 +614,7 @@ def build_report(
     orders: list[list[str]] | None = None,
     torchft: str | None = None,
     info: dict | None = None,
+    rank_cpu: dict | None = None,
 ) -> dict:
     """The JSON document (less `json` and `plots`) from every trial's runs: `config`, `definitions`,
     `systems` (medians, spreads, raw trials; in the order of `names`), Leto's differences (medians
@@ -627,6 +638,16 @@ def build_report(
             "schedule": schedule_words(len(specs), cfg.steps),
             "order": "each trial: per system in turn, its failure-free run then its run with "
             "failures; the order of the systems rotates by one per trial",
+            "rank_cpu": rank_cpu or {"cpu_per_rank": cfg.cpu_per_rank, "cgroup": None, "why": None},
+            "capacity_errors": sorted(
+                {
+                    e
+                    for runs in all_runs
+                    for by in runs.values()
+                    for r in by.values()
+                    for e in (r.capacity or {}).get("errors", [])
+                }
+            ),
         },
         "torchft": torchft or "installed",
         "definitions": DEFINITIONS,
@@ -663,6 +684,33 @@ def dumps(report: dict) -> str:
     return _SHORT_LIST.sub(lambda m: "[" + re.sub(r",\s+", ", ", m.group(1)) + "]", json.dumps(report, indent=1))
 
 
+def rank_cpu_setting(flag: str | None, ranks: int) -> dict:
+    """`--rank-cpu` as {"cpu_per_rank": CPUs or None, "cgroup": "v1"/"v2"/None, "why": ...}:
+    auto (the default) shares the machine's cores among the ranks where cgroups allow it."""
+    flag = "auto" if flag is None else flag
+    if flag == "off":
+        return {"cpu_per_rank": None, "cgroup": None, "why": "--rank-cpu off"}
+    found = capacity.hierarchy()
+    if flag == "auto":
+        if isinstance(found, str):
+            return {"cpu_per_rank": None, "cgroup": None, "why": found}
+        share, why = capacity.cores() / ranks, f"{capacity.cores()} cores / {ranks} ranks"
+    else:
+        try:
+            share = float(flag)
+        except ValueError:
+            share = -1.0
+        if not 0 < share <= capacity.cores():
+            raise UsageError(
+                f"leto bench productivity: error: --rank-cpu must be auto, off or a number of CPUs in "
+                f"(0, {capacity.cores()}], got {flag!r}"
+            )
+        if isinstance(found, str):
+            raise UsageError(f"leto bench productivity: error: --rank-cpu {flag}: {found}")
+        why = "--rank-cpu"
+    return {"cpu_per_rank": round(share, 4), "cgroup": found[1], "why": why}
+
+
 def main(args: argparse.Namespace) -> int:
     refuse_tp(args, "productivity")
     steps = args.steps or DEFAULT_STEPS
@@ -678,7 +726,17 @@ def main(args: argparse.Namespace) -> int:
             f"{MIN_GAP_STEPS} steps before the end); give fewer --failures or more --steps"
         )
     nodes = min(2, args.workers)
-    cfg = JobConfig(workers=args.workers, nodes=nodes, steps=steps, model=args.model, mtbf_s=DEFAULT_MTBF_S)
+    rank_cpu = rank_cpu_setting(getattr(args, "rank_cpu", None), args.workers)
+    cfg = JobConfig(
+        workers=args.workers,
+        nodes=nodes,
+        steps=steps,
+        model=args.model,
+        mtbf_s=DEFAULT_MTBF_S,
+        cpu_per_rank=rank_cpu["cpu_per_rank"],
+    )
+    if rank_cpu["cpu_per_rank"] is None:
+        log(f"leto bench productivity: rank processes not capped: {rank_cpu['why']}")
     out = Path(args.out) if args.out else default_out("productivity")
     out.mkdir(parents=True, exist_ok=True)
     tf, nv = torchft_status(), nvrx_status()
@@ -696,7 +754,7 @@ def main(args: argparse.Namespace) -> int:
         log(f"leto bench productivity: {e}; stopped")
         return 130
     info["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    report = build_report(cfg, all_runs, names, specs=specs, orders=orders, torchft=tf, info=info)
+    report = build_report(cfg, all_runs, names, specs=specs, orders=orders, torchft=tf, info=info, rank_cpu=rank_cpu)
     report["json"] = str(out / "productivity.json")
     report["plots"] = make_plot(out, report, all_runs, PRESETS[cfg.model].batch_size * PRESETS[cfg.model].block_size)
     Path(report["json"]).write_text(dumps(report))

@@ -28,6 +28,7 @@ from typing import Protocol
 from leto import config as job_config
 from leto.baselines.faults import ExternalInjector, Kill
 from leto.baselines.restart import run_baseline
+from leto.bench.capacity import RankCapacity
 from leto.bench.mesh import mesh_elements, shard_accounting
 from leto.bench.throughput import WARMUP_STEPS, steady_step_s
 from leto.console import read_jsonl
@@ -73,6 +74,7 @@ class JobConfig:
     tp: int = 1  # tensor-parallel ranks per pipeline stage (world = DP x PP x TP, `leto train --tp`)
     pp: int = 1  # pipeline stages per model replica (`leto train --pp`)
     microbatches: int = 1  # with pp > 1: micro-batches of a replica's batch (`leto train --microbatches`)
+    cpu_per_rank: float | None = None  # each rank process's CPU quota (`capacity.RankCapacity`); None: uncapped
 
 
 class InjectorLike(Protocol):
@@ -100,6 +102,7 @@ class Run:
     records: list[dict]
     kills: list[Kill]
     injection_errors: list[str] = field(default_factory=list)
+    capacity: dict | None = None  # `RankCapacity.summary()` of a capped run
 
     @property
     def ok(self) -> bool:
@@ -201,10 +204,11 @@ def run_system(system: System, cfg: JobConfig, run_dir: Path, injector: Injector
     code: int | None = None
     error: str | None = None
     t_start = time.time()
+    capacity = RankCapacity(run_dir, cfg.cpu_per_rank) if cfg.cpu_per_rank is not None else None
     injector.start()
     watchdog = Watchdog(limit_s)
     try:
-        with watchdog:
+        with watchdog, capacity or contextlib.nullcontext():
             if system.kind == LETO:
                 code = _run_leto(system, cfg, run_dir)
             else:
@@ -254,6 +258,7 @@ def run_system(system: System, cfg: JobConfig, run_dir: Path, injector: Injector
         read_jsonl(run_dir / "metrics.jsonl"),
         sorted(injector.kills, key=lambda k: k.time),
         list(injector.errors),
+        None if capacity is None else capacity.summary(),
     )
 
 
