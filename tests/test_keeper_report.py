@@ -177,3 +177,15 @@ def test_a_receiver_rings_the_main_loop_only_once_a_batch_completes_the_next_bar
         assert rings == [f"keeper-recv-{A}"]  # B held its own rank's step 0: A's batch completes it
     finally:
         rank0.close()
+
+
+@pytest.mark.parametrize(("p", "i"), [(0, -1), (-1, 0), (0, LAYOUT.segment_len), (1, 0)])
+def test_a_contribution_for_a_place_outside_the_stripe_is_refused_not_wrapped(cluster: Cluster, p: int, i: int) -> None:
+    """A peer's position and offset index this keeper's parity: a negative one must not wrap to
+    the last row (numpy would), nor one past the end fold anywhere."""
+    before = cluster.tier2()
+    body = np.full(LAYOUT.geometry.state_bytes, 7, dtype=np.uint8)
+    with pytest.raises(IndexError, match=f"no position {p}, offset {i} in stripe {STRIPE.index}"):
+        cluster.a.parity.fold_remote(KIND_DELTA, 0, STRIPE.index, p, i, 0, body)
+    after = cluster.tier2()
+    assert all(np.array_equal(before[k], after[k]) for k in TIER2)

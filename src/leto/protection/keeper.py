@@ -117,6 +117,7 @@ class Keeper:
             out.pop(n).close()
         for n in set(inbound) - senders:
             inbound.pop(n).close()
+        self.barrier = CommitBarrier(self)  # before the links: their receivers ask it whether to ring
         scaled = scaled_links(layout, node)
         self.links = {
             n: Link(self, n, out.get(n), inbound.get(n), scaled=n in scaled)
@@ -128,7 +129,6 @@ class Keeper:
         self.route_links = [[(r, self.links[r.parity_node]) for r in routes] for routes in self.routes]
         self._from_slot = [sum(r.coef == 1 for r in routes) for routes in self.routes]
         self.wants_room = False  # the main thread found a link's send buffers full (the sender rings then)
-        self.barrier = CommitBarrier(self)
         self.dirty = True
         h[H_STATE] = STATE_RUNNING
         store.set(keys.ready(self.gen, node), KeeperReady(os.getpid()).to_json())
