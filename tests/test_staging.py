@@ -17,6 +17,17 @@ def test_cpu_chunks_are_views_not_copies() -> None:
     assert as_bytes(t[2]).tobytes() == t[2].numpy().tobytes()
 
 
+def test_a_tensor_s_bytes_are_a_view_of_any_dtype_and_a_strided_one_has_none() -> None:
+    t = torch.arange(24, dtype=torch.float32).reshape(4, 6).requires_grad_()
+    b = as_bytes(t[1])
+    assert b.dtype == np.uint8 and b.tobytes() == t[1].detach().numpy().tobytes()
+    assert np.shares_memory(b, t.detach().numpy())
+    h = torch.arange(8, dtype=torch.bfloat16)  # no numpy dtype: still a view of its bytes
+    assert as_bytes(h).tobytes() == h.view(torch.uint8).numpy().tobytes()
+    with pytest.raises(ValueError, match=r"non-contiguous tensor of shape \(4,\) has no byte view"):
+        as_bytes(t[:, 0])  # a column: its bytes are not one run, and a copy would not be the chunk
+
+
 def test_the_copying_path_gives_the_same_bytes_in_two_slots_at_once() -> None:
     old, new = torch.randn(256), torch.randn(256)
     st = HostStaging(256 * 4, torch.device("cpu"), copy=True)
