@@ -25,6 +25,10 @@ class Parity:
         self._p2 = {si: [words(row) for row in region[f"p2_{si}"]] for si in self.stripes}
         self._crc2 = {si: region[f"crc2_{si}"] for si in self.stripes}
         self._v2 = {si: region[f"v2_{si}"] for si in self.stripes}
+        # the version rows `applied_step` takes the lowest of: (row, mask of its real chunks or None)
+        self._sources = [
+            (self._v2[si][p], None if real.all() else real) for (si, p), real in self.real.items() if real.any()
+        ]
 
     def _expected_counts(self) -> tuple[dict[int, np.ndarray], dict[tuple[int, int], np.ndarray]]:
         """Per parity stripe: contributions expected at each offset, and which offsets of each
@@ -115,9 +119,7 @@ class Parity:
 
     def applied_step(self) -> int:
         """The last step at which every source chunk's delta is folded here (lowest version)."""
-        r = self.region
-        low = int(r["v1"].min())
-        for (si, p), real in self.real.items():
-            if real.any():
-                low = min(low, int(r[f"v2_{si}"][p][real].min()))
+        low = int(self._v1.min())
+        for row, real in self._sources:
+            low = min(low, int((row if real is None else row[real]).min()))
         return low
