@@ -100,3 +100,18 @@ def test_a_rank_cpu_that_is_not_a_share_of_the_machine_is_refused(flag: str, mon
         UsageError, match=f"--rank-cpu must be auto, off or a number of CPUs in \\(0, 2\\], got '{flag}'"
     ):
         productivity.rank_cpu_setting(flag, 4)
+
+
+@needs_cgroups
+def test_entries_of_procs_json_that_are_not_processes_are_passed_over(tmp_path: Path) -> None:
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        procs = ["garbage", 3, None, {"role": "worker", "pid": "12"}, {"role": "worker", "pid": sleeper.pid}]
+        (tmp_path / "procs.json").write_text(json.dumps(procs))
+        with RankCapacity(tmp_path, 0.5) as cap:
+            _within(lambda: sleeper.pid in cap.placed, "the listed worker to be placed")
+            assert cap._thread.is_alive()
+        assert list(cap.placed) == [sleeper.pid]
+    finally:
+        sleeper.kill()
+        sleeper.wait()

@@ -96,8 +96,10 @@ class RankCapacity:
             if not isinstance(procs, list):
                 continue
             for p in procs:
-                pid = p.get("pid") if isinstance(p, dict) else None
-                if p.get("role") in RANK_ROLES and isinstance(pid, int) and pid > 0 and pid not in self.placed:
+                if not isinstance(p, dict) or p.get("role") not in RANK_ROLES:
+                    continue
+                pid = p.get("pid")
+                if isinstance(pid, int) and pid > 0 and pid not in self.placed:
                     self.place(pid, p.get("start"))
 
     def place(self, pid: int, start: str | None) -> None:

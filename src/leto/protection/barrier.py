@@ -70,7 +70,7 @@ class CommitBarrier:
             return False
         with k.lock:
             k.dirty = False
-            done = k.parity.deltas_complete(step) if kind == KIND_DELTA else k.parity.grads_complete(step)
+            done = self._complete(kind, step)
         if done:
             self.done.clear()
             self.work = k.pg.allreduce([self.buf])
@@ -85,11 +85,14 @@ class CommitBarrier:
         """Whether the next barrier is not in flight and its step is complete here (call under
         the keeper's lock): a thread that folded something rings the main loop only then (a
         barrier in flight rings it itself when it ends, and the main loop looks again)."""
-        k = self.keeper
-        kind, step = self.next
         if self.work is not None or self.broken:
             return False
-        return k.parity.deltas_complete(step) if kind == KIND_DELTA else k.parity.grads_complete(step)
+        return self._complete(*self.next)
+
+    def _complete(self, kind: int, step: int) -> bool:
+        """Whether barrier (kind, step) has everything it waits for folded here."""
+        parity = self.keeper.parity
+        return parity.deltas_complete(step) if kind == KIND_DELTA else parity.grads_complete(step)
 
     def close(self) -> None:
         """End `_await`'s thread (a barrier still in flight is waited out first)."""

@@ -94,7 +94,7 @@ class Keeper:
         self._slot_rows = [[hdrs[w, i] for i in range(ring)] for w in range(self.W)]  # views made once
         self._holds: dict[tuple[int, int], int] = {}  # staging slot (worker, index) -> holds on it
         self._slot_lock = threading.Lock()
-        self._slot_hdr = self.region["slot_hdr"]  # kept: a sender may hand a slot back after `close`
+        self._slot_hdr = hdrs  # kept: a sender may hand a slot back after `close`
         g = layout.geometry
         self.grads = layout.protects_grads  # else gradients are not staged (an interval, or gloo's replicas)
         self.nbytes = kinds(layout)

@@ -17,7 +17,7 @@ def as_bytes(t: torch.Tensor) -> np.ndarray:
     """A uint8 view of a contiguous tensor's bytes: no copy on the CPU; a device tensor is
     copied to the host first (recovery reads a chunk at a time; the step uses `HostStaging`)."""
     if t.device.type != "cpu":
-        t = t.detach().cpu()
+        t = t.cpu()
     t = t.detach() if t.requires_grad else t
     if not t.is_contiguous():  # a reshape would copy: a chunk's bytes are always a view
         raise ValueError(f"a non-contiguous tensor of shape {tuple(t.shape)} has no byte view")
