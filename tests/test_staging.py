@@ -3,6 +3,8 @@ path: device-to-host copies) they are the same bytes, and a delta's two chunks c
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import pytest
 import torch
@@ -26,6 +28,30 @@ def test_a_tensor_s_bytes_are_a_view_of_any_dtype_and_a_strided_one_has_none() -
     assert as_bytes(h).tobytes() == h.view(torch.uint8).numpy().tobytes()
     with pytest.raises(ValueError, match=r"non-contiguous tensor of shape \(4,\) has no byte view"):
         as_bytes(t[:, 0])  # a column: its bytes are not one run, and a copy would not be the chunk
+
+
+def test_a_cpu_chunk_s_view_is_made_once_and_always_shows_the_bytes_now_at_its_address() -> None:
+    st = HostStaging(64, torch.device("cpu"))
+    state = torch.zeros(4, 16)
+    first = st.host(state[2])
+    assert st.host(state[2]) is first  # the step asks for the same chunks every step
+    state[2] = 7.0
+    assert first.tobytes() == state[2].numpy().tobytes()  # a view, not a snapshot
+    assert not np.shares_memory(st.host(state[1]), first)
+    # another tensor at the address with the size (memory freed and allocated again, here a
+    # numpy-backed tensor over the same bytes) is handed the view, which shows its bytes
+    again = torch.from_numpy(state.numpy()[2].copy())
+    state[2] = again + 1.0
+    other = torch.from_numpy(state.numpy()[2])
+    assert other.data_ptr() == state[2].data_ptr() and other is not state
+    assert st.host(other) is first and first.tobytes() == (again + 1.0).numpy().tobytes()
+    with pytest.raises(ValueError, match="non-contiguous"):
+        st.host(torch.zeros(4, 16)[:, 0])
+    temporary = torch.ones(16)
+    st.host(temporary)
+    gone = weakref.ref(temporary)
+    del temporary
+    assert gone() is None  # the table holds no chunk's memory alive (a decoded chunk, a resharded state)
 
 
 def test_the_copying_path_gives_the_same_bytes_in_two_slots_at_once() -> None:

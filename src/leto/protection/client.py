@@ -58,6 +58,7 @@ class Protector:
             raise PeerFailure(f"waiting for keeper ready (generation {layout.generation}): {why}")
         self.region = Region(layout, job_id, self.node, create=False)
         self.hdr = self.region["slot_hdr"][self.w]
+        self._rows = [memoryview(row) for row in self.hdr]  # a slot's header fields: cheaper than numpy's indexing
         self.data = self.region["slot_data"][self.w]
         self.bell = Doorbell(int(self.region.header[H_PID]))  # the keeper sleeps until rung
         self.seq = 0
@@ -90,13 +91,14 @@ class Protector:
 
     def _slot(self) -> int:
         idx = self.seq % self.layout.ring_slots
-        if self.hdr[idx, S_READY] != SLOT_FREE:
+        row = self._rows[idx]
+        if row[S_READY] != SLOT_FREE:
             self.bell.ring()  # whatever it last heard, the keeper has a full ring to fold
-            self._wait_until(lambda: self.hdr[idx, S_READY] == SLOT_FREE, "a free staging slot")
+            self._wait_until(lambda: row[S_READY] == SLOT_FREE, "a free staging slot")
         return idx
 
     def _publish(self, idx: int, kind: int, step: int, chunk: int, crc: int, last: bool) -> None:
-        h = self.hdr[idx]
+        h = self._rows[idx]
         h[S_KIND], h[S_STEP], h[S_CHUNK], h[S_CRC] = kind, step, chunk, crc
         h[S_READY] = SLOT_STAGED  # last: the keeper applies only complete slots (total store order: see shm.py)
         self.seq += 1
@@ -168,6 +170,8 @@ class Protector:
         self._wait_until(lambda: h[H_DCOMMIT] >= step, f"delta commit of step {step}")
 
     def close(self) -> None:
-        self.hdr = self.data = None  # type: ignore[assignment]
+        for row in self._rows:
+            row.release()
+        self.hdr = self.data = self._rows = None  # type: ignore[assignment]
         self.bell.close()
         self.region.close()

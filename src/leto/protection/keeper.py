@@ -49,7 +49,7 @@ from leto.protection.shm import (
     Region,
     check_store_order,
 )
-from leto.protection.transport import HDR, Link, kinds, records_per_batch, scaled_links
+from leto.protection.transport import HDR, RECORD, Link, kinds, records_per_batch, scaled_links
 from leto.protocol import keys
 from leto.protocol.protection import KeeperReady
 from leto.runtime import env as rt
@@ -81,6 +81,7 @@ class Keeper:
         self.gen = layout.generation
         self.closed = False
         self._link_failure_told = False
+        self.link_broken = False  # set once a tier-2 link of this generation broke (`Link.fail`)
         self.lock = threading.Lock()
         self.region = Region(layout, job, node, create=True)
         h = self.region.header
@@ -91,10 +92,11 @@ class Keeper:
         self.next_slot = [0] * self.W
         ring = layout.ring_slots
         hdrs, data = self.region["slot_hdr"], self.region["slot_data"]
-        self._slot_rows = [[hdrs[w, i] for i in range(ring)] for w in range(self.W)]  # views made once
+        # each slot's header fields, made once: a memoryview's item is cheaper than numpy's indexing
+        # (kept after `close`: a sender may hand a slot back then)
+        self._slot_rows = [[memoryview(hdrs[w, i]) for i in range(ring)] for w in range(self.W)]
         self._holds: dict[tuple[int, int], int] = {}  # staging slot (worker, index) -> holds on it
         self._slot_lock = threading.Lock()
-        self._slot_hdr = hdrs  # kept: a sender may hand a slot back after `close`
         g = layout.geometry
         self.grads = layout.protects_grads  # else gradients are not staged (an interval, or gloo's replicas)
         self.nbytes = kinds(layout)
@@ -147,7 +149,7 @@ class Keeper:
             for _ in range(ring):
                 idx = nxt[w] % ring
                 h = rows[idx]
-                if h.item(S_READY) != SLOT_STAGED:  # then read the slot: total store order is assumed (shm.py)
+                if h[S_READY] != SLOT_STAGED:  # then read the slot: total store order is assumed (shm.py)
                     break
                 f = h.tolist()
                 kind, step, chunk, crc = f[S_KIND], f[S_STEP], f[S_CHUNK], f[S_CRC]
@@ -168,7 +170,7 @@ class Keeper:
     def staged(self) -> bool:
         """Whether a worker's next slot is staged and not yet taken."""
         ring = self.layout.ring_slots
-        return any(self._slot_hdr[w, self.next_slot[w] % ring, S_READY] == SLOT_STAGED for w in range(self.W))
+        return any(self._slot_rows[w][self.next_slot[w] % ring][S_READY] == SLOT_STAGED for w in range(self.W))
 
     def hand_back(self, slots: list[tuple[int, int]]) -> None:
         """Drop one hold on each of these staging slots; a slot nobody holds any more is the
@@ -179,7 +181,7 @@ class Keeper:
                 if left:
                     self._holds[slot] = left
                 else:
-                    self._slot_hdr[slot[0], slot[1], S_READY] = SLOT_FREE
+                    self._slot_rows[slot[0]][slot[1]][S_READY] = SLOT_FREE
 
     def _ship(self, kind: int, step: int, w: int, idx: int, chunk: int, crc: int, payload: np.ndarray) -> bool:
         """Add this chunk's tier-2 contributions to the links' batches; False when a link has
@@ -190,7 +192,7 @@ class Keeper:
         pos = w * self.layout.geometry.n_chunks + chunk
         route_links = self.route_links[pos]
         from_slot = self._from_slot[pos]
-        if any(link.error is not None for _, link in route_links):
+        if self.link_broken:
             route_links = [rl for rl in route_links if rl[1].error is None]
             from_slot = sum(r.coef == 1 for r, _ in route_links)
         self.wants_room = True  # before looking: a buffer freed after the look finds it set
@@ -201,7 +203,7 @@ class Keeper:
         slot = (w, idx)
         with self._slot_lock:
             self._holds[slot] = 1 + from_slot
-            self._slot_hdr[w, idx, S_READY] = SLOT_HELD
+            self._slot_rows[w][idx][S_READY] = SLOT_HELD
         for r, link in route_links:
             if r.coef == 1:  # sent from the slot itself
                 header = link.record(kind, payload, slot)
@@ -210,7 +212,7 @@ class Keeper:
                 body = link.scratch(kind)
                 body[...] = 0
                 scale_into(body, r.coef, payload)
-            header[:] = (kind, step, self.idx, r.stripe, r.p, r.i, crc, self.gen)
+            RECORD.pack_into(header, 0, kind, step, self.idx, r.stripe, r.p, r.i, crc, self.gen)
             if link.full(kind):
                 link.flush(kind)
         return True

@@ -25,10 +25,15 @@ class Parity:
         self._p2 = {si: [words(row) for row in region[f"p2_{si}"]] for si in self.stripes}
         self._crc2 = {si: region[f"crc2_{si}"] for si in self.stripes}
         self._v2 = {si: region[f"v2_{si}"] for si in self.stripes}
-        # the version rows `applied_step` takes the lowest of: (row, mask of its real chunks or None)
-        self._sources = [
-            (self._v2[si][p], None if real.all() else real) for (si, p), real in self.real.items() if real.any()
-        ]
+        # how many source chunks (tier-1 ones, and tier-2 ones that are real) are at each version:
+        # `applied_step` is its lowest key, kept up to date by the folds instead of a scan of the tables
+        self._real2 = {key: mask.tolist() for key, mask in self.real.items()}
+        self._at: dict[int, int] = {}
+        for v in self._v1.ravel().tolist():
+            self._count(v, 1)
+        for (si, p), real in self.real.items():
+            for v in self._v2[si][p][real].tolist():
+                self._count(v, 1)
 
     def _expected_counts(self) -> tuple[dict[int, np.ndarray], dict[tuple[int, int], np.ndarray]]:
         """Per parity stripe: contributions expected at each offset, and which offsets of each
@@ -54,7 +59,7 @@ class Parity:
             row = self._p1[chunk]
             np.bitwise_xor(row, words(payload), out=row)
             self._crc1[w, chunk] = crc
-            self._v1[w, chunk] = step
+            self._moved(self._v1, (w, chunk), step)
             return
         b = step % 2
         if r["g1_step"][b, chunk] != step:
@@ -80,7 +85,10 @@ class Parity:
                 raise ValueError(f"a body of {len(body)} bytes for a parity row of {row.nbytes}")
             np.bitwise_xor(row, words(body), out=row)
             self._crc2[stripe][p, i] = crc
-            v2[p, i] = step
+            if self._real2[(stripe, p)][i]:
+                self._moved(v2, (p, i), step)
+            else:  # padding: no source, so no version that counts
+                v2[p, i] = step
             return
         b = step % 2
         if r[f"g2_step_{stripe}"][b, i] != step:
@@ -119,7 +127,17 @@ class Parity:
 
     def applied_step(self) -> int:
         """The last step at which every source chunk's delta is folded here (lowest version)."""
-        low = int(self._v1.min())
-        for row, real in self._sources:
-            low = min(low, int((row if real is None else row[real]).min()))
-        return low
+        return min(self._at)
+
+    def _count(self, version: int, n: int) -> None:
+        left = self._at.get(version, 0) + n
+        if left:
+            self._at[version] = left
+        else:
+            del self._at[version]
+
+    def _moved(self, table: np.ndarray, at: tuple[int, int], step: int) -> None:
+        """Set a source chunk's version in `table` to `step`, and count it there."""
+        self._count(int(table[at]), -1)
+        table[at] = step
+        self._count(step, 1)

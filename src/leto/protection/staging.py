@@ -9,6 +9,8 @@ a delta's old and new chunk can be on the host at once.
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import torch
 
@@ -27,14 +29,20 @@ def as_bytes(t: torch.Tensor) -> np.ndarray:
         return t.view(-1).view(torch.uint8).numpy()
 
 
+VIEWS_KEPT = 256  # byte views a CPU `HostStaging` keeps: every chunk of a shard's buffers, and then some
+
+
 class HostStaging:
     """Host bytes of device chunks of at most `nbytes` bytes, through `slots` pinned buffers.
 
-    `copy=True` on the CPU sends CPU tensors through the same (unpinned) buffers: the path a
-    GPU job takes, testable without one."""
+    On the CPU (no copy) the byte view of each chunk is made once and kept, by address and
+    size: a step asks for the same chunks every step, and on a busy machine making a view costs
+    as much as checksumming a chunk. `copy=True` on the CPU sends CPU tensors through the same
+    (unpinned) buffers: the path a GPU job takes, testable without one."""
 
     def __init__(self, nbytes: int, device: torch.device, slots: int = 2, copy: bool | None = None) -> None:
         self.device = device
+        self._views: dict[tuple[int, int], np.ndarray] = {}
         self.copy = device.type == "cuda" if copy is None else copy
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         pinned = device.type == "cuda"
@@ -45,7 +53,7 @@ class HostStaging:
     def host(self, t: torch.Tensor, slot: int = 0) -> np.ndarray:
         """The bytes of contiguous `t` on the host, valid until `slot` is used again."""
         if not self.copy:
-            return as_bytes(t)
+            return self._view(t)
         src = t.detach().reshape(-1).view(torch.uint8)
         if src.numel() > self.bufs[slot].numel():
             raise ValueError(
@@ -61,3 +69,18 @@ class HostStaging:
             src.record_stream(self.stream)  # the caching allocator must not reuse src before the copy
         self.stream.synchronize()  # the host needs the bytes; the compute stream goes on
         return dst.numpy()
+
+    def _view(self, t: torch.Tensor) -> np.ndarray:
+        """`as_bytes(t)`, made once per address and size. The table's views hold no memory
+        alive (they are views of an address, not of a tensor), so a chunk freed and another
+        allocated at its address with its size finds the right bytes, and a view is only
+        handed out for a tensor the caller holds."""
+        if not t.is_contiguous() or t.device.type != "cpu" or not t.nbytes:
+            return as_bytes(t)
+        key = (t.data_ptr(), t.nbytes)
+        v = self._views.get(key)
+        if v is None:
+            if len(self._views) >= VIEWS_KEPT:
+                self._views.clear()
+            v = self._views[key] = np.frombuffer((ctypes.c_uint8 * key[1]).from_address(key[0]), dtype=np.uint8)
+        return v

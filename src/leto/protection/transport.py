@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import queue
 import socket
+import struct
 import time
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     from leto.protection.keeper import Keeper
 
 HDR = 8  # int64 fields in a tier-2 record header
+RECORD = struct.Struct(f"={HDR}q")  # a record header's fields, packed in place (cheaper than numpy's assignment)
 PREFIX = 2  # int64 fields before a batch's records: its kind, its record count
 KINDS = (KIND_GRAD, KIND_DELTA)  # the kinds of tier-2 data
 SEND_BUFFERS = 2  # tier-2 batches per link and kind (one filling, one in flight)
@@ -201,6 +203,7 @@ class Link:
     def fail(self, why: str, waited_s: float = 0.0) -> None:
         """This link is broken for the rest of its generation."""
         self.error = why
+        self.keeper.link_broken = True
         self.keeper.link_failed(why, waited_s)
 
     def _recv_loop(self, sock: socket.socket) -> None:
