@@ -246,16 +246,20 @@ class Keeper:
         next_control, asked = 0.0, False
         idle = IDLE_WAIT_S[0]
         while True:
-            progress = self.consume_slots()
-            progress |= self.barrier.advance()
-            idle = IDLE_WAIT_S[0] if progress else min(2 * idle, IDLE_WAIT_S[1])
+            folded = self.consume_slots()
+            advanced = self.barrier.advance()
+            idle = IDLE_WAIT_S[0] if folded or advanced else min(2 * idle, IDLE_WAIT_S[1])
             now = time.monotonic()
             if asked or now >= next_control:
                 next_control, asked = now + CONTROL_EVERY_S, False
                 reason = should_stop()
                 if reason:
                     return reason
-            if not progress:
+            # a pass that only folded sleeps too, as if it had found nothing: a ring that came
+            # while it ran is pending and wakes it at once (a second pass at once found nothing
+            # most of the time). A barrier that moved looks again: the next one may be complete,
+            # and nobody rings for it
+            if not advanced:
                 asked = doorbell.wait(idle) == doorbell.CONTROL
 
     def close(self, unlink: bool) -> None:
