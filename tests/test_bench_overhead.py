@@ -535,6 +535,18 @@ def test_the_floor_measures_every_operation_it_uses() -> None:
     assert all(v > 0 for v in costs.values())
 
 
+def test_the_fold_of_a_slot_another_core_just_wrote_is_measured_where_two_cores_exist(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from leto.bench import floor as floor_mod
+
+    if len(os.sched_getaffinity(0)) >= 2:
+        ns = floor_mod.handoff_fold_s_per_byte(rounds=50) * 1e9
+        assert 0 < ns < 100  # a fold moves bytes at well over 10 MB/s on any machine that runs this
+    monkeypatch.setattr(floor_mod.os, "sched_getaffinity", lambda pid: {0})
+    assert floor_mod.handoff_fold_s_per_byte() is None  # one core: no other core to write the slot
+
+
 # ----- the mesh (--tp)
 def test_a_tp_slice_by_hand() -> None:
     """tiny cut in two (Megatron's layout): embeddings, LayerNorms and the row-parallel layers'

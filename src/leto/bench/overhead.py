@@ -898,6 +898,12 @@ def _print(out: dict, mem: dict) -> None:
             f"    {name}: {t['bytes_per_step'] / 1e6:.1f} MB x {t['ns_per_byte']:.3f} / {t['cold_ns_per_byte']:.3f} "
             f"ns/B = {t['cpu_ms_per_step']:.2f} / {t['cold_cpu_ms_per_step']:.2f} ms"
         )
+    if fl.get("handoff_fold_ns_per_byte") is not None:
+        print(
+            f"    (the cold fold stands for a slot another core has just written: folding one measured "
+            f"{fl['handoff_fold_ns_per_byte']:.3f} ns/B now, against the cold fold's "
+            f"{fl['cold_operation_ns_per_byte']['fold']:.3f})"
+        )
     if len(out["curve"]) > 1:
         print(
             f"curve of compute per protected byte (other points: {out['curve_rounds']} rounds of "
