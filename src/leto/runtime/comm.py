@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from leto.protocol import keys
 from leto.runtime import threads
+from leto.runtime.linux import disarm_in_epoll
 
 
 class PeerFailure(RuntimeError):
@@ -210,7 +211,9 @@ class Comm:
             if len(_ABANDONED) == 1:
                 atexit.register(_exit_without_destructors)
             _abort(self.pg)
-            _shut_down(getattr(self, "_own_sockets", {}))
+            own = getattr(self, "_own_sockets", {})
+            _shut_down(own)
+            threads.start(lambda: _quiet(own), "leto-quiet")
         if getattr(self, "_p2p", None) is not None:
             self._p2p.stop()
             self._p2p = None
@@ -252,24 +255,45 @@ def _sockets() -> dict[int, str]:
     return out
 
 
-def _shut_down(own: dict[int, str]) -> None:
-    """Shut an abandoned gloo group's connections down (both directions), so that its pending
-    operations fail at once on both ends. gloo's `abort()` leaves them open, and a message a
-    live peer sent for an operation this rank abandoned is never read: gloo's transport thread
-    then spins on it (seen: epoll reporting it readable 20,000 times a second, a third of a core
-    per abandoned group, for the rest of the run). A descriptor is touched only if it is still
-    the same socket; the group's listening socket is left alone (gloo terminates the process
-    when accepting on it fails)."""
-    now = _sockets()
+def _connected(own: dict[int, str]) -> dict[int, str]:
+    """Those of a group's sockets that are still open as themselves and are not its listener
+    (left alone: gloo terminates the process when accepting on it fails)."""
+    now, out = _sockets(), {}
     for fd, ident in own.items():
         if now.get(fd) != ident:
             continue
         try:
             with socket.socket(fileno=os.dup(fd)) as s:
-                if not s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):  # gloo aborts on a dead listener
-                    s.shutdown(socket.SHUT_RDWR)
+                if not s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    out[fd] = ident
         except OSError:
             pass
+    return out
+
+
+def _shut_down(own: dict[int, str]) -> None:
+    """Shut an abandoned gloo group's connections down (both directions), so that its pending
+    operations fail at once on both ends (gloo's `abort()` leaves them open)."""
+    for fd in _connected(own):
+        try:
+            with socket.socket(fileno=os.dup(fd)) as s:
+                s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+QUIET_AFTER_S = 1.0  # how long gloo has to close an abandoned group's shut-down connections itself
+
+
+def _quiet(own: dict[int, str]) -> None:
+    """After `QUIET_AFTER_S`, disarm in gloo's epoll sets those of an abandoned group's
+    connections that gloo has not closed. A message that arrives for an operation this rank
+    dropped is never read (gloo waits for a receive buffer that is gone), so the connection
+    stays ready and gloo's transport thread spins on it, a whole core, for the rest of the run;
+    a connection shut down reports hang-up for ever, to the same effect. Disarmed, it is still
+    registered, so gloo can still remove it if it ever closes the connection."""
+    time.sleep(QUIET_AFTER_S)
+    disarm_in_epoll(_connected(own))
 
 
 _ABANDONED: list[dist.ProcessGroup] = []

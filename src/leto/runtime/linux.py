@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import os
+import platform
 import select
 import signal
 import socket
@@ -15,6 +16,13 @@ _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
 _PR_SET_CHILD_SUBREAPER = 36
 _libc = ctypes.CDLL("libc.so.6", use_errno=True)
+_EPOLL_CTL_MOD = 3
+_EPOLLONESHOT = 1 << 30
+
+
+class _EpollEvent(ctypes.Structure):
+    _pack_ = 1 if platform.machine() == "x86_64" else 8  # glibc packs it on x86-64 only
+    _fields_ = [("events", ctypes.c_uint32), ("data", ctypes.c_uint64)]
 
 
 def die_with_parent() -> None:
@@ -209,3 +217,44 @@ class ExitWatch:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+
+def epoll_watches(epfd: int) -> list[tuple[int, int, int, int]]:
+    """What epoll instance `epfd` of this process watches, from /proc/self/fdinfo: (descriptor,
+    events, data, inode) each; empty if `epfd` is not an epoll instance any more."""
+    out = []
+    try:
+        with open(f"/proc/self/fdinfo/{epfd}") as f:
+            for line in f:
+                if line.startswith("tfd:"):
+                    fields = line.split()
+                    ino = next(x for x in fields if x.startswith("ino:"))
+                    out.append((int(fields[1]), int(fields[3], 16), int(fields[5], 16), int(ino[4:], 16)))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return []
+    return out
+
+
+def disarm_in_epoll(sockets: dict[int, str]) -> int:
+    """Make every epoll set of this process that watches one of `sockets` (descriptor ->
+    `socket:[inode]`) report it at most once more (EPOLLONESHOT, with the same events and data).
+    Its registration stays, so its owner can still modify or remove it; no further event wakes
+    the owner's loop for it. Returns how many registrations were disarmed."""
+    inodes = {}
+    for fd, ident in sockets.items():
+        if ident.startswith("socket:[") and ident.endswith("]"):
+            inodes[int(ident[8:-1])] = fd
+    disarmed = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") != "anon_inode:[eventpoll]":
+                continue
+        except OSError:
+            continue
+        for fd, events, data, ino in epoll_watches(int(name)):
+            if inodes.get(ino) != fd:
+                continue
+            event = _EpollEvent(events | _EPOLLONESHOT, data)
+            if _libc.epoll_ctl(int(name), _EPOLL_CTL_MOD, fd, ctypes.byref(event)) == 0:
+                disarmed += 1
+    return disarmed
