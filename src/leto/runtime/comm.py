@@ -213,7 +213,8 @@ class Comm:
             _abort(self.pg)
             own = getattr(self, "_own_sockets", {})
             _shut_down(own)
-            threads.start(lambda: _quiet(own), "leto-quiet")
+            if self.backend == "gloo":
+                threads.start(lambda: _quiet(own), "leto-quiet")
         if getattr(self, "_p2p", None) is not None:
             self._p2p.stop()
             self._p2p = None
