@@ -22,9 +22,9 @@ from datetime import timedelta
 import pytest
 import torch
 
-from leto.runtime.comm import QUIET_AFTER_S, Comm
+from leto.runtime.comm import QUIET_AFTER_S, Comm, _sockets
 from leto.runtime.env import LOOPBACK, connect, loopback_store, network_env
-from leto.runtime.linux import disarm_in_epoll
+from leto.runtime.linux import disarm_in_epoll, proc_stat
 
 GROUP_TIMEOUT_S = 4.0
 SPINNING = 20  # clock ticks a second (of 100) of gloo's threads: spinning, even on a loaded machine
@@ -110,11 +110,11 @@ def _gloo_ticks() -> int:
             with open(f"/proc/self/task/{tid}/comm") as f:
                 if not f.read().startswith("gloo"):
                     continue
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        total += int(fields[11]) + int(fields[12])
+        fields = proc_stat(os.getpid(), int(tid))
+        if fields is not None:
+            total += int(fields[11]) + int(fields[12])  # utime + stime
     return total
 
 
@@ -122,16 +122,6 @@ def _ticks_a_second(seconds: float) -> float:
     before = _gloo_ticks()
     time.sleep(seconds)
     return (_gloo_ticks() - before) / seconds
-
-
-def _sockets() -> int:
-    count = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
-        except OSError:  # the listing's own descriptor, closed by now
-            pass
-    return count
 
 
 def _rank(addr: str, rank: int) -> None:
@@ -154,14 +144,14 @@ def _rank(addr: str, rank: int) -> None:
     comm.close(abandon=True)
     time.sleep(QUIET_AFTER_S + 0.5)
     report["ticks_a_s_parked"] = _ticks_a_second(2.0)
-    report["sockets_parked"] = _sockets()
+    report["sockets_parked"] = len(_sockets())
     try:
         pending.wait()
         report["pending_receive"] = "completed"
     except RuntimeError as e:
         report["pending_receive"] = f"raised {e}"[:200]
     time.sleep(0.5)
-    report["sockets_after_timeout"] = _sockets()
+    report["sockets_after_timeout"] = len(_sockets())
     store.set("done", "1")
     print(json.dumps(report), flush=True)
     os._exit(0)  # the parked group is never destroyed (as in a worker)

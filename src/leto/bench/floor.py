@@ -24,7 +24,7 @@ from collections.abc import Callable
 import numpy as np
 
 from leto.protection.accounting import bytes_per_element_per_step
-from leto.protection.codec import xor_into
+from leto.protection.codec import words, xor_into
 from leto.protection.integrity import checksum
 from leto.protection.layout import Layout
 
@@ -113,7 +113,7 @@ def handoff_fold_s_per_byte(size: int = CHUNK, slots: int = 16, rounds: int = 40
             s = ready.get(timeout=30)
             row = rows[r % len(rows)]
             c0 = time.thread_time()
-            np.bitwise_xor(row, buf[s].view(np.uint64), out=row)
+            np.bitwise_xor(row, words(buf[s]), out=row)  # as the keeper folds
             spent += time.thread_time() - c0
             free.put(s)
             if (r + 1) % per == 0:
