@@ -15,6 +15,9 @@ def test_a_hugging_face_gpt2_recovers_to_the_failure_free_digest(launcher, tmp_p
     assert "state_dict loads: missing [] unexpected []" in ref_out
     rng, seed = seeded_random()
     kill_step = rng.randrange(2, STEPS - 3)
-    _, s = run_user_script(launcher, tmp_path / "run", SCRIPT, "--steps", str(STEPS), kill_step=kill_step, rng=rng)
+    # a step takes milliseconds: with no pause the kill, sent once the step is recorded, could
+    # come after the last step (nothing to recover); a pause between steps leaves it >= 1.5 s
+    args = ("--steps", str(STEPS), "--step-sleep", "0.5")
+    _, s = run_user_script(launcher, tmp_path / "run", SCRIPT, *args, kill_step=kill_step, rng=rng)
     assert len(s["recoveries"]) == 1 and s["digest"] == ref["digest"], f"seed {seed}: killed at step {kill_step}"
     assert not processes_left(tmp_path / "run")

@@ -3,6 +3,7 @@ init, tied embeddings, dropout on; nothing downloaded), trained on byte tokens o
 
 import argparse
 import os
+import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing is downloaded: the model comes from a config
 
@@ -14,6 +15,12 @@ from leto.training.corpus import load_tokens  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=12)
+p.add_argument(
+    "--step-sleep",
+    type=float,
+    default=0.0,
+    help="seconds of sleep per step (an outside kill must land before the last step)",
+)
 args = p.parse_args()
 
 torch.set_num_threads(1)
@@ -36,6 +43,7 @@ for step in trainer.steps(args.steps):
     starts = torch.randint(0, len(tokens) - 33, (4,))  # torch's global RNG: reseeded every step
     x = torch.stack([tokens[s : s + 32] for s in starts])
     trainer.step(lambda: model(input_ids=x, labels=x).loss)
+    time.sleep(args.step_sleep)
 if job.rank == 0:
     sd = trainer.state_dict()
     fresh = GPT2LMHeadModel(config)
