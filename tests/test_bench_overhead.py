@@ -496,6 +496,7 @@ def test_the_bench_interleaves_runs_and_reports_every_key(
     assert out["targets"]["protection_cpu_vs_cold_floor"]["result"] == ("met" if cold_ratio <= 1.5 else "MISS")
     assert out["protection_cpu_s_per_step"]["total"] == pytest.approx(0.026)
     assert out["protection_cpu_s_per_step"]["worker_difference"] == 0.0  # the old figure, beside it
+    assert len(fl["samples"]) == overhead.ROUNDS  # the floor measured after each round
     calls.clear()
     assert cli.main(["bench", "overhead", "--steps", "4", "--rounds", "3", "--curve", "none", "--rss", "off"]) == 0
     text = capsys.readouterr().out
@@ -514,7 +515,8 @@ def test_the_physical_floor_is_bytes_times_measured_cost_per_operation() -> None
 
     lay = layout(replicated_grads=True)  # 4 ranks x 3 chunks x 1000 elements, --ec 1+1
     costs = {"copy": 0.1, "xor_two_into_slot": 0.2, "checksum": 0.05, "fold": 0.1, "tcp_loopback": 0.5}
-    f = floor(lay, step_s_off=0.1, cores=2, costs=costs, cold={k: 2 * v for k, v in costs.items()})
+    cold = {k: 2 * v for k, v in costs.items()}
+    f = floor(lay, step_s_off=0.1, cores=2, samples=[{"costs": costs, "cold": cold, "handoff_fold_ns_per_byte": None}])
     staged = 12 * 4 * 3 * 1000  # master, exp_avg, exp_avg_sq; no gradient on gloo
     t = f["terms"]["tier 2: TCP send and receive"]
     assert (t["bytes_per_step"], t["operation"], t["ns_per_byte"]) == (staged, "tcp_loopback", 0.5)
@@ -525,6 +527,28 @@ def test_the_physical_floor_is_bytes_times_measured_cost_per_operation() -> None
     assert f["total_cpu_ms_per_step"] == pytest.approx(expected_ns * 1e-6, abs=2e-3)
     assert f["floor_overhead_ratio"] == pytest.approx(1 + expected_ns * 1e-9 / (2 * 0.1), abs=1e-4)
     assert f["cold_total_cpu_ms_per_step"] == pytest.approx(2 * expected_ns * 1e-6, abs=4e-3)
+
+
+def test_the_floor_takes_each_operations_median_over_its_measurements() -> None:
+    from leto.bench.floor import floor
+
+    lay = layout(replicated_grads=True)
+    ops = ("copy", "xor_two_into_slot", "checksum", "fold", "tcp_loopback")
+    # three measurements; the middle one of each operation is 0.1 ns/B in cache and 0.2 cold
+    samples = [
+        {"costs": dict.fromkeys(ops, c), "cold": dict.fromkeys(ops, 2 * c), "handoff_fold_ns_per_byte": h}
+        for c, h in ((0.05, 0.3), (0.1, None), (0.4, 0.1))
+    ]
+    f = floor(lay, step_s_off=0.1, cores=2, samples=samples)
+    staged = 12 * 4 * 3 * 1000  # every term moves every staged byte once (m=1)
+    assert f["operation_ns_per_byte"] == dict.fromkeys(ops, 0.1) and f["cold_operation_ns_per_byte"] == dict.fromkeys(
+        ops, 0.2
+    )
+    # (each term is rounded to the microsecond)
+    assert f["total_cpu_ms_per_step"] == pytest.approx(6 * staged * 0.1e-6, abs=3e-3)
+    assert f["cold_total_cpu_ms_per_step"] == pytest.approx(6 * staged * 0.2e-6, abs=3e-3)
+    assert [x["cpu_ms_per_step"] for x in f["samples"]] == [round(6 * staged * c * 1e-6, 3) for c in (0.05, 0.1, 0.4)]
+    assert f["handoff_fold_ns_per_byte"] == pytest.approx(0.2)  # the median of those measured
 
 
 def test_the_floor_measures_every_operation_it_uses() -> None:

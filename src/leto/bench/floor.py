@@ -9,7 +9,7 @@ folded into the parity node's tier-2 parity. Each operation is timed here, CPU
 seconds per byte, on chunk-sized buffers (192 KiB: the worker's side sees its chunk in cache) and
 on buffers far larger than the caches (`cold`: what the keepers see, reading slots another core
 wrote and parity rows last touched a step ago), so that the floor is a measurement of this machine
-at the moment of the benchmark, not an estimate: the true floor lies between the two.
+while the benchmark runs, not an estimate: the true floor lies between the two.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import queue
 import socket
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -141,23 +142,24 @@ def operation_costs(size: int = CHUNK) -> dict[str, float]:
     return {k: round(v * 1e9, 4) for k, v in ns.items()}
 
 
-def floor(
-    layout: Layout,
-    step_s_off: float,
-    cores: int,
-    costs: dict[str, float] | None = None,
-    cold: dict[str, float] | None = None,
-) -> dict:
-    """CPU milliseconds per step of each term of the floor, their sum, and the overhead ratio
-    they alone would cost if the job's `cores` were busy with training for `step_s_off`; the
-    same with the costs on cold buffers (`cold_*`)."""
-    costs = costs or operation_costs()
-    cold = cold or operation_costs(COLD)
+def sample() -> dict:
+    """Every operation's cost measured once, now: on chunk-sized buffers (`costs`), on cold ones
+    (`cold`), and the fold of a slot another core has just written (None on one core)."""
+    handoff = handoff_fold_s_per_byte()
+    return {
+        "costs": operation_costs(),
+        "cold": operation_costs(COLD),
+        "handoff_fold_ns_per_byte": None if handoff is None else round(handoff * 1e9, 4),
+    }
+
+
+def _terms(layout: Layout) -> dict[str, tuple[float, str]]:
+    """Each term of the floor: (bytes a step, the operation that moves them)."""
     per_elem = bytes_per_element_per_step(layout)["total"]
     g = layout.geometry
     elements = layout.world_size * g.n_chunks * g.chunk_elems
     staged, tier2 = per_elem["staged"] * elements, per_elem["tier2_sent"] * elements
-    terms = {  # (bytes per step, operation)
+    return {
         "worker: next value aside and back": (staged, "copy"),
         "worker: XOR old and new into the slot": (staged, "xor_two_into_slot"),
         "worker: checksum of the new value": (per_elem["checksummed"] * elements, "checksum"),
@@ -165,6 +167,22 @@ def floor(
         "tier 2: TCP send and receive": (tier2, "tcp_loopback"),
         "tier 2: fold into tier-2 parity": (tier2, "fold"),
     }
+
+
+def _median_costs(costs: list[dict[str, float]]) -> dict[str, float]:
+    return {op: statistics.median(c[op] for c in costs) for op in costs[0]}
+
+
+def floor(layout: Layout, step_s_off: float, cores: int, samples: list[dict] | None = None) -> dict:
+    """CPU milliseconds per step of each term of the floor, their sum, and the overhead ratio
+    they alone would cost if the job's `cores` were busy with training for `step_s_off`; the
+    same with the costs on cold buffers (`cold_*`). Each operation's cost is its median over
+    `samples` (`sample()`'s; one taken now if None): the cold costs move up to 2x from one
+    measurement to the next here, so the bench takes one after each round."""
+    samples = samples or [sample()]
+    costs = _median_costs([s["costs"] for s in samples])
+    cold = _median_costs([s["cold"] for s in samples])
+    terms = _terms(layout)
     out = {
         name: {
             "bytes_per_step": int(nb),
@@ -178,18 +196,25 @@ def floor(
     }
     total_ms = sum(t["cpu_ms_per_step"] for t in out.values())
     cold_ms = sum(t["cold_cpu_ms_per_step"] for t in out.values())
-    handoff = handoff_fold_s_per_byte()
+
+    def total(c: dict[str, float]) -> float:
+        return round(sum(nb * c[op] * 1e-6 for nb, op in terms.values()), 3)
+
+    handoffs = [s["handoff_fold_ns_per_byte"] for s in samples if s["handoff_fold_ns_per_byte"] is not None]
     return {
         "terms": out,
         # what the cold fold term stands for, measured as it happens (not a term: the cold
         # `fold` is): a slot another core has just written, folded
-        "handoff_fold_ns_per_byte": None if handoff is None else round(handoff * 1e9, 4),
+        "handoff_fold_ns_per_byte": round(statistics.median(handoffs), 4) if handoffs else None,
         "operation_ns_per_byte": costs,
         "cold_operation_ns_per_byte": cold,
         "total_cpu_ms_per_step": round(total_ms, 3),
         "cold_total_cpu_ms_per_step": round(cold_ms, 3),
+        # each measurement's own totals: how far one measurement alone would have moved the floor
+        "samples": [{"cpu_ms_per_step": total(s["costs"]), "cold_cpu_ms_per_step": total(s["cold"])} for s in samples],
         "floor_overhead_ratio": round(1 + total_ms * 1e-3 / (cores * step_s_off), 4),
         "cold_floor_overhead_ratio": round(1 + cold_ms * 1e-3 / (cores * step_s_off), 4),
-        "note": "CPU the data movement alone needs per step, no per-chunk or per-message costs; the "
-        "ratio assumes every core is busy with training, as on this machine",
+        "note": "CPU the data movement alone needs per step, no per-chunk or per-message costs; each "
+        "operation's cost is its median over the measurements; the ratio assumes every core is busy "
+        "with training, as on this machine",
     }

@@ -29,6 +29,7 @@ import numpy as np
 
 from leto.bench import persist_cost, protection_cpu
 from leto.bench.floor import floor
+from leto.bench.floor import sample as floor_sample
 from leto.bench.mesh import MeshElements, check_mesh, mesh_elements, mesh_flags, mesh_shape, shard_accounting
 from leto.bench.noise import MET, MISS, NOT_MEASURED, noise_word
 from leto.bench.throughput import WARMUP_STEPS, run_job, steady_step_s, wall_step_s
@@ -431,11 +432,13 @@ def _measure(
     persist: dict | None = None,
     tp: int = 1,
     pp: int = 1,
+    floor_samples: list[dict] | None = None,
 ) -> tuple[list[float], list[float], list[dict], list[dict], list[list[dict]]]:
     """`rounds` interleaved off/on runs of one point: step times, CPU by role, each protected
     round's step records of its measured window.
     With `persist` (a dict to fill), each round also runs protection + persistence at its default
-    K, and the wall time per step of all three goes into it."""
+    K, and the wall time per step of all three goes into it. With `floor_samples` (a list to
+    fill), the physical floor's operations are measured after each round (`floor.sample`)."""
     off, on, cpu_off, cpu_on, prot = [], [], [], [], []
     rows_flag = point.rows is not None and point.rows != default_rows
     extra = (["--rows", str(point.rows)] if rows_flag else []) + pipeline_flags(pp)
@@ -489,6 +492,8 @@ def _measure(
             (cpu_on if protection else cpu_off).append(res["cpu_s_per_step"])
             if protection:  # the records of run_job's CPU window (each carries its step's protection time)
                 prot.append(res["steps"][WARMUP_STEPS:])
+        if floor_samples is not None:
+            floor_samples.append(floor_sample())
     return off, on, cpu_off, cpu_on, prot
 
 
@@ -616,8 +621,9 @@ def main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="leto-bench-") as tmp:
         log(f"default job: {rounds} interleaved rounds of {steps} steps: off, on, on with persistence")
         persist: dict = {}
+        floor_samples: list[dict] = []
         off, on, cpu_off, cpu_on, prot = _measure(
-            default, default.global_rows, rounds, steps, args.workers, ec, Path(tmp), persist, tp, pp
+            default, default.global_rows, rounds, steps, args.workers, ec, Path(tmp), persist, tp, pp, floor_samples
         )
         curve.append(curve_entry(default, numel, layout, off, on, cpu_off, cpu_on, steps, prot))
         for p in points:
@@ -662,7 +668,7 @@ def main(args: argparse.Namespace) -> int:
         rss_out["fixed_rss_per_protected_byte"] = round(
             sum(rss_out["fixed_rss_bytes_per_node"].values()) / protected_per_node, 2
         )
-    physical_floor = floor(layout, step_off, os.cpu_count() or 1)
+    physical_floor = floor(layout, step_off, os.cpu_count() or 1, floor_samples)
     pc = protection_cpu.summarize(
         [protection_cpu.round_cpu(a, b, r, args.workers) for a, b, r in zip(cpu_on, cpu_off, prot)], physical_floor
     )
@@ -888,8 +894,17 @@ def _print(out: dict, mem: dict) -> None:
         f"checksum {out['checksum_gbps']:.1f} GB/s, memcpy {out['memcpy_gbps']:.1f} GB/s"
     )
     fl = out["physical_floor"]
+    samples = fl.get("samples") or []
+    if len(samples) > 1:
+        warm, cold = sorted(x["cpu_ms_per_step"] for x in samples), sorted(x["cold_cpu_ms_per_step"] for x in samples)
+        when = (
+            f"measured after each of {len(samples)} rounds, each operation's median; one measurement alone "
+            f"gave {warm[0]:.1f}-{warm[-1]:.1f} in cache, {cold[0]:.1f}-{cold[-1]:.1f} from memory"
+        )
+    else:
+        when = "measured now"
     print(
-        f"  physical floor (data movement alone, measured now): {fl['total_cpu_ms_per_step']:.1f} ms CPU a step "
+        f"  physical floor (data movement alone, {when}): {fl['total_cpu_ms_per_step']:.1f} ms CPU a step "
         f"in cache, {fl['cold_total_cpu_ms_per_step']:.1f} ms from memory: ratio >= {fl['floor_overhead_ratio']:.3f} "
         f"/ {fl['cold_floor_overhead_ratio']:.3f}; by term (in cache / from memory):"
     )
