@@ -307,3 +307,26 @@ def test_a_host_that_cannot_reach_etcd_says_so_and_exits(tmp_path: Path) -> None
     )
     assert res.returncode == 1 and "cannot join job 'j'" in res.stderr and "etcd unreachable" in res.stderr
     assert "never runs" not in res.stdout
+
+
+def test_a_command_whose_writer_died_between_its_two_writes_does_not_stop_the_stream(
+    etcd: tuple[str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A coordinator killed after reserving a command's number and before writing it: a
+    supervisor reading through its mirror passes the hole after `HOLE_S` and carries out what
+    the next coordinator writes; the hole is filled in etcd, for every reader."""
+    from leto.control import stream
+    from leto.protocol import keys
+
+    monkeypatch.setattr(stream, "HOLE_S", 0.3)
+    lost = EtcdStore([etcd], "hole", 5.0)
+    supervisor = EtcdStore([etcd], "hole", 5.0, mirror="control/")
+    reader = stream.Reader(supervisor, keys.COMMANDS, keys.command)
+    stream.append(lost, keys.COMMANDS, keys.command, "first")
+    lost.add(keys.COMMANDS, 1)  # killed here
+    successor = EtcdStore([etcd], "hole", 5.0)
+    stream.append(successor, keys.COMMANDS, keys.command, "after the takeover")
+    got: list[bytes] = []
+    wait_for(lambda: got.extend(v for _, v in reader.entries()) or len(got) == 2, 10, "the stream past the hole")
+    assert got == [b"first", b"after the takeover"]
+    assert successor.get(keys.command(1)) == stream.TOMBSTONE

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from leto.config import JobConfig
 from leto.console import StepDisplay, notices, read_jsonl
-from leto.control import takeover
+from leto.control import stream, takeover
 from leto.control.decision import Spare, grow_membership, next_membership
 from leto.control.procs import POLL_S, Processes, ProcView
 from leto.control.records import Recovery
@@ -118,7 +118,7 @@ class Coordinator:
         self._inbox: list[ProcEvent] = []
         self._refused = Refusals()  # malformed store values seen (said once)
         self._signal: int | None = None
-        self._next_report = 0
+        self._reports = stream.Reader(self.store, keys.REPORTS, keys.sup_report)
         self._last_step: tuple[int, float] | None = None
         self._last_progress: StepProgress | None = None
         self._progress_set = False  # rank 0 has set keys.PROGRESS (it stays set)
@@ -181,7 +181,7 @@ class Coordinator:
             self._refused.refuse(e)
             written = None
         for key, text in takeover.ordered(reports, self._refused, written):
-            self._next_report = max(self._next_report, takeover.entry_seq(key) + 1)
+            self._reports.skip_to(takeover.entry_seq(key) + 1)
             try:
                 self._apply(SupervisorReport.from_json(text, key))
             except BadValue as e:
@@ -313,7 +313,7 @@ class Coordinator:
         else:
             count = self.store.get(keys.REPORTS)  # a read: `add(..., 0)` would be a write in etcd
         try:
-            if parse_int(count, keys.REPORTS, minimum=0) > self._next_report:
+            if parse_int(count, keys.REPORTS, minimum=0) > self._reports.next:
                 self._read_reports()
         except BadValue as e:
             self._refused.refuse(e, count)
@@ -330,11 +330,9 @@ class Coordinator:
     def _read_reports(self) -> None:
         """Every report the supervisors wrote since the last call: apply it to the process views
         and keep its events for the decisions."""
-        while self.store.check([keys.sup_report(self._next_report)]):
-            key = keys.sup_report(self._next_report)
-            self._next_report += 1
+        for key, value in self._reports.entries():
             try:
-                report = SupervisorReport.from_json(self.store.get(key), key)
+                report = SupervisorReport.from_json(value, key)
             except BadValue as e:
                 self._refused.refuse(e)
                 continue

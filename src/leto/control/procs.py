@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from leto.control import stream
 from leto.protocol import keys
 from leto.protocol.failures import ProcEventKind
 from leto.protocol.messages import Command, ProcEvent
@@ -47,8 +48,7 @@ class Processes:
         self.views: dict[str, ProcView] = {}
 
     def command(self, cmd: Command) -> None:
-        seq = self.store.add(keys.COMMANDS, 1) - 1
-        self.store.set(keys.command(seq), cmd.to_json())
+        stream.append(self.store, keys.COMMANDS, keys.command, cmd.to_json())
 
     def flush(self) -> None:
         """Let the supervisor of this thread (if any) carry out the commands written so far."""

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch.distributed as dist
 
 from leto.config import ENV_CONFIG, JobConfig
+from leto.control import stream
 from leto.control.latest import Latest
 from leto.control.prefork import ForkServer, forkable, prepare
 from leto.control.progress import ProgressCheck
@@ -161,7 +162,7 @@ class Supervisor:
         self.state = JobState(0, False)
         self.members: set[str] = set()  # the current generation's processes
         self.stopped = False
-        self._next_command = first_command
+        self._commands = stream.Reader(store, keys.COMMANDS, keys.command, first_command)
         self._forks: dict[str, int] = {}  # zygote -> fork requests sent
         self._pending_forks: dict[str, tuple[Proc, float, bool]] = {}  # shadow -> (its zygote, deadline, boost)
         self._last_beat_check = 0.0
@@ -267,11 +268,11 @@ class Supervisor:
     def serve_commands(self) -> None:
         """Carry out every command the coordinator has written so far, in order."""
         self._last_command_check = time.monotonic()
-        while not self.stopped and self.store.check([keys.command(self._next_command)]):
-            key = keys.command(self._next_command)
-            self._next_command += 1
+        for key, value in self._commands.entries():
+            if self.stopped:
+                break
             try:
-                cmd = Command.from_json(self.store.get(key), key)
+                cmd = Command.from_json(value, key)
             except BadValue as e:  # that one command is not carried out
                 self._refused.refuse(e)
                 continue
@@ -559,8 +560,7 @@ class Supervisor:
         return beat
 
     def _report(self, report: SupervisorReport) -> None:
-        seq = self.store.add(keys.REPORTS, 1) - 1
-        self.store.set(keys.sup_report(seq), report.to_json())
+        stream.append(self.store, keys.REPORTS, keys.sup_report, report.to_json())
 
 
 def start_child(role: str, env: dict[str, str], cfg: JobConfig, forker: ForkServer | None) -> subprocess.Popen | Forked:

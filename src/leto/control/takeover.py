@@ -12,6 +12,7 @@ from collections.abc import Container
 
 import torch.distributed as dist
 
+from leto.control.stream import TOMBSTONE
 from leto.errors import BadValue
 from leto.protocol import keys
 from leto.protocol.messages import Admission, HostRecord, JobState, Membership, Refusals, parse_int
@@ -24,10 +25,13 @@ def entry_seq(key: str) -> int:
 
 
 def ordered(entries: dict[str, bytes], refused: Refusals, written: int | None = None) -> list[tuple[str, bytes]]:
-    """A command or report stream's entries in order; an entry whose key is not numbered, or
-    numbered past the `written` entries the stream's counter has, is refused."""
+    """A command or report stream's entries in order, without the holes filled (`stream`); an
+    entry whose key is not numbered, or numbered past the `written` entries the stream's counter
+    has, is refused."""
     out = []
     for key, text in entries.items():
+        if text == TOMBSTONE:  # a hole a reader filled: its writer died before writing it
+            continue
         try:
             seq = entry_seq(key)
             if written is not None and seq >= written:
