@@ -327,6 +327,12 @@ def test_a_command_whose_writer_died_between_its_two_writes_does_not_stop_the_st
     successor = EtcdStore([etcd], "hole", 5.0)
     stream.append(successor, keys.COMMANDS, keys.command, "after the takeover")
     got: list[bytes] = []
-    wait_for(lambda: got.extend(v for _, v in reader.entries()) or len(got) == 2, 10, "the stream past the hole")
+
+    def read() -> bool:
+        while (entry := reader.take()) is not None:
+            got.append(entry[1])
+        return len(got) == 2
+
+    wait_for(read, 10, "the stream past the hole")
     assert got == [b"first", b"after the takeover"]
     assert successor.get(keys.command(1)) == stream.TOMBSTONE

@@ -330,7 +330,8 @@ class Coordinator:
     def _read_reports(self) -> None:
         """Every report the supervisors wrote since the last call: apply it to the process views
         and keep its events for the decisions."""
-        for key, value in self._reports.entries():
+        while (entry := self._reports.take()) is not None:
+            key, value = entry
             try:
                 report = SupervisorReport.from_json(value, key)
             except BadValue as e:

@@ -15,7 +15,7 @@ and no reader waits for a dead writer.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -59,9 +59,9 @@ class Reader:
         if seq > self.next:
             self.next, self._hole_since = seq, None
 
-    def entries(self) -> Iterator[tuple[str, bytes]]:
-        """The entries written since the last call, key and value, in order. An entry counts as
-        taken once the caller asks for the next: one that stops at an entry gets it again."""
+    def take(self) -> tuple[str, bytes] | None:
+        """The next entry written, key and value, taken (None while there is none yet); holes
+        are passed over."""
         while True:
             key = self.entry(self.next)
             if self.store.check([key]):
@@ -69,11 +69,11 @@ class Reader:
             elif self._is_hole():
                 value = self.store.compare_set(key, "", TOMBSTONE)  # a late writer's entry, if it won
             else:
-                return
-            if value != TOMBSTONE:
-                yield key, value  # taken once the caller asks for the next one
+                return None
             self.next += 1
             self._hole_since = None
+            if value != TOMBSTONE:
+                return key, value
 
     def _is_hole(self) -> bool:
         """Whether the next number has been reserved and unwritten for `HOLE_S` (the counter is

@@ -268,9 +268,8 @@ class Supervisor:
     def serve_commands(self) -> None:
         """Carry out every command the coordinator has written so far, in order."""
         self._last_command_check = time.monotonic()
-        for key, value in self._commands.entries():
-            if self.stopped:
-                break
+        while not self.stopped and (entry := self._commands.take()) is not None:
+            key, value = entry
             try:
                 cmd = Command.from_json(value, key)
             except BadValue as e:  # that one command is not carried out
