@@ -34,7 +34,7 @@ from leto.bench.overhead import (
 )
 from leto.errors import UsageError
 from leto.protection.accounting import bytes_per_element_per_step
-from leto.protection.layout import Geometry, Layout
+from leto.protection.layout import RING_SLOTS, Geometry, Layout, ring_slots_for
 from leto.protection.shm import Region
 from leto.protection.transport import HDR, SEND_BUFFERS, batch_buffer_bytes
 
@@ -114,6 +114,18 @@ def test_batches_are_capped_by_the_largest_message() -> None:
         "worker_snapshot": 0,
         "worker_chunk_scratch": 12 * (1 << 20),
     }
+
+
+def test_a_workers_staging_ring_holds_a_steps_chunks_within_its_bounds() -> None:
+    """As many slots as a rank has chunks (a worker then never waits for its keeper to free one
+    in a step), never fewer than the lower bound nor more than the upper; the default job's
+    layout, and so its memory figure, has such a ring."""
+    low, high = RING_SLOTS
+    for n_chunks, slots in [(1, low), (low, low), (low + 1, low + 1), (high, high), (10 * high, high)]:
+        assert ring_slots_for(Geometry(n_chunks, 16384)) == slots
+    lay, _ = overhead.job_layout("tiny", 4, 2, (1, 1))
+    assert lay.ring_slots == lay.geometry.n_chunks == 13
+    assert memory_parts(lay)["staging_slots"] == 4 * 13 * (8 * 8 + lay.geometry.state_bytes)
 
 
 @pytest.mark.parametrize("replicated", [False, True])

@@ -37,7 +37,7 @@ from leto.errors import UsageError
 from leto.persistence.resume import DEFAULT_MTBF
 from leto.protection.accounting import FLOAT_BYTES, STATE_BUFFERS, bytes_per_element_per_step
 from leto.protection.codec_bench import measure_codec
-from leto.protection.layout import Geometry, Layout
+from leto.protection.layout import Geometry, Layout, ring_slots_for
 from leto.protection.placement import default_code
 from leto.protection.shm import specs
 from leto.protection.transport import batch_buffer_bytes
@@ -97,13 +97,15 @@ def job_layout(
     elements = mesh_elements(model, tp, pp)
     elems = chunk_bytes // STATE_BYTES
     n_chunks = shard_accounting(elements, workers, elems)["shard_elements_per_rank"] // elems
+    geometry = Geometry(n_chunks, elems)
     layout = Layout(
         0,
         0,
-        Geometry(n_chunks, elems),
+        geometry,
         tuple(node_of_rank(r, workers, nodes) for r in range(workers)),
         ec,
         protect_every=protect_every,
+        ring_slots=ring_slots_for(geometry),
         replicated_grads=replicated_grads,
     )
     return layout, elements.model

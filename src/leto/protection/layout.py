@@ -16,6 +16,7 @@ from leto.protocol.messages import negative, parse
 
 GRAD_ROWS = 1
 STATE_ROWS = 3
+RING_SLOTS = (8, 16)  # staging slots a worker's ring has: at least, at most (`ring_slots_for`)
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,14 @@ class Geometry:
     @property
     def grad_bytes(self) -> int:
         return GRAD_ROWS * 4 * self.chunk_elems
+
+
+def ring_slots_for(geometry: Geometry) -> int:
+    """Staging slots in each worker's ring: room for all of a step's chunks, so that a worker
+    never waits for its keeper to free a slot while it updates its shard (the keeper folds them
+    while the next step computes), between RING_SLOTS' bounds: past a few MiB a worker a ring
+    only absorbs the keeper's scheduling delays (docs/protection.md, "Keepers' priority")."""
+    return max(RING_SLOTS[0], min(geometry.n_chunks, RING_SLOTS[1]))
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from leto.persistence import loader
 from leto.persistence.ckpt_format import RESUME_FAILED, CheckpointError
 from leto.persistence.writer import persister_for
 from leto.protection.client import Protector
-from leto.protection.layout import Geometry, Layout
+from leto.protection.layout import Geometry, Layout, ring_slots_for
 from leto.protocol import keys
 from leto.protocol.messages import Membership, RecoveryRecord
 from leto.recovery.inject import InProcessInjector
@@ -289,6 +289,7 @@ class RankMember:
             self.membership.node_of_rank,
             self.job.config.protection.ec,
             protect_every=self.job.config.protection.every,
+            ring_slots=ring_slots_for(geometry),
             replicated_grads=self.replicated_grads,
         )
         self.job.store.set(keys.layout(generation), layout.to_json())
