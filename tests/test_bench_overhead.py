@@ -246,7 +246,9 @@ def test_a_curve_entry_has_the_documented_keys() -> None:
         cpu_off,
         cpu_on,
         steps=12,
-        prot_rounds=[[{"stage_s": 0.001, "wait_s": 0.002, "stage_cpu_s": 0.0008, "wait_cpu_s": 0.0001}]],
+        prot_rounds=[
+            [{"stage_s": 0.001, "wait_s": 0.002, "wait_slot_s": 0.0015, "stage_cpu_s": 0.0008, "wait_cpu_s": 0.0001}]
+        ],
     )
     assert ENTRY_KEYS <= set(e)
     assert e["label"] == "tiny x512 rows" and e["model"] == "tiny" and e["rows"] == 512
@@ -260,6 +262,7 @@ def test_a_curve_entry_has_the_documented_keys() -> None:
     assert e["rounds"] == 3 and e["steps_per_run"] == 12
     assert e["protected_elements"] == 4 * 3 * 1000
     assert e["protection_stage_cpu_s_per_step"] == 0.0008 and e["protection_wait_cpu_s_per_step"] == 0.0001
+    assert e["protection_wait_s_per_step"] == 0.002 and e["protection_wait_slot_s_per_step"] == 0.0015
     default = curve_entry(Point("small"), 10_000_000, lay, [4.0], [4.4], [{}], [{}], steps=12)
     assert default["rows"] == 32 and default["overhead_ratio"] == 1.1 and default["rounds"] == 1
 
@@ -454,6 +457,7 @@ def test_the_bench_interleaves_runs_and_reports_every_key(
         "step_s_on_runs",
         "protection_stage_s_per_step",
         "protection_wait_s_per_step",
+        "protection_wait_slot_s_per_step",
         "encode_gbps",
         "xor_gbps",
         "checksum_gbps",

@@ -409,6 +409,9 @@ def curve_entry(
         "step_s_on_runs": [round(x, 5) for x in on],
         "protection_stage_s_per_step": round(statistics.mean(r.get("stage_s", 0) for r in prot), 6) if prot else None,
         "protection_wait_s_per_step": round(statistics.mean(r.get("wait_s", 0) for r in prot), 6) if prot else None,
+        "protection_wait_slot_s_per_step": (
+            round(statistics.mean(r.get("wait_slot_s", 0) for r in prot), 6) if prot else None
+        ),
         **{f"protection_{k}_per_step": round(statistics.mean(v), 6) if v else None for k, v in cpu_in.items()},
     }
 
@@ -693,6 +696,7 @@ def main(args: argparse.Namespace) -> int:
         "step_s_on_runs": [round(x, 5) for x in on],
         "protection_stage_s_per_step": curve[0]["protection_stage_s_per_step"],
         "protection_wait_s_per_step": curve[0]["protection_wait_s_per_step"],
+        "protection_wait_slot_s_per_step": curve[0]["protection_wait_slot_s_per_step"],
         "encode_gbps": round(codec["encode_gbps"], 2),
         "xor_gbps": round(codec["xor_gbps"], 2),
         "checksum_gbps": round(codec["checksum_gbps"], 2),
@@ -866,7 +870,8 @@ def _print(out: dict, mem: dict) -> None:
     _print_persistence(out["persistence"])
     print(
         f"  protection on the training thread per step: staging {out['protection_stage_s_per_step'] * 1e3:.2f} ms, "
-        f"waiting for keepers {out['protection_wait_s_per_step'] * 1e3:.2f} ms (rank 0)"
+        f"waiting for keepers {out['protection_wait_s_per_step'] * 1e3:.2f} ms, of which for a free staging slot "
+        f"{(out.get('protection_wait_slot_s_per_step') or 0.0) * 1e3:.2f} ms (rank 0)"
     )
     c_off, c_on = out["cpu_s_per_step_off"], out["cpu_s_per_step_on"]
     print(

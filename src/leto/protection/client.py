@@ -49,8 +49,9 @@ class Protector:
         self.layout, self.rank, self.timeout_s, self.abort_check = layout, rank, timeout_s, abort_check
         g = layout.geometry
         self.staging = staging or HostStaging(max(g.state_bytes, g.grad_bytes), device)
-        # the training thread's time in protection, wall and its own CPU (thread_time), for metrics
-        self.spent = {"stage_s": 0.0, "wait_s": 0.0, "stage_cpu_s": 0.0, "wait_cpu_s": 0.0}
+        # the training thread's time in protection, wall and its own CPU (thread_time), for metrics;
+        # `wait_slot_s`: the part of `wait_s` spent waiting for a free staging slot
+        self.spent = {"stage_s": 0.0, "wait_s": 0.0, "wait_slot_s": 0.0, "stage_cpu_s": 0.0, "wait_cpu_s": 0.0}
         self.node = layout.node_of_rank[rank]
         self.w = layout.local_index(rank)
         why = await_keys(store, [keys.ready(layout.generation, self.node)], timeout_s, abort_check)
@@ -65,15 +66,19 @@ class Protector:
         self.ring_every = max(1, layout.ring_slots // 2)
         self.base = layout.base_step
 
-    def _wait_until(self, pred: Callable[[], bool], what: str, poll: float = 1e-4) -> None:
+    def _wait_until(self, pred: Callable[[], bool], what: str, also: str | None = None) -> None:
+        """Wait until `pred()`, its time counted as waiting (and in `spent[also]` too)."""
         if pred():
             return
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
-            self._poll(pred, what, poll)
+            self._poll(pred, what, 1e-4)
         finally:
-            self.spent["wait_s"] += time.perf_counter() - t0
+            waited = time.perf_counter() - t0
+            self.spent["wait_s"] += waited
             self.spent["wait_cpu_s"] += time.thread_time() - c0
+            if also is not None:
+                self.spent[also] += waited
 
     def _poll(self, pred: Callable[[], bool], what: str, poll: float) -> None:
         deadline = time.monotonic() + self.timeout_s
@@ -94,7 +99,7 @@ class Protector:
         row = self._rows[idx]
         if row[S_READY] != SLOT_FREE:
             self.bell.ring()  # whatever it last heard, the keeper has a full ring to fold
-            self._wait_until(lambda: row[S_READY] == SLOT_FREE, "a free staging slot")
+            self._wait_until(lambda: row[S_READY] == SLOT_FREE, "a free staging slot", "wait_slot_s")
         return idx
 
     def _publish(self, idx: int, kind: int, step: int, chunk: int, crc: int, last: bool) -> None:
