@@ -66,13 +66,13 @@ class Protector:
         self.ring_every = max(1, layout.ring_slots // 2)
         self.base = layout.base_step
 
-    def _wait_until(self, pred: Callable[[], bool], what: str, also: str | None = None) -> None:
+    def _wait_until(self, pred: Callable[[], bool], what: str, also: str | None = None, poll: float = 1e-4) -> None:
         """Wait until `pred()`, its time counted as waiting (and in `spent[also]` too)."""
         if pred():
             return
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
-            self._poll(pred, what, 1e-4)
+            self._poll(pred, what, poll)
         finally:
             waited = time.perf_counter() - t0
             self.spent["wait_s"] += waited
