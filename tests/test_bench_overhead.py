@@ -575,6 +575,23 @@ def test_the_floor_measures_every_operation_it_uses() -> None:
     assert all(v > 0 for v in costs.values())
 
 
+def test_the_cold_floor_sends_tier_2_bytes_from_memory_larger_than_the_caches(monkeypatch: pytest.MonkeyPatch) -> None:
+    from leto.bench import floor as floor_mod
+
+    sources: list[int] = []
+
+    def tcp(total: int = 0, samples: int = 0, source_bytes: int = floor_mod.TCP_MESSAGE) -> float:
+        sources.append(source_bytes)
+        return 1e-9
+
+    monkeypatch.setattr(floor_mod, "tcp_cpu_s_per_byte", tcp)
+    monkeypatch.setattr(floor_mod, "_cpu_s_per_byte", lambda op, nbytes, min_s=0.2: 1e-9)
+    floor_mod.operation_costs()
+    floor_mod.operation_costs(floor_mod.COLD)
+    # in cache a chunk's worth (less than a message): one message is sent over and over
+    assert sources == [floor_mod.CHUNK, floor_mod.COLD]
+
+
 def test_the_fold_of_a_slot_another_core_just_wrote_is_measured_where_two_cores_exist(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

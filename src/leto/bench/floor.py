@@ -46,13 +46,17 @@ def _cpu_s_per_byte(op: Callable[[], None], nbytes: int, min_s: float = 0.2) -> 
     return sorted(samples)[2]
 
 
-def tcp_cpu_s_per_byte(total: int = 16 << 20, samples: int = 5) -> float:
+def tcp_cpu_s_per_byte(total: int = 16 << 20, samples: int = 5, source_bytes: int = TCP_MESSAGE) -> float:
     """CPU seconds per byte for one byte to cross a loopback TCP connection (send and receive,
     both ends in this process, so both kernel copies are counted): the median of `samples`
-    transfers of `total` bytes (one transfer varies by a quarter from run to run here)."""
+    transfers of `total` bytes (one transfer varies by a quarter from run to run here). The
+    messages are sent from `source_bytes` of memory in turn (larger than the caches: a sender
+    reading slots another core wrote) and received into one message's buffer, as a keeper's
+    receiver reuses its batch buffer."""
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]
-    msg = np.zeros(TCP_MESSAGE, dtype=np.uint8)
+    source = np.zeros(max(source_bytes, TCP_MESSAGE) // TCP_MESSAGE * TCP_MESSAGE, dtype=np.uint8)
+    messages = [source[at : at + TCP_MESSAGE] for at in range(0, source.size, TCP_MESSAGE)]
     sink = bytearray(TCP_MESSAGE)
 
     def receive(conn: socket.socket) -> None:
@@ -63,7 +67,7 @@ def tcp_cpu_s_per_byte(total: int = 16 << 20, samples: int = 5) -> float:
                 return
             left -= got
 
-    per_byte = []
+    per_byte, sent = [], 0
     with server:
         client = socket.create_connection(("127.0.0.1", port), timeout=30)
         conn, _ = server.accept()
@@ -73,7 +77,8 @@ def tcp_cpu_s_per_byte(total: int = 16 << 20, samples: int = 5) -> float:
                 c0 = time.process_time()
                 t.start()
                 for _ in range(total // TCP_MESSAGE):
-                    client.sendall(msg)
+                    client.sendall(messages[sent % len(messages)])
+                    sent += 1
                 t.join(timeout=30)
                 per_byte.append((time.process_time() - c0) / total)
     return sorted(per_byte)[samples // 2]
@@ -128,7 +133,7 @@ def handoff_fold_s_per_byte(size: int = CHUNK, slots: int = 16, rounds: int = 40
 
 def operation_costs(size: int = CHUNK) -> dict[str, float]:
     """CPU nanoseconds per byte of each operation of the hot path on buffers of `size` bytes,
-    measured now (loopback TCP always with 1 MiB messages)."""
+    measured now (loopback TCP with 1 MiB messages, sent from `size` bytes or one message)."""
     rng = np.random.default_rng(0)
     a, b = rng.integers(0, 256, size, dtype=np.uint8), rng.integers(0, 256, size, dtype=np.uint8)
     out = np.empty_like(a)
@@ -137,7 +142,7 @@ def operation_costs(size: int = CHUNK) -> dict[str, float]:
         "xor_two_into_slot": _cpu_s_per_byte(lambda: np.bitwise_xor(a, b, out=out), size),
         "checksum": _cpu_s_per_byte(lambda: checksum(a), size),
         "fold": _cpu_s_per_byte(lambda: xor_into(out, a), size),
-        "tcp_loopback": tcp_cpu_s_per_byte(),
+        "tcp_loopback": tcp_cpu_s_per_byte(source_bytes=size),
     }
     return {k: round(v * 1e9, 4) for k, v in ns.items()}
 
