@@ -979,8 +979,12 @@ def test_protection_cpu_rounds_give_median_and_spread_and_meet_the_floor_part_by
         "min": round(10 / 12, 3),
         "max": round(12 / 12, 3),
     }
+    assert pc["total_vs_cold_floor_by_round"] == [round(12 / 12, 3), round(10 / 12, 3), round(11 / 12, 3)]
     out = {"protection_cpu": pc}
-    assert overhead.targets(out)["protection_cpu_vs_cold_floor"]["result"] == "met"
+    target = overhead.targets(out)["protection_cpu_vs_cold_floor"]
+    assert target["result"] == "met" and target["rounds_met"] == 3  # the median, and each round's own figure
+    pc["total_vs_cold_floor_by_round"] = [1.4, 1.6, 1.45]
+    assert overhead.targets(out)["protection_cpu_vs_cold_floor"]["rounds_met"] == 2
     out["protection_cpu"] = protection_cpu.summarize([None], _floor_stub())
     assert out["protection_cpu"]["status"].startswith("not measured")
     assert overhead.targets(out)["protection_cpu_vs_cold_floor"]["result"] == "NOT MEASURED"

@@ -71,7 +71,8 @@ def _floor_ms(fl: dict, prefixes: tuple[str, ...], key: str) -> float:
 def summarize(rounds: list[dict | None], fl: dict) -> dict:
     """Every part's median and [min, max] over the rounds (seconds a step), the headline ratio,
     and each part against its floor terms (`floor()`'s output): measured / floor per round, in
-    cache and cold, and the whole against the cold floor (`total_vs_cold_floor`)."""
+    cache and cold, and the whole against the cold floor (`total_vs_cold_floor`, and each round's
+    own figure in `total_vs_cold_floor_by_round`)."""
     got = [r for r in rounds if r is not None]
     if not got:
         return {"status": "not measured: no step record carries the training thread's protection CPU"}
@@ -91,6 +92,9 @@ def summarize(rounds: list[dict | None], fl: dict) -> dict:
         "ratio_to_training_cpu": spread([r["ratio"] for r in got], 4),
         "vs_floor": vs_floor,
         "total_vs_cold_floor": vs_floor["total"]["cold_ratio"],
+        "total_vs_cold_floor_by_round": [round(m / fl["cold_total_cpu_ms_per_step"], 3) for m in per_round]
+        if fl["cold_total_cpu_ms_per_step"] > 0
+        else None,
     }
 
 
