@@ -50,9 +50,9 @@ def tcp_cpu_s_per_byte(total: int = 16 << 20, samples: int = 5, source_bytes: in
     """CPU seconds per byte for one byte to cross a loopback TCP connection (send and receive,
     both ends in this process, so both kernel copies are counted): the median of `samples`
     transfers of `total` bytes (one transfer varies by a quarter from run to run here). The
-    messages are sent from `source_bytes` of memory in turn (larger than the caches: a sender
-    reading slots another core wrote) and received into one message's buffer, as a keeper's
-    receiver reuses its batch buffer."""
+    messages are sent from `source_bytes` of memory in turn, at least one message (for the cold
+    term more than the caches hold, as a keeper sends from slots another core wrote), and
+    received into one message's buffer, as a keeper's receiver reuses its batch buffer."""
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]
     source = np.zeros(max(source_bytes, TCP_MESSAGE) // TCP_MESSAGE * TCP_MESSAGE, dtype=np.uint8)
