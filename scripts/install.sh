@@ -14,6 +14,12 @@ if ! command -v etcd >/dev/null || ! command -v ip >/dev/null; then
     echo "install.sh: etcd-server and iproute2 are missing (as root: apt-get install etcd-server etcd-client iproute2)" >&2
   fi
 fi
+# a C compiler: the keepers' native data plane (src/leto/protection/dataplane.c) is built by the
+# package's install; without one the package installs without it (keepers run their Python one)
+if ! command -v cc >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  { apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc libc6-dev >/dev/null; } ||
+    echo "install.sh: apt-get could not install gcc: keepers will run their Python data plane" >&2
+fi
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 [ -x .venv/bin/python ] || "$PY" -m venv .venv

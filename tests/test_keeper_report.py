@@ -1,14 +1,18 @@
 """After its report a keeper's tier-2 region is frozen: a late batch is received, not folded.
+A receiver rings its keeper only when the next barrier can be entered, and ends its link, saying
+what the peer did, on a batch that does not fit or names a place it holds no parity of.
 
 In a partition, a cut-off node's queued tier-2 sends can reach a survivor's keeper once the link
 is back, after that keeper drained and reported; recovery decodes from the region at the versions
 of the report, so nothing may change it from then on (`Keeper.reported`). Two keepers run in
 threads of this process over their real gloo group and connections; node B's worker stages deltas as a worker
 does (`Protector`), B's keeper ships them, and node A keeps the tier-2 parity of B's data.
+Every test runs over both data planes (`dataplane.py`).
 """
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 import uuid
@@ -19,13 +23,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from leto.protection import transport
+from leto.protection import dataplane, doorbell
 from leto.protection.client import Protector
 from leto.protection.drain import drain
 from leto.protection.integrity import checksum
 from leto.protection.keeper import Keeper
 from leto.protection.layout import Geometry, Layout
 from leto.protection.shm import EMPTY, KIND_DELTA, SHM_DIR, region_name
+from leto.protection.transport import HDR
 
 A, B = 0, 1
 TIMEOUT_S = 10.0
@@ -70,9 +75,10 @@ class Cluster:
         return {name: self.a.region[name].copy() for name in TIER2}
 
 
-@pytest.fixture
-def cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster]:
+@pytest.fixture(params=["native", "python"])
+def cluster(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Iterator[Cluster]:
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    monkeypatch.setenv(dataplane.ENV_DATA_PLANE, request.param)
     store, job = dist.HashStore(), f"spec-{uuid.uuid4().hex[:12]}"
     keepers: dict[int, Keeper] = {}
     errors: list[BaseException] = []
@@ -95,6 +101,7 @@ def cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster]:
             raise errors[0]
         if len(keepers) != 2:
             pytest.fail(f"the keepers did not form their gloo group within {TIMEOUT_S:.0f}s")
+        assert all((k.native is not None) == (request.param == "native") for k in keepers.values())
         c = Cluster(store, job, keepers)
         yield c
     finally:
@@ -158,13 +165,17 @@ def test_a_receiver_rings_the_main_loop_only_once_a_batch_completes_the_next_bar
     cluster: Cluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A ring per batch woke the keeper's main loop more often than it had anything to fold;
-    the fold that leaves the next barrier's step complete still rings it."""
-    rings: list[str] = []
-    monkeypatch.setattr(transport.doorbell, "ring_main", lambda: rings.append(threading.current_thread().name))
-    cluster.ship(0, None, _state(0))  # at A, rank 0's own chunks of step 0 are still missing
-    assert rings == []
+    the fold that leaves the next barrier's step complete still rings it. (The keepers run in
+    this process: their threads ring its main thread, the test's; the workers' rings, which
+    would reach it too, are silenced.)"""
+    monkeypatch.setattr(doorbell.Doorbell, "ring", lambda self, sig=doorbell.DATA: None)
+    rings: list[int] = []
+    before = signal.signal(doorbell.DATA, lambda sig, _: rings.append(sig))
     rank0 = Protector(cluster.store, LAYOUT, A, cluster.job, TIMEOUT_S, lambda: None)
     try:
+        cluster.ship(0, None, _state(0))  # at A, rank 0's own chunks of step 0 are still missing
+        time.sleep(0.2)  # a ring would have come by now
+        assert rings == []
         rank0.stage_deltas(0, None, _state(0))
         link = cluster.b.links[A]
 
@@ -174,9 +185,12 @@ def test_a_receiver_rings_the_main_loop_only_once_a_batch_completes_the_next_bar
 
         _within(received, "node B to receive A's step-0 batch")
         assert link.error is None, link.error
-        assert rings == [f"keeper-recv-{A}"]  # B held its own rank's step 0: A's batch completes it
+        _within(lambda: bool(rings), "B's receiver to ring")  # B held its own rank's step 0: A's batch completes it
+        time.sleep(0.2)
+        assert rings == [doorbell.DATA]
     finally:
         rank0.close()
+        signal.signal(doorbell.DATA, before)
 
 
 @pytest.mark.parametrize(("p", "i"), [(0, -1), (-1, 0), (0, LAYOUT.segment_len), (1, 0)])
@@ -187,5 +201,34 @@ def test_a_contribution_for_a_place_outside_the_stripe_is_refused_not_wrapped(cl
     body = np.full(LAYOUT.geometry.state_bytes, 7, dtype=np.uint8)
     with pytest.raises(IndexError, match=f"no position {p}, offset {i} in stripe {STRIPE.index}"):
         cluster.a.parity.fold_remote(KIND_DELTA, 0, STRIPE.index, p, i, 0, body)
+    after = cluster.tier2()
+    assert all(np.array_equal(before[k], after[k]) for k in TIER2)
+
+
+def _send_raw(cluster: Cluster, *parts: np.ndarray) -> None:
+    """Bytes on B's connection to A, as a peer that speaks garbage would send them."""
+    cluster.b.sockets.out[A].sendall(b"".join(p.tobytes() for p in parts))
+
+
+def test_a_batch_of_more_records_than_a_batch_holds_ends_the_link_naming_it(cluster: Cluster) -> None:
+    n = cluster.a.per_msg[KIND_DELTA] + 1
+    _send_raw(cluster, np.array([KIND_DELTA, n], dtype=np.int64))
+    link = cluster.a.links[B]
+    _within(lambda: link.error is not None, "A's link from B to fail")
+    assert link.error == f"node {B} sent a batch of {n} records of kind {KIND_DELTA}"
+
+
+@pytest.mark.parametrize(("stripe", "p", "i"), [(STRIPE.index, 0, -1), (STRIPE.index, 1, 0), (STRIPE.index + 7, 0, 0)])
+def test_a_record_for_a_place_this_keeper_holds_no_parity_of_ends_the_link_and_folds_nothing(
+    cluster: Cluster, stripe: int, p: int, i: int
+) -> None:
+    before = cluster.tier2()
+    header = np.array([KIND_DELTA, 0, LAYOUT.nodes.index(B), stripe, p, i, 0, LAYOUT.generation], dtype=np.int64)
+    assert header.size == HDR
+    body = np.full(LAYOUT.geometry.state_bytes, 7, dtype=np.uint8)
+    _send_raw(cluster, np.array([KIND_DELTA, 1], dtype=np.int64), header, body)
+    link = cluster.a.links[B]
+    _within(lambda: link.error is not None, "A's link from B to fail")
+    assert link.error.startswith(f"node {B} sent a record for stripe {stripe}, position {p}, offset {i}"), link.error
     after = cluster.tier2()
     assert all(np.array_equal(before[k], after[k]) for k in TIER2)

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import processes_left, read_procs, reference_digest, step_records, wait_for
+from leto.protection import dataplane
 from leto.runtime.threads import FAIL_ENV, THREAD_FAILED
 
 JOB = ("--workers", "4", "--nodes", "2", "--spares", "1", "--seed", "0", "--steps", "14")
@@ -82,10 +83,14 @@ def test_a_worker_thread_that_fails_ends_its_process_and_the_job_recovers(
     assert said == [f"leto: worker {victim['id']} thread {thread} failed: InjectedFailure"]
 
 
-def test_a_keeper_receiver_that_fails_ends_the_keeper_and_nothing_waits_for_it(launcher, tmp_path: Path) -> None:
+def test_a_keeper_receiver_that_fails_ends_the_keeper_and_nothing_waits_for_it(
+    launcher, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Node 0's keeper's tier-2 receiver raises while it folds a batch: the keeper ends at once,
     a new one takes its place, and the recovery loses no rank (no worker sat out a commit
-    wait or a drain on the broken keeper)."""
+    wait or a drain on the broken keeper). The Python data plane's receiver: the native one's
+    threads raise nothing (a fault there ends the keeper's process, as a SIGKILL does)."""
+    monkeypatch.setenv(dataplane.ENV_DATA_PLANE, "python")
     digest = reference_digest(launcher, tmp_path, *JOB)
     run_dir, now = tmp_path / "run", tmp_path / "fail-now"
     ctl = _start(launcher, run_dir, fail={"thread": "keeper-recv", "role": "keeper", "node": 0, "when": str(now)})

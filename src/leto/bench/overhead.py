@@ -35,6 +35,7 @@ from leto.bench.noise import MET, MISS, NOT_MEASURED, noise_word
 from leto.bench.throughput import WARMUP_STEPS, run_job, steady_step_s, wall_step_s
 from leto.errors import UsageError
 from leto.persistence.resume import DEFAULT_MTBF
+from leto.protection import dataplane
 from leto.protection.accounting import FLOAT_BYTES, STATE_BUFFERS, bytes_per_element_per_step
 from leto.protection.codec_bench import measure_codec
 from leto.protection.layout import Geometry, Layout, ring_slots_for
@@ -690,6 +691,7 @@ def main(args: argparse.Namespace) -> int:
         "microbatches": 2 * pp if pp > 1 else None,
         "nodes": NODES,
         "ec": f"{ec[0]}+{ec[1]}",
+        "data_plane": "native" if dataplane.serves(layout) else "python",  # the keepers' (dataplane.py)
         "steps_per_run": steps,
         "rounds": rounds,
         "step_s_off": round(step_off, 5),
@@ -863,7 +865,8 @@ def _print(out: dict, mem: dict) -> None:
     flags = mesh_flags(out["tp"], out["pp"])
     mesh = f", {flags} ({mesh_shape(out['workers'], out['tp'], out['pp'])})" if flags else ""
     print(
-        f"default job ({out['model']}, {out['workers']} workers{mesh}, {out['nodes']} nodes, --ec {out['ec']}), "
+        f"default job ({out['model']}, {out['workers']} workers{mesh}, {out['nodes']} nodes, --ec {out['ec']}, "
+        f"the keepers' {out.get('data_plane', 'python')} data plane), "
         f"{out['rounds']} interleaved rounds of {out['steps_per_run']} steps"
     )
     _print_protection_cpu(out)

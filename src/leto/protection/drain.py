@@ -124,7 +124,7 @@ def drain(
             time.sleep(1e-3)  # what the receiver thread has not folded yet: local, no store
     keeper.region.header[H_STATE] = STATE_DRAINED
     with keeper.lock:
-        keeper.reported = True
+        keeper.freeze()
         return report(keeper)
 
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from leto.protection import doorbell
+from leto.protection import dataplane, doorbell
 from leto.protection.barrier import CommitBarrier
 from leto.protection.codec import scale_into
 from leto.protection.drain import drain_of, message, read_drain, report_for, superseded
@@ -120,12 +120,22 @@ class Keeper:
         for n in set(inbound) - senders:
             inbound.pop(n).close()
         self.barrier = CommitBarrier(self)  # before the links: their receivers ask it whether to ring
-        scaled = scaled_links(layout, node)
-        self.links = {
-            n: Link(self, n, out.get(n), inbound.get(n), scaled=n in scaled)
-            for n in sorted(senders | receivers)
-            if n != node
-        }
+        # the data plane: native where it serves this layout (`dataplane.py`), else the links'
+        # Python threads and `consume_slots`' loop
+        self.native: dataplane.DataPlane | None = None
+        self.links: dict[int, Link | dataplane.NativeLink] = {}
+        if dataplane.serves(layout):
+            self.native = dataplane.DataPlane(self, out, inbound)
+            self.links = dict(self.native.links)
+            self.parity.applied_step = self.native.applied  # type: ignore[method-assign]
+            self.native.want(self.barrier.next[1])
+        else:
+            scaled = scaled_links(layout, node)
+            self.links = {
+                n: Link(self, n, out.get(n), inbound.get(n), scaled=n in scaled)
+                for n in sorted(senders | receivers)
+                if n != node
+            }
         # by data position: each tier-2 route with the link it goes over, and how many of its
         # records are sent from the slot itself (coefficient 1)
         self.route_links = [[(r, self.links[r.parity_node]) for r in routes] for routes in self.routes]
@@ -134,7 +144,7 @@ class Keeper:
         self.dirty = True
         h[H_STATE] = STATE_RUNNING
         store.set(keys.ready(self.gen, node), KeeperReady(os.getpid()).to_json())
-        trace.mark("keeper_ready", generation=self.gen)
+        trace.mark("keeper_ready", generation=self.gen, data_plane="python" if self.native is None else "native")
 
     def record_bytes(self, kind: int) -> int:
         return HDR * 8 + self.nbytes[kind]
@@ -142,6 +152,12 @@ class Keeper:
     def consume_slots(self) -> bool:
         """Fold and ship what the workers staged, slot by slot, then send the open batches
         (they hold their slots until sent); whether anything was staged."""
+        if self.native is not None:
+            taken = self.native.take()
+            self.wants_room = taken < 0
+            if taken > 0:
+                self.dirty = True
+            return taken > 0
         progress = False
         ring, nxt = self.layout.ring_slots, self.next_slot
         for w in range(self.W):
@@ -169,6 +185,8 @@ class Keeper:
 
     def staged(self) -> bool:
         """Whether a worker's next slot is staged and not yet taken."""
+        if self.native is not None:
+            return self.native.staged()
         ring = self.layout.ring_slots
         return any(self._slot_rows[w][self.next_slot[w] % ring][S_READY] == SLOT_STAGED for w in range(self.W))
 
@@ -219,6 +237,9 @@ class Keeper:
 
     def flush(self, kind: int) -> None:
         """Send the open batches of `kind` on every link."""
+        if self.native is not None:
+            self.native.lib.dp_flush(self.native.dp)
+            return
         for link in self.links.values():
             if link.bufs:
                 link.flush(kind)
@@ -247,7 +268,7 @@ class Keeper:
         idle = IDLE_WAIT_S[0]
         while True:
             folded = self.consume_slots()
-            advanced = self.barrier.advance()
+            advanced = self._advance()
             idle = IDLE_WAIT_S[0] if folded or advanced else min(2 * idle, IDLE_WAIT_S[1])
             now = time.monotonic()
             if asked or now >= next_control:
@@ -262,11 +283,33 @@ class Keeper:
             if not advanced:
                 asked = doorbell.wait(idle) == doorbell.CONTROL
 
+    def _advance(self) -> bool:
+        """The barrier's next move (`CommitBarrier.advance`); whether it took one, or one can be
+        taken at once."""
+        if self.native is None:
+            return self.barrier.advance()
+        self.dirty = True  # its receivers fold without a word: they ring once the barrier can be entered
+        for link in self.native.failed_links():
+            self.link_broken = True
+            self.link_failed(link.error or "", link.waited_s())
+        b = self.barrier
+        advanced = b.advance()
+        return self.native.want(b.next[1] if b.work is None and not b.broken else None) or advanced
+
+    def freeze(self) -> None:
+        """Nothing folds into the region any more (call under `lock`): it is what the report says."""
+        self.reported = True
+        if self.native is not None:
+            self.native.freeze()
+
     def close(self, unlink: bool) -> None:
         self.closed = True
         self.barrier.close()
+        if self.native is not None:
+            self.native.stop()  # its threads end before the region goes
         for link in self.links.values():
-            link.outbox.put(None)
+            if isinstance(link, Link):
+                link.outbox.put(None)
         self.sockets.shutdown()  # the receiver threads return
         self.region.close()
         if unlink:

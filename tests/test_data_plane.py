@@ -1,0 +1,60 @@
+"""The keeper's two data planes: the native one (`dataplane.c`) serves the layouts whose tier-2
+contributions are the chunks themselves and that protect deltas only; the Python one serves
+every layout. Both recover a lost node to the failure-free digest."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import JOB, check_recovered, reference_digest, train
+from leto.protection import dataplane
+from leto.protection.layout import Geometry, Layout
+
+GEOMETRY = Geometry(n_chunks=2, chunk_elems=16)
+
+
+def _layout(nodes: int, ec: tuple[int, int] | None, **kw: object) -> Layout:
+    ranks = tuple(n for n in range(nodes) for _ in range(2))
+    return Layout(0, 0, GEOMETRY, ranks, ec, **{"replicated_grads": True, **kw})  # type: ignore[arg-type]
+
+
+def test_the_native_data_plane_is_built_with_the_package() -> None:
+    assert dataplane.library() is not None, "the install did not build leto.protection._dataplane (a C compiler?)"
+
+
+@pytest.mark.parametrize(
+    ("layout", "served"),
+    [
+        (_layout(2, (1, 1)), True),
+        (_layout(4, (3, 1)), True),  # one parity block: every coefficient is 1
+        (_layout(1, None), True),  # tier 1 only
+        (_layout(4, (2, 2)), False),  # Reed-Solomon coefficients, and torn rows' pre-images
+        (_layout(2, (1, 1), replicated_grads=False), False),  # gradients are staged too
+        (_layout(2, (1, 1), protect_every=2), False),  # an interval keeps pre-images
+    ],
+)
+def test_the_native_plane_serves_deltas_under_codes_of_one_parity_block(
+    layout: Layout, served: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(dataplane.ENV_DATA_PLANE, raising=False)
+    assert dataplane.serves(layout) is served
+    monkeypatch.setenv(dataplane.ENV_DATA_PLANE, "python")
+    assert dataplane.serves(layout) is False
+
+
+@pytest.mark.parametrize("plane", ["native", "python"])
+def test_each_data_plane_recovers_a_lost_node_to_the_failure_free_digest(
+    launcher, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plane: str
+) -> None:
+    monkeypatch.setenv(dataplane.ENV_DATA_PLANE, plane)
+    trace = tmp_path / "trace.jsonl"
+    monkeypatch.setenv("LETO_TRACE", str(trace))
+    digest = reference_digest(launcher, tmp_path, *JOB)
+    res, s = train(launcher, tmp_path / "run", *JOB, "--inject", "node-kill:node=1:step=5")
+    rec = check_recovered(res, s, digest, tmp_path / "run")[0]
+    assert rec["tier"] == "tier2" and rec["failed_nodes"] == [1], rec
+    ready = [json.loads(line) for line in trace.read_text().splitlines() if '"keeper_ready"' in line]
+    assert ready and {r["data_plane"] for r in ready} == {plane}, ready
