@@ -75,10 +75,17 @@ class Cluster:
         return {name: self.a.region[name].copy() for name in TIER2}
 
 
-@pytest.fixture(params=["native", "python"])
+@pytest.fixture(params=["native", "python", "mixed"])
 def cluster(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    """The keepers on the native data plane, on the Python one, or A on the native one and B on
+    the Python one (hosts of a job where one could not build the library)."""
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-    monkeypatch.setenv(dataplane.ENV_DATA_PLANE, request.param)
+    planes = {"native": ("native", "native"), "python": ("python", "python"), "mixed": ("native", "python")}
+    plane = dict(zip((A, B), planes[request.param]))
+    serves = dataplane.serves
+    monkeypatch.setattr(
+        dataplane, "serves", lambda layout: plane[int(threading.current_thread().name)] == "native" and serves(layout)
+    )
     store, job = dist.HashStore(), f"spec-{uuid.uuid4().hex[:12]}"
     keepers: dict[int, Keeper] = {}
     errors: list[BaseException] = []
@@ -89,7 +96,7 @@ def cluster(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> 
         except BaseException as e:  # noqa: BLE001 (re-raised in the test's thread)
             errors.append(e)
 
-    threads = [threading.Thread(target=build, args=(n,), daemon=True) for n in (A, B)]
+    threads = [threading.Thread(target=build, args=(n,), name=str(n), daemon=True) for n in (A, B)]
     for t in threads:
         t.start()
     deadline = time.monotonic() + TIMEOUT_S
@@ -101,7 +108,7 @@ def cluster(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> 
             raise errors[0]
         if len(keepers) != 2:
             pytest.fail(f"the keepers did not form their gloo group within {TIMEOUT_S:.0f}s")
-        assert all((k.native is not None) == (request.param == "native") for k in keepers.values())
+        assert all((keepers[n].native is not None) == (plane[n] == "native") for n in (A, B))
         c = Cluster(store, job, keepers)
         yield c
     finally:

@@ -20,6 +20,7 @@ import numpy as np
 from leto.protection import doorbell
 from leto.protection.layout import Layout
 from leto.protection.shm import KIND_DELTA
+from leto.protection.transport import KINDS
 
 if TYPE_CHECKING:
     from leto.protection.keeper import Keeper
@@ -94,11 +95,12 @@ class NativeLink:
 
     @property
     def sent(self) -> dict[int, int]:
-        return {KIND_DELTA: self._state()[0]}
+        """Messages sent, by kind (every kind, as a Python plane's peer counts them)."""
+        return {**dict.fromkeys(KINDS, 0), KIND_DELTA: self._state()[0]}
 
     @property
     def received(self) -> dict[int, int]:
-        return {KIND_DELTA: self._state()[1]}
+        return {**dict.fromkeys(KINDS, 0), KIND_DELTA: self._state()[1]}
 
     def idle(self) -> bool:
         return bool(self._state()[2])
