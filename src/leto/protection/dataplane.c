@@ -374,6 +374,38 @@ void dp_freeze(DP *dp) {
 
 int64_t dp_errors(DP *dp) { return __atomic_load_n(&dp->errors, __ATOMIC_ACQUIRE); }
 
+enum { SERVE_BARRIER = 1, SERVE_CONTROL = 2, SERVE_TIME = 4, SERVE_ERROR = 8, SERVE_IN_FLIGHT = 16 };
+
+/* The keeper's main loop while nothing needs Python (call on the thread that takes the doorbells,
+ * with them blocked): take what is staged, then sleep until a doorbell rings, as Keeper.run does;
+ * a sleep after work lasts `idle_s[0]`, doubling while idle up to `idle_s[1]`. Returns why Python
+ * is needed: the next barrier can be entered (SERVE_BARRIER), the control doorbell rang, `until`
+ * (CLOCK_MONOTONIC seconds) passed, a link broke, or a doorbell rang while a barrier is in flight
+ * (its thread rings when it ends). */
+int dp_serve(DP *dp, double until, double idle_min, double idle_max, int control) {
+    sigset_t bells;
+    sigemptyset(&bells);
+    sigaddset(&bells, dp->sig);
+    sigaddset(&bells, control);
+    int64_t errors = dp_errors(dp);
+    double idle = idle_min;
+    for (;;) {
+        int taken = dp_pass(dp);
+        if (taken == -2) return taken;
+        if (dp_errors(dp) != errors) return SERVE_ERROR;
+        int64_t want = __atomic_load_n(&dp->want, __ATOMIC_SEQ_CST);
+        if (want != NO_WANT && dp_applied(dp) >= want) return SERVE_BARRIER;
+        double now = now_ns() / 1e9;
+        if (now >= until) return SERVE_TIME;
+        idle = taken > 0 ? idle_min : idle * 2 < idle_max ? idle * 2 : idle_max;
+        double nap = until - now < idle ? until - now : idle;
+        struct timespec t = {(time_t)nap, (long)((nap - (time_t)nap) * 1e9)};
+        int sig = sigtimedwait(&bells, NULL, &t);
+        if (sig == control) return SERVE_CONTROL;
+        if (sig == dp->sig && want == NO_WANT) return SERVE_IN_FLIGHT;
+    }
+}
+
 /* Link `li`: sent, received, idle, error, errno, a, b, c, waited ns */
 void dp_link_state(DP *dp, int li, int64_t *out) {
     Link *l = &dp->links[li];

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 ENV_DATA_PLANE = "LETO_DATA_PLANE"  # native (the default where it serves the layout) | python
 NO_WANT = 2**63 - 1
+SERVE_CONTROL = 2  # `DataPlane.serve` returned for the control doorbell
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "dp_new": (_P, [_I] * 4 + [_I64] * 2 + [_P] * 5 + [_I, _I64, _I64, ctypes.c_double, _I, ctypes.c_ulong, _I, _I]),
@@ -41,6 +42,7 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "dp_set_want": (_I, [_P, _I64]),
     "dp_freeze": (None, [_P]),
     "dp_errors": (_I64, [_P]),
+    "dp_serve": (_I, [_P, ctypes.c_double, ctypes.c_double, ctypes.c_double, _I]),
     "dp_link_state": (None, [_P, _I, _P]),
     "dp_stop": (None, [_P]),
     "dp_free": (None, [_P]),
@@ -192,6 +194,16 @@ class DataPlane:
         if n == -2:
             raise RuntimeError("a worker staged a chunk the native data plane does not take")
         return n
+
+    def serve(self, until: float, idle_s: tuple[float, float]) -> int:
+        """The keeper's main loop until it needs Python (`dataplane.c`, `dp_serve`): the pass
+        and the sleeps between doorbells, at the `idle_s` waits of `Keeper.run`, until the next
+        barrier can be entered, the control doorbell rings, a link breaks, a doorbell rings while
+        a barrier is in flight, or `until` (`time.monotonic()`) comes. Returns why (SERVE_*)."""
+        why = self.lib.dp_serve(self.dp, until, idle_s[0], idle_s[1], int(doorbell.CONTROL))
+        if why == -2:
+            raise RuntimeError("a worker staged a chunk the native data plane does not take")
+        return why
 
     def staged(self) -> bool:
         return bool(self.lib.dp_staged(self.dp))

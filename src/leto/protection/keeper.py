@@ -267,6 +267,14 @@ class Keeper:
         next_control, asked = 0.0, False
         idle = IDLE_WAIT_S[0]
         while True:
+            if self.native is not None:  # the pass and the sleeps run in it until Python is needed
+                asked = self.native.serve(next_control, IDLE_WAIT_S) == dataplane.SERVE_CONTROL
+                self._advance()
+                if asked or time.monotonic() >= next_control:
+                    next_control = time.monotonic() + CONTROL_EVERY_S
+                    if reason := should_stop():
+                        return reason
+                continue
             folded = self.consume_slots()
             advanced = self._advance()
             idle = IDLE_WAIT_S[0] if folded or advanced else min(2 * idle, IDLE_WAIT_S[1])
