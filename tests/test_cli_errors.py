@@ -63,3 +63,11 @@ def test_missing_corpus_is_named(launcher, tmp_path: Path) -> None:
     )
     assert res.returncode == 2
     assert "corpus not prepared" in res.stderr and "leto data prepare" in res.stderr
+
+
+def test_an_unknown_data_plane_in_the_environment_is_named(launcher, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LETO_DATA_PLANE", "fast")
+    res = launcher.run("train", "--steps", "1", timeout=60)
+    assert res.returncode == 2
+    assert "$LETO_DATA_PLANE must be one of native, python, got 'fast'" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr

@@ -449,6 +449,12 @@ def _check_job(args: argparse.Namespace, prog: str) -> None:
     _check_rdzv(args, prog)
     if args.persist not in ("on", "off"):
         raise UsageError(f"{prog}: error: ${ENV_PERSIST_DEFAULT} must be 'on' or 'off', got {args.persist!r}")
+    from leto.protection.dataplane import ENV_DATA_PLANE, PLANES
+
+    if os.environ.get(ENV_DATA_PLANE, "native") not in PLANES:
+        raise UsageError(
+            f"{prog}: error: ${ENV_DATA_PLANE} must be one of {', '.join(PLANES)}, got {os.environ[ENV_DATA_PLANE]!r}"
+        )
     from leto.persistence.resume import check_flags
 
     try:

@@ -12,6 +12,7 @@ import importlib.util
 import os
 import socket
 import struct
+import sys
 import threading
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from leto.protection.keeper import Keeper
 
 ENV_DATA_PLANE = "LETO_DATA_PLANE"  # native (the default where it serves the layout) | python
+PLANES = ("native", "python")
 NO_WANT = 2**63 - 1
 SERVE_CONTROL = 2  # `DataPlane.serve` returned for the control doorbell
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
@@ -48,19 +50,32 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "dp_free": (None, [_P]),
 }
 _lib: ctypes.CDLL | None = None
+_unusable: str | None = None  # why the library found cannot be used (said once)
 
 
 def library() -> ctypes.CDLL | None:
-    """The built library, or None where the package was installed without it."""
-    global _lib
-    if _lib is None:
+    """The built library, or None where the package was installed without it (or with one that
+    does not load, or lacks a function: a build older than this source, said once on stderr)."""
+    global _lib, _unusable
+    if _lib is None and _unusable is None:
         spec = importlib.util.find_spec("leto.protection._dataplane")
         if spec is None or spec.origin is None:
+            _unusable = "not built"
             return None
-        lib = ctypes.CDLL(spec.origin)
-        for name, (res, args) in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.restype, fn.argtypes = res, args
+        try:
+            lib = ctypes.CDLL(spec.origin)
+            for name, (res, args) in _SIGNATURES.items():
+                fn = getattr(lib, name)
+                fn.restype, fn.argtypes = res, args
+        except (OSError, AttributeError) as e:
+            _unusable = str(e)
+            print(
+                f"leto: the native data plane {spec.origin} cannot be used ({e}); keepers run their Python one "
+                f"(reinstall the package to rebuild it)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return None
         _lib = lib
     return _lib
 
@@ -128,7 +143,7 @@ class NativeLink:
         return None
 
     def flush(self, kind: int) -> None:
-        self.plane.lib.dp_flush(self.plane.dp)
+        self.plane.flush()
 
 
 class DataPlane:
@@ -207,6 +222,10 @@ class DataPlane:
 
     def staged(self) -> bool:
         return bool(self.lib.dp_staged(self.dp))
+
+    def flush(self) -> None:
+        """Send every link's open batch (one only deltas fill)."""
+        self.lib.dp_flush(self.dp)
 
     def applied(self) -> int:
         """The last step at which every source chunk's delta is folded here."""

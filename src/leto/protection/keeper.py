@@ -5,7 +5,9 @@ tier-1 XOR parity, ships tier-2 contributions to other nodes' keepers over TCP c
 folds the contributions it receives, and agrees with the other keepers, step by step, on what
 is committed (see docs/protection.md). Its parts: `parity.py` (folding), `transport.py` (the
 tier-2 links), `barrier.py` (the agreement), `drain.py` (drains and reports), `group.py` (the
-keepers' gloo group and connections); this module runs them and is the keeper process's main.
+keepers' gloo group and connections), `dataplane.py` (the folds, the links and the main loop's
+sleeps in native code, for the layouts it serves); this module runs them and is the keeper
+process's main.
 """
 
 from __future__ import annotations
@@ -238,7 +240,7 @@ class Keeper:
     def flush(self, kind: int) -> None:
         """Send the open batches of `kind` on every link."""
         if self.native is not None:
-            self.native.lib.dp_flush(self.native.dp)
+            self.native.flush()
             return
         for link in self.links.values():
             if link.bufs:
