@@ -25,6 +25,20 @@ def test_the_native_data_plane_is_built_with_the_package() -> None:
     assert dataplane.library() is not None, "the install did not build leto.protection._dataplane (a C compiler?)"
 
 
+def test_a_library_built_from_other_constants_is_said_once_and_not_used(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A build older than its source (a record layout or a slot state changed since) would read
+    the region and the wire wrongly: the keepers run their Python plane instead."""
+    monkeypatch.setattr(dataplane, "_lib", None)
+    monkeypatch.setattr(dataplane, "_unusable", None)
+    monkeypatch.setattr(dataplane, "CONSTANTS", (*dataplane.CONSTANTS[:-1], 99))
+    assert dataplane.library() is None and dataplane.library() is None
+    err = capsys.readouterr().err
+    assert err.count("cannot be used") == 1 and "reinstall the package" in err, err
+    assert dataplane.serves(_layout(2, (1, 1))) is False
+
+
 @pytest.mark.parametrize(
     ("layout", "served"),
     [

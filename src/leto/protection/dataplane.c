@@ -36,6 +36,13 @@
 
 enum { E_NONE, E_SEND, E_RECV, E_BATCH, E_RECORD };
 
+/* The constants above, in the order dataplane.py checks them against the Python plane's. */
+void dp_constants(int64_t *out) {
+    int64_t c[] = {HDR, PREFIX, NBUF, S_READY, S_KIND, S_STEP, S_CHUNK, S_CRC,
+                   SLOT_FREE, SLOT_STAGED, SLOT_HELD, KIND_DELTA};
+    memcpy(out, c, sizeof c);
+}
+
 typedef struct {
     int64_t prefix[PREFIX];
     int64_t *hdrs; /* per_msg record headers */

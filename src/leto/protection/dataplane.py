@@ -20,18 +20,44 @@ import numpy as np
 
 from leto.protection import doorbell
 from leto.protection.layout import Layout
-from leto.protection.shm import KIND_DELTA
-from leto.protection.transport import KINDS
+from leto.protection.shm import (
+    KIND_DELTA,
+    S_CHUNK,
+    S_CRC,
+    S_KIND,
+    S_READY,
+    S_STEP,
+    SLOT_FREE,
+    SLOT_HELD,
+    SLOT_STAGED,
+)
+from leto.protection.transport import HDR, KINDS, PREFIX, SEND_BUFFERS
 
 if TYPE_CHECKING:
     from leto.protection.keeper import Keeper
 
 ENV_DATA_PLANE = "LETO_DATA_PLANE"  # native (the default where it serves the layout) | python
 PLANES = ("native", "python")
+# what dataplane.c compiles in, as the Python plane defines it (a library that differs is not used)
+CONSTANTS = (
+    HDR,
+    PREFIX,
+    SEND_BUFFERS,
+    S_READY,
+    S_KIND,
+    S_STEP,
+    S_CHUNK,
+    S_CRC,
+    SLOT_FREE,
+    SLOT_STAGED,
+    SLOT_HELD,
+    KIND_DELTA,
+)
 NO_WANT = 2**63 - 1
 SERVE_CONTROL = 2  # `DataPlane.serve` returned for the control doorbell
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _SIGNATURES: dict[str, tuple[object, list[object]]] = {
+    "dp_constants": (None, [_P]),
     "dp_new": (_P, [_I] * 4 + [_I64] * 2 + [_P] * 5 + [_I, _I64, _I64, ctypes.c_double, _I, ctypes.c_ulong, _I, _I]),
     "dp_route": (None, [_P, _I, _I, _I64, _I64, _I64]),
     "dp_stripe": (None, [_P, _I64, _P, _P, _P, _P, _I, _I]),
@@ -67,6 +93,10 @@ def library() -> ctypes.CDLL | None:
             for name, (res, args) in _SIGNATURES.items():
                 fn = getattr(lib, name)
                 fn.restype, fn.argtypes = res, args
+            got = (ctypes.c_int64 * len(CONSTANTS))()
+            lib.dp_constants(got)
+            if tuple(got) != CONSTANTS:
+                raise AttributeError(f"its constants are {tuple(got)}, this source's {CONSTANTS}")
         except (OSError, AttributeError) as e:
             _unusable = str(e)
             print(
