@@ -125,7 +125,7 @@ class Keeper:
         # the data plane: native where it serves this layout (`dataplane.py`), else the links'
         # Python threads and `consume_slots`' loop
         self.native: dataplane.DataPlane | None = None
-        self.links: dict[int, Link | dataplane.NativeLink] = {}
+        self.links: dict[int, Link | dataplane.NativeLink]
         if dataplane.serves(layout):
             self.native = dataplane.DataPlane(self, out, inbound)
             self.links = dict(self.native.links)
@@ -138,8 +138,8 @@ class Keeper:
                 for n in sorted(senders | receivers)
                 if n != node
             }
-        # by data position: each tier-2 route with the link it goes over, and how many of its
-        # records are sent from the slot itself (coefficient 1)
+        # by data position (the Python plane's `_ship`): each tier-2 route with the link it goes
+        # over, and how many of its records are sent from the slot itself (coefficient 1)
         self.route_links = [[(r, self.links[r.parity_node]) for r in routes] for routes in self.routes]
         self._from_slot = [sum(r.coef == 1 for r in routes) for routes in self.routes]
         self.wants_room = False  # the main thread found a link's send buffers full (the sender rings then)
@@ -155,8 +155,7 @@ class Keeper:
         """Fold and ship what the workers staged, slot by slot, then send the open batches
         (they hold their slots until sent); whether anything was staged."""
         if self.native is not None:
-            taken = self.native.take()
-            self.wants_room = taken < 0
+            taken = self.native.take()  # a link's full buffers are the plane's to wait for
             if taken > 0:
                 self.dirty = True
             return taken > 0
