@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import beyond_ci
 from leto.bench import productivity, recovery, runs
 from leto.bench.runs import System
 from leto.errors import UsageError
@@ -100,6 +101,7 @@ def test_the_table_prints_the_mesh_and_the_ratio_to_checkpoint_restart(capsys: p
 
 
 # ----- one short real run: Leto and checkpoint-restart on DP 2 x TP 2, a rank kill and a node loss
+@beyond_ci
 def test_recovery_bench_tp2_end_to_end(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

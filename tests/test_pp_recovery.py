@@ -90,6 +90,7 @@ def test_a_second_stage_killed_during_the_recovery(launcher, tmp_path: Path) -> 
     assert rec["failed_ranks"] == [1, 2] and rec["interrupted"]
 
 
+@beyond_ci
 def test_after_losing_a_whole_replica_of_stages_the_job_grows_back_with_the_failure_free_bits(
     launcher, tmp_path: Path
 ) -> None:

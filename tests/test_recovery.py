@@ -13,6 +13,7 @@ import pytest
 
 from conftest import (
     JOB,
+    beyond_ci,
     check_recovered,
     check_resized_exactly,
     check_trajectory,
@@ -54,6 +55,7 @@ def test_a_killed_worker_is_replaced_in_place_in_any_phase(
     assert "SIGKILL" in rec["cause"]
 
 
+@beyond_ci
 def test_two_nodes_of_a_2_plus_2_stripe_lost_at_once(launcher, tmp_path: Path) -> None:
     job = ("--workers", "4", "--nodes", "4", "--spares", "3", "--ec", "2+2", "--steps", "10", "--seed", "0")
     digest = reference_digest(launcher, tmp_path, *JOB)  # node layout does not change the math

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Launcher, processes_left, read_procs, reference_digest, wait_for
+from conftest import Launcher, beyond_ci, processes_left, read_procs, reference_digest, wait_for
 from leto.console import read_jsonl
 from leto.runtime import linux
 
@@ -84,6 +84,7 @@ def stand_in(run_dir: Path, keep_start: bool) -> subprocess.Popen:
     return proc
 
 
+@beyond_ci
 def test_three_crashes_each_resumed_with_only_the_run_dir_end_with_the_failure_free_digest(
     launcher: Launcher, tmp_path: Path
 ) -> None:

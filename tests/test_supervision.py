@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import (
+    beyond_ci,
     processes_left,
     read_procs,
     reference_digest,
@@ -147,6 +148,7 @@ def test_a_one_node_job_goes_on_when_its_keeper_dies(launcher, tmp_path: Path, m
     _finish(ctl, run_dir, digest)
 
 
+@beyond_ci
 def test_after_a_node_loss_the_last_nodes_keeper_may_die(launcher, tmp_path: Path) -> None:
     """The default 2-node job loses node 1 (tier 2 rebuilds it; nothing covers a second node
     loss any more: a `degraded` event says so), then node 0's keeper dies: the job goes on."""

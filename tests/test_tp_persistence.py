@@ -17,6 +17,7 @@ import torch
 
 from conftest import (
     Launcher,
+    beyond_ci,
     processes_left,
     read_procs,
     reference_digest,
@@ -167,6 +168,7 @@ def test_markers_of_a_tp_1_job_do_not_name_tp(tmp_path: Path) -> None:
     assert ckpt_format.complete(tmp_path) == []
 
 
+@beyond_ci
 @pytest.mark.parametrize("mode", ["disk", "memory"])
 def test_the_checkpoint_baseline_restarts_a_tp_job_to_the_failure_free_digest(
     launcher: Launcher, tmp_path: Path, mode: str

@@ -9,7 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import check_recovered, check_resized_exactly, processes_left, reference_digest, train, with_flags
+from conftest import (
+    beyond_ci,
+    check_recovered,
+    check_resized_exactly,
+    processes_left,
+    reference_digest,
+    train,
+    with_flags,
+)
 
 TP_JOB = (
     "--workers",
@@ -34,13 +42,13 @@ TP_JOB = (
 @pytest.mark.parametrize(
     "rank, phase",
     [
-        (0, "forward"),
+        pytest.param(0, "forward", marks=beyond_ci),
         (1, "tp-forward"),
-        (2, "backward"),
+        pytest.param(2, "backward", marks=beyond_ci),
         (3, "tp-backward"),
-        (1, "reduce-scatter"),
+        pytest.param(1, "reduce-scatter", marks=beyond_ci),
         (2, "update"),
-        (3, "all-gather"),
+        pytest.param(3, "all-gather", marks=beyond_ci),
     ],
 )
 def test_any_tp_rank_killed_in_any_phase_is_adopted_in_place(launcher, tmp_path: Path, rank: int, phase: str) -> None:
@@ -91,6 +99,7 @@ def test_with_no_shadow_left_a_whole_replica_is_dropped_and_its_live_rank_become
     assert not processes_left(run)
 
 
+@beyond_ci
 def test_after_losing_a_replica_the_job_grows_back_by_a_whole_tp_group(launcher, tmp_path: Path) -> None:
     """Node 1 (replica 1: ranks 2 and 3) dies with one warm shadow and no zygote: the job goes on
     with replica 0 alone, and once a replacement shadow started from scratch is warm the two
