@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import JOB, check_recovered, reference_digest, train
@@ -37,6 +38,30 @@ def test_a_library_built_from_other_constants_is_said_once_and_not_used(
     err = capsys.readouterr().err
     assert err.count("cannot be used") == 1 and "reinstall the package" in err, err
     assert dataplane.serves(_layout(2, (1, 1))) is False
+
+
+@pytest.mark.parametrize("offset", [0, 1, 13])
+@pytest.mark.parametrize("nbytes", [0, 15, 64, 200, 4096 + 7])
+def test_a_workers_native_staging_writes_old_xor_new_or_new_and_nothing_else(offset: int, nbytes: int) -> None:
+    """Whatever the slot's alignment and the chunk's length (streaming stores cover whole aligned
+    blocks; the head and tail are written byte by byte), the slot gets exactly the delta."""
+    stage = dataplane.stager()
+    assert stage is not None
+    rng = np.random.default_rng(nbytes + offset)
+    old, new = (rng.integers(0, 256, nbytes, dtype=np.uint8) for _ in range(2))
+    slot = np.full(nbytes + offset + 32, 0xA5, dtype=np.uint8)
+    base = slot.ctypes.data + offset
+    stage(base, old.ctypes.data, new.ctypes.data, nbytes)
+    assert np.array_equal(slot[offset : offset + nbytes], old ^ new)
+    assert (slot[:offset] == 0xA5).all() and (slot[offset + nbytes :] == 0xA5).all()
+    stage(base, 0, new.ctypes.data, nbytes)
+    assert np.array_equal(slot[offset : offset + nbytes], new)
+    assert (slot[:offset] == 0xA5).all() and (slot[offset + nbytes :] == 0xA5).all()
+
+
+def test_the_python_plane_stages_with_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(dataplane.ENV_DATA_PLANE, "python")
+    assert dataplane.stager() is None
 
 
 @pytest.mark.parametrize(

@@ -64,6 +64,15 @@ def test_the_copying_path_gives_the_same_bytes_in_two_slots_at_once() -> None:
     assert np.array_equal(np.bitwise_xor(delta, a), as_bytes(new))  # what the keeper folds in is exact
 
 
+@pytest.mark.parametrize("copy", [False, True])
+def test_a_chunks_address_is_where_its_host_bytes_lie_on_either_path(copy: bool) -> None:
+    """The native staging copy reads the bytes by address: those `host` returned, for each slot."""
+    old, new = torch.randn(256), torch.randn(256)
+    st = HostStaging(256 * 4, torch.device("cpu"), copy=copy)
+    a, b = st.host(old, 0), st.host(new, 1)
+    assert (st.address(old, 0), st.address(new, 1)) == (a.ctypes.data, b.ctypes.data)
+
+
 def test_a_chunk_larger_than_the_buffer_is_an_error_not_a_truncation() -> None:
     st = HostStaging(16, torch.device("cpu"), copy=True)
     with pytest.raises(ValueError, match="does not fit"):

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from leto.protection.dataplane import stager
 from leto.protection.doorbell import Doorbell
 from leto.protection.integrity import checksum
 from leto.protection.layout import Layout
@@ -61,6 +62,8 @@ class Protector:
         self.hdr = self.region["slot_hdr"][self.w]
         self._rows = [memoryview(row) for row in self.hdr]  # a slot's header fields: cheaper than numpy's indexing
         self.data = self.region["slot_data"][self.w]
+        self._stage = stager()  # the native staging copy, or None: numpy's
+        self._slot_at = [int(self.data[i].ctypes.data) for i in range(len(self.data))]
         self.bell = Doorbell(int(self.region.header[H_PID]))  # the keeper sleeps until rung
         self.seq = 0
         self.ring_every = max(1, layout.ring_slots // 2)
@@ -141,13 +144,18 @@ class Protector:
         only a wait for a free slot can raise (PeerFailure), and then nothing of this chunk was
         handed over."""
         t0, c0, w0, wc0 = time.perf_counter(), time.thread_time(), self.spent["wait_s"], self.spent["wait_cpu_s"]
-        nb = self.staging.host(new, 0)
+        st = self.staging
+        nb = st.host(new, 0)
+        ob = None if old is None else st.host(old, 1)
+        if ob is not None and ob.size != nb.size:
+            raise ValueError(f"a delta of chunks of {ob.size} and {nb.size} bytes")
         idx = self._slot()
-        dst = self.data[idx, : nb.size]
-        if old is None:
-            dst[...] = nb
+        if self._stage is not None:
+            self._stage(self._slot_at[idx], 0 if old is None else st.address(old, 1), st.address(new, 0), nb.size)
+        elif ob is None:
+            self.data[idx, : nb.size] = nb
         else:
-            np.bitwise_xor(self.staging.host(old, 1), nb, out=dst)
+            np.bitwise_xor(ob, nb, out=self.data[idx, : nb.size])
         self._publish(idx, KIND_DELTA, step, c, checksum(nb), last)
         self._spent_staging(t0, c0, w0, wc0)
 

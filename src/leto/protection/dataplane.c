@@ -18,6 +18,9 @@
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <time.h>
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
 
 #define HDR 8    /* int64 fields of a tier-2 record header (transport.HDR) */
 #define PREFIX 2 /* int64 fields before a batch's records: kind, count (transport.PREFIX) */
@@ -111,6 +114,25 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) static void xor_int
                                                                                   const uint64_t *restrict s,
                                                                                   int64_t nb) {
     for (int64_t k = 0; k < nb / 8; k++) d[k] ^= s[k];
+}
+
+/* dst = old ^ nw (nw where old is NULL), n bytes: a worker's delta into its staging slot. The
+ * slot's last reader is the keeper, on another core: a store through the cache first fetches each
+ * line back from there, which measured as half of staging a chunk; streaming stores do not. They
+ * are weakly ordered, hence the fence: the caller publishes the slot with a plain store after. */
+void dp_stage(uint8_t *restrict dst, const uint8_t *restrict old, const uint8_t *restrict nw, int64_t n) {
+    int64_t i = 0;
+#if defined(__x86_64__)
+    for (; i < n && ((uintptr_t)(dst + i) & 15); i++) dst[i] = old ? old[i] ^ nw[i] : nw[i];
+    for (; i + 64 <= n; i += 64)
+        for (int k = 0; k < 64; k += 16) {
+            __m128i v = _mm_loadu_si128((const __m128i *)(nw + i + k));
+            if (old) v = _mm_xor_si128(v, _mm_loadu_si128((const __m128i *)(old + i + k)));
+            _mm_stream_si128((__m128i *)(dst + i + k), v);
+        }
+    _mm_sfence();
+#endif
+    for (; i < n; i++) dst[i] = old ? old[i] ^ nw[i] : nw[i];
 }
 
 static void ring_main(DP *dp) { pthread_kill(dp->main_tid, dp->sig); }

@@ -3,7 +3,8 @@ staging slots and the tier-2 links' threads, outside the interpreter. It serves 
 tier-2 contributions are the chunks themselves (codes with one parity block, every coefficient 1)
 and that protect deltas only (no gradients, no protection interval); the keeper runs the Python
 data plane (`Keeper.consume_slots`, `transport.Link`) for every other layout, or where the library
-was not built, or with LETO_DATA_PLANE=python (docs/protection.md, "The native data plane")."""
+was not built, or with LETO_DATA_PLANE=python (docs/protection.md, "The native data plane").
+The library also holds the workers' staging copy into a slot (`stager`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import socket
 import struct
 import sys
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -74,6 +76,7 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "dp_link_state": (None, [_P, _I, _P]),
     "dp_stop": (None, [_P]),
     "dp_free": (None, [_P]),
+    "dp_stage": (None, [_P, _P, _P, _I64]),
 }
 _lib: ctypes.CDLL | None = None
 _unusable: str | None = None  # why the library found cannot be used (said once)
@@ -108,6 +111,16 @@ def library() -> ctypes.CDLL | None:
             return None
         _lib = lib
     return _lib
+
+
+def stager() -> Callable[[int, int, int, int], None] | None:
+    """The worker's native staging copy, `dp_stage(slot, old, new, nbytes)` (addresses; old 0: a
+    full chunk), or None where the Python plane runs (the library is not built, or LETO_DATA_PLANE
+    is python): then the worker XORs with numpy."""
+    if os.environ.get(ENV_DATA_PLANE, "native") == "python":
+        return None
+    lib = library()
+    return None if lib is None else lib.dp_stage
 
 
 def serves(layout: Layout) -> bool:

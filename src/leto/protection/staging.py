@@ -70,6 +70,10 @@ class HostStaging:
         self.stream.synchronize()  # the host needs the bytes; the compute stream goes on
         return dst.numpy()
 
+    def address(self, t: torch.Tensor, slot: int = 0) -> int:
+        """The address of the bytes `host(t, slot)` returned last (call that first)."""
+        return self.bufs[slot].data_ptr() if self.copy else t.data_ptr()
+
     def _view(self, t: torch.Tensor) -> np.ndarray:
         """`as_bytes(t)`, made once per address and size. The table's views hold no memory
         alive (they are views of an address, not of a tensor), so a chunk freed and another
