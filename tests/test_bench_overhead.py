@@ -567,12 +567,45 @@ def test_the_floor_takes_each_operations_median_over_its_measurements() -> None:
     assert f["handoff_fold_ns_per_byte"] == pytest.approx(0.2)  # the median of those measured
 
 
+def test_the_floor_where_the_bytes_lie_prices_each_term_where_the_protocol_leaves_them() -> None:
+    from leto.bench.floor import floor
+
+    lay = layout(replicated_grads=True)
+    ops = ("copy", "xor_two_into_slot", "checksum", "fold", "tcp_loopback")
+    sample = {
+        "costs": dict.fromkeys(ops, 0.1),
+        "cold": dict.fromkeys(ops, 0.4),
+        "placed": {"xor_two_into_slot": 0.2, "fold": 0.3},
+        "handoff_fold_ns_per_byte": 0.5,
+    }
+    f = floor(lay, step_s_off=0.1, cores=2, samples=[sample])
+    staged = 12 * 4 * 3 * 1000
+    got = {name: t["placed_ns_per_byte"] for name, t in f["terms"].items()}
+    assert got == {
+        "worker: next value aside and back": 0.1,  # the chunk in cache
+        "worker: checksum of the new value": 0.1,
+        "worker: XOR old and new into the slot": 0.2,  # in cache into a cold slot
+        "keeper: fold into tier-1 parity": 0.5,  # a slot another core has just written
+        "tier 2: TCP send and receive": 0.4,  # from such slots
+        "tier 2: fold into tier-2 parity": 0.3,  # a buffer in cache into cold rows
+    }
+    assert f["placed_total_cpu_ms_per_step"] == pytest.approx(staged * 1.6e-6, abs=3e-3)
+    assert f["placed_floor_overhead_ratio"] == pytest.approx(1 + staged * 1.6e-9 / 0.2, abs=1e-4)
+    # one core: no hand-off measured, the cold fold stands for it; older samples: no such floor
+    f = floor(lay, step_s_off=0.1, cores=2, samples=[{**sample, "handoff_fold_ns_per_byte": None}])
+    assert f["terms"]["keeper: fold into tier-1 parity"]["placed_ns_per_byte"] == 0.4
+    f = floor(lay, step_s_off=0.1, cores=2, samples=[{k: v for k, v in sample.items() if k != "placed"}])
+    assert f["placed_total_cpu_ms_per_step"] is None and f["placed_floor_overhead_ratio"] is None
+
+
 def test_the_floor_measures_every_operation_it_uses() -> None:
-    from leto.bench.floor import operation_costs
+    from leto.bench.floor import operation_costs, placed_costs
 
     costs = operation_costs()
     assert set(costs) == {"copy", "xor_two_into_slot", "checksum", "fold", "tcp_loopback"}
     assert all(v > 0 for v in costs.values())
+    placed = placed_costs()
+    assert set(placed) == {"xor_two_into_slot", "fold"} and all(v > 0 for v in placed.values())
 
 
 def test_the_cold_floor_sends_tier_2_bytes_from_memory_larger_than_the_caches(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1004,11 +1037,15 @@ def test_the_wall_ratio_targets_carry_what_the_physical_floor_alone_would_cost()
     out = {
         "model": "tiny",
         "overhead_ratio": 1.12,
-        "physical_floor": {"floor_overhead_ratio": 1.029, "cold_floor_overhead_ratio": 1.044},
+        "physical_floor": {
+            "floor_overhead_ratio": 1.029,
+            "cold_floor_overhead_ratio": 1.044,
+            "placed_floor_overhead_ratio": 1.037,
+        },
     }
     t = targets(out)
     assert t["overhead_ratio_default_job"]["result"] == "MISS"
-    assert t["overhead_ratio_default_job"]["floor"] == {"in_cache": 1.029, "cold": 1.044}
+    assert t["overhead_ratio_default_job"]["floor"] == {"in_cache": 1.029, "cold": 1.044, "placed": 1.037}
     assert "floor" not in t["memory_overhead_default_job"]
     del out["physical_floor"]
     assert "floor" not in targets(out)["overhead_ratio_default_job"]

@@ -9,7 +9,10 @@ folded into the parity node's tier-2 parity. Each operation is timed here, CPU
 seconds per byte, on chunk-sized buffers (192 KiB: the worker's side sees its chunk in cache) and
 on buffers far larger than the caches (`cold`: what the keepers see, reading slots another core
 wrote and parity rows last touched a step ago), so that the floor is a measurement of this machine
-while the benchmark runs, not an estimate: the true floor lies between the two.
+while the benchmark runs, not an estimate: the true floor lies between the two. A third total
+prices each term where the protocol leaves its bytes (`PLACED`: a chunk in cache into a cold
+slot, the fold of a slot another core just wrote, TCP from such slots, a buffer in cache into
+cold parity rows): the floor of this protocol on this machine.
 """
 
 from __future__ import annotations
@@ -165,15 +168,57 @@ def operation_costs(size: int = CHUNK) -> dict[str, float]:
     return {k: round(v * 1e9, 4) for k, v in ns.items()}
 
 
+def placed_costs(size: int = CHUNK) -> dict[str, float]:
+    """CPU nanoseconds per byte of the two operations whose bytes lie in two places: a chunk in
+    cache XORed with another into a cold slot (the worker's, just after the update), and a chunk
+    in cache folded into a cold parity row (a tier-2 receiver's batch buffer into rows last
+    touched a step ago). The cold side cycles through `COLD` bytes."""
+    rng = np.random.default_rng(0)
+    a, b = rng.integers(0, 256, size, dtype=np.uint8), rng.integers(0, 256, size, dtype=np.uint8)
+    rows = np.zeros((COLD // size, size), dtype=np.uint8)
+    native = [_xor_two_into(row) for row in rows]
+    at = [0]
+
+    def nxt() -> int:
+        at[0] = (at[0] + 1) % len(rows)
+        return at[0]
+
+    ns = {
+        "xor_two_into_slot": min(
+            _cpu_s_per_byte(lambda: native[nxt()](a, b), size),
+            _cpu_s_per_byte(lambda: np.bitwise_xor(a, b, out=rows[nxt()]), size),
+        ),
+        "fold": _cpu_s_per_byte(lambda: xor_into(rows[nxt()], a), size),
+    }
+    return {k: round(v * 1e9, 4) for k, v in ns.items()}
+
+
 def sample() -> dict:
     """Every operation's cost measured once, now: on chunk-sized buffers (`costs`), on cold ones
-    (`cold`), and the fold of a slot another core has just written (None on one core)."""
+    (`cold`), from cache into cold memory (`placed`), and the fold of a slot another core has just
+    written (None on one core)."""
     handoff = handoff_fold_s_per_byte()
     return {
         "costs": operation_costs(),
         "cold": operation_costs(COLD),
+        "placed": placed_costs(),
         "handoff_fold_ns_per_byte": None if handoff is None else round(handoff * 1e9, 4),
     }
+
+
+# Where the protocol leaves each term's bytes when it moves them (docs/protection.md, "One step,
+# in order"): which measurement prices the term in the floor `where the bytes lie`. The worker's
+# chunk is in cache after its update, its slot cold (the keeper read it last, on another core);
+# the keeper folds a slot another core has just written; the kernel sends from such slots; a
+# tier-2 receiver folds its batch buffer, in cache, into parity rows touched a step ago.
+PLACED = {
+    "worker: next value aside and back": ("costs", "copy"),
+    "worker: XOR old and new into the slot": ("placed", "xor_two_into_slot"),
+    "worker: checksum of the new value": ("costs", "checksum"),
+    "keeper: fold into tier-1 parity": ("handoff", "fold"),
+    "tier 2: TCP send and receive": ("cold", "tcp_loopback"),
+    "tier 2: fold into tier-2 parity": ("placed", "fold"),
+}
 
 
 def _terms(layout: Layout) -> dict[str, tuple[float, str]]:
@@ -224,11 +269,25 @@ def floor(layout: Layout, step_s_off: float, cores: int, samples: list[dict] | N
         return round(sum(nb * c[op] * 1e-6 for nb, op in terms.values()), 3)
 
     handoffs = [s["handoff_fold_ns_per_byte"] for s in samples if s["handoff_fold_ns_per_byte"] is not None]
+    handoff = round(statistics.median(handoffs), 4) if handoffs else None
+    placed_ms = None
+    if all("placed" in s for s in samples):
+        where = {
+            "costs": costs,
+            "cold": cold,
+            "placed": _median_costs([s["placed"] for s in samples]),
+            "handoff": {"fold": handoff if handoff is not None else cold["fold"]},
+        }
+        for name, t in out.items():
+            at, op = PLACED[name]
+            t["placed_ns_per_byte"] = where[at][op]
+            t["placed_cpu_ms_per_step"] = round(t["bytes_per_step"] * where[at][op] * 1e-6, 3)
+        placed_ms = sum(t["placed_cpu_ms_per_step"] for t in out.values())
     return {
         "terms": out,
         # what the cold fold term stands for, measured as it happens (not a term: the cold
         # `fold` is): a slot another core has just written, folded
-        "handoff_fold_ns_per_byte": round(statistics.median(handoffs), 4) if handoffs else None,
+        "handoff_fold_ns_per_byte": handoff,
         "operation_ns_per_byte": costs,
         "cold_operation_ns_per_byte": cold,
         "total_cpu_ms_per_step": round(total_ms, 3),
@@ -237,6 +296,12 @@ def floor(layout: Layout, step_s_off: float, cores: int, samples: list[dict] | N
         "samples": [{"cpu_ms_per_step": total(s["costs"]), "cold_cpu_ms_per_step": total(s["cold"])} for s in samples],
         "floor_overhead_ratio": round(1 + total_ms * 1e-3 / (cores * step_s_off), 4),
         "cold_floor_overhead_ratio": round(1 + cold_ms * 1e-3 / (cores * step_s_off), 4),
+        # each term priced where the protocol leaves its bytes (`PLACED`); None without those
+        # measurements
+        "placed_total_cpu_ms_per_step": None if placed_ms is None else round(placed_ms, 3),
+        "placed_floor_overhead_ratio": None
+        if placed_ms is None
+        else round(1 + placed_ms * 1e-3 / (cores * step_s_off), 4),
         "note": "CPU the data movement alone needs per step, no per-chunk or per-message costs; each "
         "operation's cost is its median over the measurements; the ratio assumes every core is busy "
         "with training, as on this machine",

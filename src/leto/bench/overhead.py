@@ -592,7 +592,11 @@ def targets(out: dict) -> dict[str, dict]:
     fl = out.get("physical_floor") or {}
     if "floor_overhead_ratio" in fl:  # what the data movement alone costs in wall time here
         for name in ("overhead_ratio_default_job", "overhead_ratio_default_job_with_persistence"):
-            judged[name]["floor"] = {"in_cache": fl["floor_overhead_ratio"], "cold": fl["cold_floor_overhead_ratio"]}
+            judged[name]["floor"] = {
+                "in_cache": fl["floor_overhead_ratio"],
+                "cold": fl["cold_floor_overhead_ratio"],
+                "placed": fl.get("placed_floor_overhead_ratio"),
+            }
     return {**judged, **persist_cost.targets(out.get("persistence") or {})}
 
 
@@ -927,6 +931,17 @@ def _print(out: dict, mem: dict) -> None:
             f"    {name}: {t['bytes_per_step'] / 1e6:.1f} MB x {t['ns_per_byte']:.3f} / {t['cold_ns_per_byte']:.3f} "
             f"ns/B = {t['cpu_ms_per_step']:.2f} / {t['cold_cpu_ms_per_step']:.2f} ms"
         )
+    if fl.get("placed_total_cpu_ms_per_step") is not None:
+        print(
+            f"  where the protocol leaves the bytes (the worker's chunk in cache into a cold slot, the keeper's fold "
+            f"of a slot another core just wrote, TCP from such slots, a received buffer into cold parity rows): "
+            f"{fl['placed_total_cpu_ms_per_step']:.1f} ms CPU a step, "
+            f"ratio >= {fl['placed_floor_overhead_ratio']:.3f}; "
+            + ", ".join(
+                f"{name.split(': ', 1)[1]} {t['placed_cpu_ms_per_step']:.2f}"
+                for name, t in sorted(fl["terms"].items(), key=lambda kv: -kv[1]["placed_cpu_ms_per_step"])
+            )
+        )
     if fl.get("handoff_fold_ns_per_byte") is not None:
         print(
             f"    (the cold fold stands for a slot another core has just written: folding one measured "
@@ -979,7 +994,9 @@ def _print(out: dict, mem: dict) -> None:
         note = (
             ""
             if floor is None
-            else f" (the physical floor alone would cost {floor['in_cache']:.3f} in cache, {floor['cold']:.3f} cold)"
+            else f" (the physical floor alone would cost {floor['in_cache']:.3f} in cache, {floor['cold']:.3f} cold"
+            + ("" if floor.get("placed") is None else f", {floor['placed']:.3f} where the bytes lie")
+            + ")"
         )
         if "rounds" in t:
             note += (
