@@ -29,7 +29,7 @@ from leto.protection.drain import drain
 from leto.protection.integrity import checksum
 from leto.protection.keeper import Keeper
 from leto.protection.layout import Geometry, Layout
-from leto.protection.shm import EMPTY, KIND_DELTA, SHM_DIR, region_name
+from leto.protection.shm import EMPTY, KIND_DELTA, S_READY, SHM_DIR, SLOT_FREE, region_name
 from leto.protection.transport import HDR
 
 A, B = 0, 1
@@ -139,6 +139,17 @@ def test_before_the_report_a_batch_is_folded_into_the_parity(cluster: Cluster) -
     assert np.array_equal(got[p2], data)  # 1+1 is XOR over one data block: the parity is B's data
     assert got[v2].tolist() == [[0, 0]]
     assert got[crc2].tolist() == [[checksum(data[0]), checksum(data[1])]]
+
+
+def test_a_chunk_larger_than_a_staging_slot_is_refused_and_nothing_is_staged(cluster: Cluster) -> None:
+    """The staging copy writes by address: a chunk that does not fit its slot is an error before
+    any byte is written, not a write into the next slot."""
+    w = cluster.worker
+    before = w.data.copy()
+    big = torch.zeros(w.data.shape[1] // 4 + 1)
+    with pytest.raises(ValueError, match="byte slot"):
+        w.stage_delta(0, 0, None, big, last=True)
+    assert np.array_equal(w.data, before) and all(row[S_READY] == SLOT_FREE for row in w._rows)
 
 
 def test_after_its_report_a_keeper_receives_late_batches_but_folds_none(cluster: Cluster) -> None:

@@ -147,8 +147,11 @@ class Protector:
         st = self.staging
         nb = st.host(new, 0)
         ob = None if old is None else st.host(old, 1)
-        if ob is not None and ob.size != nb.size:
-            raise ValueError(f"a delta of chunks of {ob.size} and {nb.size} bytes")
+        if (ob is not None and ob.size != nb.size) or nb.size > self.data.shape[1]:  # the copy writes by address
+            raise ValueError(
+                f"a delta of chunks of {nb.size} and {None if ob is None else ob.size} bytes "
+                f"for a {self.data.shape[1]}-byte slot"
+            )
         idx = self._slot()
         if self._stage is not None:
             self._stage(self._slot_at[idx], 0 if old is None else st.address(old, 1), st.address(new, 0), nb.size)
