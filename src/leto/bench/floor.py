@@ -17,6 +17,7 @@ cold parity rows): the floor of this protocol on this machine.
 
 from __future__ import annotations
 
+import itertools
 import os
 import queue
 import socket
@@ -98,6 +99,18 @@ def _xor_two_into(out: np.ndarray) -> Callable[[np.ndarray, np.ndarray], None]:
     return lambda a, b: stage(at, a.ctypes.data, b.ctypes.data, out.nbytes)
 
 
+def _xor_two_cost(a: np.ndarray, b: np.ndarray, rows: np.ndarray) -> float:
+    """CPU seconds per byte of the cheaper way to write `a ^ b` into each of `rows` in turn: a
+    store through the cache (numpy) or the workers' streaming stores, which win where the row is
+    cold and lose where it is in cache."""
+    native = [_xor_two_into(row) for row in rows]
+    turn = itertools.cycle(range(len(rows)))
+    return min(
+        _cpu_s_per_byte(lambda: native[next(turn)](a, b), a.nbytes),
+        _cpu_s_per_byte(lambda: np.bitwise_xor(a, b, out=rows[next(turn)]), a.nbytes),
+    )
+
+
 def handoff_fold_s_per_byte(size: int = CHUNK, slots: int = 16, rounds: int = 400) -> float | None:
     """CPU seconds per byte (median of 5 batches) to fold a `size`-byte slot into a parity row
     when a thread on the other core has just written the slot, as a worker writes a staging slot
@@ -152,15 +165,9 @@ def operation_costs(size: int = CHUNK) -> dict[str, float]:
     rng = np.random.default_rng(0)
     a, b = rng.integers(0, 256, size, dtype=np.uint8), rng.integers(0, 256, size, dtype=np.uint8)
     out = np.empty_like(a)
-    xor_two = _xor_two_into(out)
     ns = {
         "copy": _cpu_s_per_byte(lambda: np.copyto(out, a), size),
-        # the cheaper of a store through the cache and the workers' way (streaming stores, which
-        # win where the slot is cold and lose where it is in cache)
-        "xor_two_into_slot": min(
-            _cpu_s_per_byte(lambda: xor_two(a, b), size),
-            _cpu_s_per_byte(lambda: np.bitwise_xor(a, b, out=out), size),
-        ),
+        "xor_two_into_slot": _xor_two_cost(a, b, out[None]),
         "checksum": _cpu_s_per_byte(lambda: checksum(a), size),
         "fold": _cpu_s_per_byte(lambda: xor_into(out, a), size),
         "tcp_loopback": tcp_cpu_s_per_byte(source_bytes=size),
@@ -176,19 +183,10 @@ def placed_costs(size: int = CHUNK) -> dict[str, float]:
     rng = np.random.default_rng(0)
     a, b = rng.integers(0, 256, size, dtype=np.uint8), rng.integers(0, 256, size, dtype=np.uint8)
     rows = np.zeros((COLD // size, size), dtype=np.uint8)
-    native = [_xor_two_into(row) for row in rows]
-    at = [0]
-
-    def nxt() -> int:
-        at[0] = (at[0] + 1) % len(rows)
-        return at[0]
-
+    turn = itertools.cycle(rows)
     ns = {
-        "xor_two_into_slot": min(
-            _cpu_s_per_byte(lambda: native[nxt()](a, b), size),
-            _cpu_s_per_byte(lambda: np.bitwise_xor(a, b, out=rows[nxt()]), size),
-        ),
-        "fold": _cpu_s_per_byte(lambda: xor_into(rows[nxt()], a), size),
+        "xor_two_into_slot": _xor_two_cost(a, b, rows),
+        "fold": _cpu_s_per_byte(lambda: xor_into(next(turn), a), size),
     }
     return {k: round(v * 1e9, 4) for k, v in ns.items()}
 
