@@ -1,6 +1,9 @@
 """A user script that records what its interpreter looks like (argv, sys.path[0], __main__, working
-folder, session, environment, unseeded random draws), then trains 2 steps like any Leto worker."""
+folder, session, environment, unseeded random draws, objects kept out of collections), then
+trains 2 steps like any Leto worker; its atexit handler writes a file as it ends."""
 
+import atexit
+import gc
 import json
 import os
 import random
@@ -23,6 +26,7 @@ facts = {
     "probe_env": os.environ.get("PROBE_DIR"),
     "numpy_draw": int(np.random.randint(1 << 30)),
     "random_draw": random.random(),
+    "frozen": gc.get_freeze_count(),
 }
 job = leto.init()
 trainer = leto.Trainer(nn.Linear(4, 1), job, leto.AdamW(lr=1e-2), seed=0)
@@ -31,3 +35,4 @@ for step in trainer.steps(2):
     trainer.step(lambda: trainer.model(x).pow(2).mean())
 with open(os.path.join(os.environ["PROBE_DIR"], f"rank{job.rank}.json"), "w") as f:
     json.dump(facts, f)
+atexit.register(lambda: open(os.path.join(os.environ["PROBE_DIR"], f"rank{job.rank}.atexit"), "w").close())

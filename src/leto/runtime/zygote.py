@@ -12,6 +12,7 @@ reparented to the controller (a child subreaper), which supervises it like any c
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from datetime import timedelta
@@ -34,6 +35,7 @@ def serve(job: rt.Job) -> bool:
         job.store.set(keys.ZYGOTES_OFF, "the job's processes use CUDA, which cannot be forked")
         return False
     job.store.set(keys.warm(job.proc_id), "1")
+    gc.freeze()  # what every shadow forked from here inherits stays out of its collections (prefork.py)
     seq = 0
     while not job.shutdown_requested():
         key = keys.fork(job.proc_id, seq)
