@@ -266,6 +266,9 @@ def floor(layout: Layout, step_s_off: float, cores: int, samples: list[dict] | N
     def total(c: dict[str, float]) -> float:
         return round(sum(nb * c[op] * 1e-6 for nb, op in terms.values()), 3)
 
+    def ratio(ms: float) -> float:  # the wall ratio `ms` of CPU a step costs with every core busy
+        return round(1 + ms * 1e-3 / (cores * step_s_off), 4)
+
     handoffs = [s["handoff_fold_ns_per_byte"] for s in samples if s["handoff_fold_ns_per_byte"] is not None]
     handoff = round(statistics.median(handoffs), 4) if handoffs else None
     placed_ms = None
@@ -292,14 +295,12 @@ def floor(layout: Layout, step_s_off: float, cores: int, samples: list[dict] | N
         "cold_total_cpu_ms_per_step": round(cold_ms, 3),
         # each measurement's own totals: how far one measurement alone would have moved the floor
         "samples": [{"cpu_ms_per_step": total(s["costs"]), "cold_cpu_ms_per_step": total(s["cold"])} for s in samples],
-        "floor_overhead_ratio": round(1 + total_ms * 1e-3 / (cores * step_s_off), 4),
-        "cold_floor_overhead_ratio": round(1 + cold_ms * 1e-3 / (cores * step_s_off), 4),
+        "floor_overhead_ratio": ratio(total_ms),
+        "cold_floor_overhead_ratio": ratio(cold_ms),
         # each term priced where the protocol leaves its bytes (`PLACED`); None without those
         # measurements
         "placed_total_cpu_ms_per_step": None if placed_ms is None else round(placed_ms, 3),
-        "placed_floor_overhead_ratio": None
-        if placed_ms is None
-        else round(1 + placed_ms * 1e-3 / (cores * step_s_off), 4),
+        "placed_floor_overhead_ratio": None if placed_ms is None else ratio(placed_ms),
         "note": "CPU the data movement alone needs per step, no per-chunk or per-message costs; each "
         "operation's cost is its median over the measurements; the ratio assumes every core is busy "
         "with training, as on this machine",
