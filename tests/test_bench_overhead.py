@@ -207,14 +207,30 @@ def test_memory_of_a_live_process_and_the_peak_sample(tmp_path: Path) -> None:
     mine = memory_bytes(os.getpid())
     assert mine is not None and mine["vm_rss"] > 0 and mine["rss_anon"] > 0
     assert memory_bytes(2**22 + 12345) is None  # no such process
+
+
+def test_the_jobs_peak_is_one_moment_not_each_processs_own_peak(tmp_path: Path) -> None:
+    """Pss moves shared pages between processes as others map or unmap them: a server alone
+    holds all of them before it forks, a keeper more of them once the workers are gone. The
+    job's peak is the pass whose processes held the most together."""
     sampler = CpuSampler(tmp_path, memory_every_s=0.0)
+
+    def rec(pid: int, role: str, pss: int) -> dict:
+        return {"pid": pid, "role": role, "node": 0, "vm_rss": 2 * pss, "pss": pss}
+
     sampler.memory = [
-        (1.0, {"pid": 7, "role": "keeper", "node": 0, "vm_rss": 5, "pss": 3}),
-        (2.0, {"pid": 7, "role": "keeper", "node": 0, "vm_rss": 4, "pss": 4}),
-        (3.0, {"pid": 7, "role": "keeper", "node": 0, "vm_rss": 9, "pss": 9}),
+        (1.0, rec(1, "fork-server", 170)),  # alone: every page its own
+        (2.0, rec(1, "fork-server", 40)),
+        (2.0, rec(7, "keeper", 80)),
+        (2.0, rec(8, "worker", 300)),
+        (3.0, rec(1, "fork-server", 52)),
+        (3.0, rec(7, "keeper", 99)),  # the worker is gone: the keeper's share grew
     ]
-    assert sampler.peak_memory()[7]["pss"] == 9
-    assert sampler.peak_memory(0.0, 2.5)[7]["pss"] == 4
+    assert sampler.memory_at_peak() == {1: rec(1, "fork-server", 40), 7: rec(7, "keeper", 80), 8: rec(8, "worker", 300)}
+    assert sampler.memory_at_peak(2.5, None) == {1: rec(1, "fork-server", 52), 7: rec(7, "keeper", 99)}
+    assert sampler.memory_at_peak(0.0, 1.5) == {1: rec(1, "fork-server", 170)}
+    assert sampler.memory_at_peak(5.0, None) == {}  # no pass in the window
+    assert overhead.job_memory(sampler.memory_at_peak())["bytes"] == 420  # not 170 + 99 + 300
 
 
 # ----- the curve

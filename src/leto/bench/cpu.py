@@ -196,17 +196,22 @@ class CpuSampler:
                 role = self._last.get(p["pid"], (p["role"], 0.0))[0]
                 self.memory.append((now, {"pid": p["pid"], "role": role, "node": p.get("node"), **mem}))
 
-    def peak_memory(self, t0: float | None = None, t1: float | None = None) -> dict[int, dict]:
-        """Per process, its memory sample with the largest pss (vm_rss without smaps_rollup)
-        taken between two wall-clock times (default: the whole run)."""
-        out: dict[int, dict] = {}
+    def memory_at_peak(self, t0: float | None = None, t1: float | None = None) -> dict[int, dict]:
+        """Every process's memory sample (by pid) from the pass, between two wall-clock times
+        (default: the whole run), whose processes held the most together: the sum of their pss
+        (vm_rss without smaps_rollup). One moment, not each process's own peak: pss divides a
+        shared page among the processes mapping it at that moment, so a fork server read before
+        it forks, or a keeper read once the workers are gone, holds a larger share of the same
+        pages, and a sum of peaks from different moments counts those pages again."""
+        passes: dict[float, dict[int, dict]] = {}
         for t, rec in self.memory:
-            if (t0 is not None and t < t0) or (t1 is not None and t > t1):
-                continue
-            key = "pss" if "pss" in rec else "vm_rss"
-            if rec["pid"] not in out or rec[key] > out[rec["pid"]][key]:
-                out[rec["pid"]] = rec
-        return out
+            if (t0 is None or t >= t0) and (t1 is None or t <= t1):
+                passes.setdefault(t, {})[rec["pid"]] = rec
+
+        def held(recs: dict[int, dict]) -> int:
+            return sum(r.get("pss", r["vm_rss"]) for r in recs.values())
+
+        return max(passes.values(), key=held, default={})
 
     def at(self, t: float) -> dict[str, float]:
         """CPU seconds each role and thread group had used by wall-clock time `t`, interpolated

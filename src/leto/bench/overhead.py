@@ -240,10 +240,10 @@ def memory_cost(
 
 
 def rss_summary(peaks: dict[int, dict]) -> dict:
-    """Measured memory of a job's processes by role (`CpuSampler.peak_memory`). A process's own
-    cost is its proportional set size without the shared regions (those are counted in the
-    memory parts): Pss - Pss_Shmem (VmRSS - RssShmem without smaps_rollup). Per node: the sum of
-    a role's processes on a node, the largest node."""
+    """Measured memory of a job's processes by role, at the moment the job held the most
+    (`CpuSampler.memory_at_peak`). A process's own cost is its proportional set size without the
+    shared regions (those are counted in the memory parts): Pss - Pss_Shmem (VmRSS - RssShmem
+    without smaps_rollup). Per node: the sum of a role's processes on a node, the largest node."""
     per_node: dict[str, dict[int, int]] = {}
     by_role: dict[str, dict[str, int]] = {}
     for rec in peaks.values():
@@ -290,10 +290,10 @@ def mesh_figures(layout: Layout, elements: MeshElements) -> dict:
 
 
 def job_memory(peaks: dict[int, dict]) -> dict:
-    """The whole job's memory from every process's peak sample (`CpuSampler.peak_memory`): the
+    """The whole job's memory at the moment it held the most (`CpuSampler.memory_at_peak`): the
     sum of proportional set sizes, which counts each shared page once among the processes that
     map it (the fork server's, the keepers' regions); VmRSS where smaps_rollup is missing (it
-    counts shared pages in every process). Peaks of different moments: an upper bound."""
+    counts shared pages in every process)."""
     by_role: dict[str, int] = {}
     measure = "pss" if peaks and all("pss" in r for r in peaks.values()) else "vm_rss"
     for rec in peaks.values():
@@ -980,7 +980,7 @@ def _print(out: dict, mem: dict) -> None:
     a = out.get("memory_all_in")
     if a is not None:
         print(
-            f"  the whole job, measured ({a['protected']['measure']} of every process at its peak): protected "
+            f"  the whole job, measured ({a['protected']['measure']} of every process, at the job's peak): protected "
             f"{a['protected']['bytes'] / 2**20:.0f} MiB ("
             + ", ".join(f"{r} {b / 2**20:.0f}" for r, b in a["protected"]["bytes_by_role"].items())
             + f"), unprotected {a['unprotected']['bytes'] / 2**20:.0f} MiB: ratio "

@@ -44,8 +44,8 @@ def run_job(
     """Run the built-in job quietly (or `module`, a wrapper taking the same arguments); returns
     its summary, per-step records, the CPU seconds per step each role used over the steps after
     the warm-up, the sampler's cumulative CPU by role and thread group (`cpu_timeline`), the job's
-    events and, with `memory_every_s`, each process's peak memory
-    (`CpuSampler.peak_memory`). `persist`: persistent checkpoints as `leto train` writes them by
+    events and, with `memory_every_s`, every process's memory at the moment the job held the most
+    (`CpuSampler.memory_at_peak`). `persist`: persistent checkpoints as `leto train` writes them by
     default (every K steps, K from Young/Daly for the default --mtbf). `tp`, `pp`: tensor-parallel ranks
     per pipeline stage and stages per model replica (`leto train --tp`, `--pp`; the stages'
     `--microbatches` go in `extra`)."""
@@ -80,7 +80,7 @@ def run_job(
         "events": [r for r in records if "event" in r],
         "cpu_s_per_step": per_step,
         "cpu_timeline": {"times": cpu.times, "samples": cpu.samples},  # cumulative CPU by role and thread group
-        "memory": cpu.peak_memory(),
+        "memory": cpu.memory_at_peak(),
     }
 
 
