@@ -21,7 +21,9 @@ from leto.bench.productivity import (
     IN_RUN,
     OWN,
     RATIO,
+    TRIAL_MIN_RATIO,
     WORK_RATIO,
+    aggregate,
     build_report,
     summarize_trial,
 )
@@ -127,34 +129,59 @@ def test_secondary_differences_are_reported_under_their_own_names() -> None:
 
 
 # ----- the failure-free run against the fastest peer
+def trials_of(*trials: dict[str, dict[str, Run]]) -> dict:
+    """`aggregate` of the trials' summaries, numbered from 1."""
+    summaries = [{"trial": i + 1, "order": NAMES, **summarize_trial(CFG, t, NAMES)} for i, t in enumerate(trials)]
+    return aggregate(summaries, NAMES)
+
+
 def test_failure_free_ratio_is_the_whole_run_against_the_fastest_other_system() -> None:
     """The whole run counts, launch to exit (start-up, the work, shutdown): Leto's work is done in
     30 s but it exits at 36 s; memory-restart exits at 32 s, checkpoint-restart at 40 s."""
-    t = summarize_trial(
-        CFG,
+    s = trials_of(
         trial(
             {"leto": 30.0, "memory-restart": 30.0, "checkpoint-restart": 35.0},
             {},
             exits={"leto": 36.0, "memory-restart": 32.0, "checkpoint-restart": 40.0},
-        ),
-        NAMES,
-    )
-    s = t["systems"]
+        )
+    )["systems"]
     assert s["leto"]["failure_free_run_s"] == pytest.approx(36.0)
     assert s["leto"]["failure_free_work_s"] == pytest.approx(30.0)
     assert s["leto"][RATIO] == pytest.approx(36.0 / 32.0, abs=1e-4)
     assert s["leto"][WORK_RATIO] == pytest.approx(1.0)
+    assert s["leto"]["fastest_peer"] == {RATIO: "memory-restart", WORK_RATIO: "memory-restart"}
     assert s["memory-restart"][RATIO] == pytest.approx(32.0 / 36.0, abs=1e-4)  # the fastest: below 1
     assert s["checkpoint-restart"][RATIO] == pytest.approx(40.0 / 32.0, abs=1e-4)
+
+
+def test_the_fastest_peer_is_one_system_compared_trial_by_trial_not_the_least_run_of_each_trial() -> None:
+    """Three systems exactly as fast as one another but for the machine's noise: the least of the
+    two peers' runs in each trial is below Leto's in two trials of three by noise alone, so that
+    figure charges Leto for the noise (1.086). Compared with one peer, the one with the smallest
+    median run (checkpoint-restart, 38 s against 39 s), in the same trials, the median is 1.0."""
+    runs_ = {"leto": [38.0, 40.0, 36.0], "checkpoint-restart": [38.0, 35.0, 46.0], "memory-restart": [35.0, 46.0, 39.0]}
+    s = trials_of(
+        *(
+            trial({n: t[i] - 1.0 for n, t in runs_.items()}, {}, exits={n: t[i] for n, t in runs_.items()})
+            for i in range(3)
+        )
+    )["systems"]
+    leto = s["leto"]
+    assert leto["fastest_peer"][RATIO] == "checkpoint-restart"
+    assert [r[RATIO] for r in leto["trials"]] == pytest.approx([1.0, 40.0 / 35.0, 36.0 / 46.0], abs=1e-4)
+    assert leto[RATIO] == pytest.approx(1.0) and leto["spread"][RATIO] == pytest.approx([36 / 46, 40 / 35], abs=1e-4)
+    assert [r[TRIAL_MIN_RATIO] for r in leto["trials"]] == pytest.approx([38 / 35, 40 / 35, 36 / 39], abs=1e-4)
+    assert leto[TRIAL_MIN_RATIO] == pytest.approx(38 / 35, abs=1e-4)  # the selection's bias
 
 
 def test_a_failure_free_run_that_did_not_end_cleanly_has_no_run_time() -> None:
     runs_ = trial({"leto": 30.0, "memory-restart": 25.0}, {})
     runs_["failure-free"]["memory-restart"] = run("memory-restart", 0.0, 25.0, exit_s=26.0, ok=False)
-    s = summarize_trial(CFG, runs_, NAMES)["systems"]
+    s = trials_of(runs_)["systems"]
     assert s["memory-restart"]["failure_free_run_s"] is None and s["memory-restart"][RATIO] is None
-    assert s["leto"][RATIO] is None  # no peer with a clean run to compare with
+    assert s["leto"][RATIO] is None and s["leto"]["fastest_peer"][RATIO] is None  # no peer with a clean run
     assert s["memory-restart"]["failure_free_work_s"] == pytest.approx(25.0)  # its work still counts
+    assert s["leto"][WORK_RATIO] == pytest.approx(30.0 / 25.0)
 
 
 # ----- trials: medians and spread

@@ -29,7 +29,12 @@ productive fraction = failure-free time of the work / wall time of the work with
   run in the same trial (the run just before it); per-step costs are in both runs.
 
 Also per system: its whole failure-free run (launch -> the run returned: start-up, the work,
-shutdown) and its ratio to the fastest other system's (`failure_free_ratio_to_fastest_peer`).
+shutdown) and its ratio to the fastest other system's (`failure_free_ratio_to_fastest_peer`): the
+other system with the smallest median run over the trials, compared trial by trial (both ran in
+the same trial, minutes apart), then the median. Not the smallest of the other systems' runs in
+each trial: with four peers that is the least of four noisy runs, so a system exactly as fast as
+its peers would score above 1 by the noise alone (kept, named for that, as
+`failure_free_ratio_to_fastest_run_of_the_trial_selection_biased`).
 Every comparison printed (Leto's headline against each peer's, Leto's failure-free run against the
 fastest peer's) is flagged "within noise" when the two [min, max] over trials overlap
 (`leto.bench.noise`). The targets: Leto ahead of every peer on the headline in every trial, by
@@ -104,6 +109,8 @@ DIFFERENCES = {
 }
 RATIO = "failure_free_ratio_to_fastest_peer"
 WORK_RATIO = "failure_free_work_ratio_to_fastest_peer"
+TRIAL_MIN_RATIO = "failure_free_ratio_to_fastest_run_of_the_trial_selection_biased"
+PAIRED = {RATIO: "failure_free_run_s", WORK_RATIO: "failure_free_work_s"}  # a ratio -> the figure it compares
 PER_TRIAL = (
     HEADLINE,
     IN_RUN,
@@ -113,9 +120,8 @@ PER_TRIAL = (
     "in_run_failure_free_s",
     "failure_free_work_s",
     "failure_free_run_s",
-    RATIO,
-    WORK_RATIO,
-)  # reported per trial, as medians and with their spread
+    TRIAL_MIN_RATIO,
+)  # reported per trial, as medians and with their spread (and RATIO, WORK_RATIO: `paired_ratios`)
 
 TARGET_RATIO = 1.03  # Leto's failure_free_ratio_to_fastest_peer, median, at most
 TARGET_LEAD_PP = {"checkpoint-restart": 10.0}  # Leto's headline lead in pp, median, at least; other peers: > 0
@@ -131,8 +137,12 @@ DEFINITIONS = {
     "failure_free_work_s": "failure-free run: launch -> the last step of the work recorded",
     "failure_free_run_s": "failure-free run: launch -> the run returned (start-up, the work, shutdown); None if "
     "the run did not end cleanly",
-    RATIO: "failure_free_run_s / the smallest failure_free_run_s of the other systems in the same trial",
-    WORK_RATIO: "failure_free_work_s / the smallest failure_free_work_s of the other systems in the same trial",
+    RATIO: "per trial, failure_free_run_s / that of the fastest peer in the same trial, then the median; the "
+    "fastest peer: the other system with the smallest median failure_free_run_s over the trials",
+    WORK_RATIO: "the same for failure_free_work_s",
+    TRIAL_MIN_RATIO: "per trial, failure_free_run_s / the smallest of the other systems' in the same trial, then "
+    "the median: the least of several noisy runs, so biased upward (a system exactly as fast as its peers "
+    "scores above 1); secondary",
     "difference_pp": "per trial (Leto's headline - the system's) x 100, then the median over the trials",
     "medians": "system figures: the median over the trials that measured them (trials_ok: how many measured "
     "the headline); spread: [min, max] over the same trials",
@@ -260,8 +270,7 @@ def summarize_trial(cfg: JobConfig, runs: dict[str, dict[str, Run]], names: list
             "in_run_failure_free_s": in_run,
             "failure_free_work_s": work.get(name),
             "failure_free_run_s": whole.get(name),
-            RATIO: _ratio(whole.get(name), fastest_peer(whole, name)),
-            WORK_RATIO: _ratio(work.get(name), fastest_peer(work, name)),
+            TRIAL_MIN_RATIO: _ratio(whole.get(name), fastest_peer(whole, name)),
             "ok": wall is not None,
             "error": run.error if run else "not run",
             "failure_free_error": ff.error if ff else "not run",
@@ -296,6 +305,7 @@ def aggregate(trials: list[dict], names: list[str]) -> dict:
         s["representative_trial"] = _representative(recs)
         s["trials"] = recs
         systems[name] = s
+    paired_ratios(systems)
     report: dict = {"systems": systems}
     peers = [n for n in systems if n != LETO]
     for key in DIFFERENCES.values():
@@ -313,6 +323,22 @@ def aggregate(trials: list[dict], names: list[str]) -> dict:
         for t in trials
     ]
     return report
+
+
+def paired_ratios(systems: dict[str, dict]) -> None:
+    """Each system's RATIO and WORK_RATIO (`aggregate`'s systems, in place): its fastest peer is the
+    other system with the smallest median of the figure compared; per trial, the system's figure
+    over that peer's in the same trial (None where either is missing), then the median and spread."""
+    for ratio, figure in PAIRED.items():
+        for name, s in systems.items():
+            known = {p: o[figure] for p, o in systems.items() if p != name and o.get(figure) is not None}
+            peer = min(known, key=lambda p: known[p]) if known else None
+            theirs = {r["trial"]: r[figure] for r in systems[peer]["trials"]} if peer else {}
+            for rec in s["trials"]:
+                rec[ratio] = _ratio(rec[figure], theirs.get(rec["trial"]))
+            values = [rec[ratio] for rec in s["trials"]]
+            s[ratio], s["spread"][ratio] = median(values), spread(values)
+            s.setdefault("fastest_peer", {})[ratio] = peer
 
 
 def _representative(recs: list[dict]) -> int | None:
@@ -529,6 +555,12 @@ def print_comparisons(report: dict) -> None:
         else:
             what, diff = f"failure-free run vs the fastest peer ({c['peer']})", _ratio3(c[RATIO])
         print(f"  {what:46} {diff:>9}  ({sides}): {noise_word(c['within_noise'])}")
+        if c["figure"] != HEADLINE:
+            biased = report["systems"].get(LETO, {}).get(TRIAL_MIN_RATIO)
+            print(
+                f"    against the fastest of the other systems' runs in each trial (selection-biased): "
+                f"{_ratio3(biased)}"
+            )
 
 
 def print_table(report: dict) -> None:
@@ -581,9 +613,9 @@ def print_table(report: dict) -> None:
         "productivity = the fastest failure-free run of any system in the same trial (launch -> last step) / the\n"
         "  system's wall time with failures: it charges start-up, protection, checkpoint writes and the failures\n"
         "leto +pp: per trial Leto's productivity minus the system's, then the median\n"
-        "failure-free run: launch -> the run returned; / fastest peer: that over the fastest other system's in the\n"
-        "  same trial; with failures: launch -> last step of the work; trials: trials that measured the\n"
-        "  productivity / trials run"
+        "failure-free run: launch -> the run returned; / fastest peer: per trial, that over the same trial's run of\n"
+        "  the other system with the smallest median run, then the median; with failures: launch -> last step of\n"
+        "  the work; trials: trials that measured the productivity / trials run"
     )
     print(
         "\nsecondary estimates, both EXCLUDE per-step costs (protection, checkpoint writes): they charge only "
