@@ -438,13 +438,17 @@ def test_the_bench_interleaves_runs_and_reports_every_key(
     )
     assert cli.main(["bench", "overhead", "--json", "--steps", "4", "--curve", "128", "--curve-rounds", "2"]) == 0
     out = json.loads(capsys.readouterr().out)
-    # K's calibration run, then the rounds: off, on, persisting
-    default = [("tiny", 32, True, 0, None)]
-    default += [("tiny", 32, p, 0, None) for _ in range(overhead.ROUNDS) for p in (False, True, True)]
-    curve = [("tiny", 128, p, 0, None) for _ in range(2) for p in (False, True)]
+    # K's calibration run, then the rounds: off, on, persisting; on, off, persisting; ... (counterbalanced)
+    default = [("tiny", 32, True, 0, None)] + [
+        ("tiny", 32, p, 0, None)
+        for i in range(overhead.ROUNDS)
+        for p in ((False, True) if i % 2 == 0 else (True, False)) + (True,)
+    ]
+    curve = [("tiny", 128, p, 0, None) for i in range(2) for p in ((False, True) if i % 2 == 0 else (True, False))]
     n = len(default)
     assert calls[:n] == default and calls[n : n + 4] == curve
     assert persisted == [True] + [False, False, True] * overhead.ROUNDS + [False] * (len(calls) - n)
+    assert overhead.round_order(("off", "on"), 3) == ("on", "off")
     pe = out["persistence"]
     assert pe["overhead_ratio_with_persistence"] == pytest.approx(1.2) and pe["overhead_ratio_wall"] == pytest.approx(
         1.1

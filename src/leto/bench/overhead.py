@@ -440,8 +440,8 @@ def _measure(
     pp: int = 1,
     floor_samples: list[dict] | None = None,
 ) -> tuple[list[float], list[float], list[dict], list[dict], list[list[dict]]]:
-    """`rounds` interleaved off/on runs of one point: step times, CPU by role, each protected
-    round's step records of its measured window.
+    """`rounds` interleaved off/on runs of one point (`round_order`): step times, CPU by role, each
+    protected round's step records of its measured window.
     With `persist` (a dict to fill), each round also runs protection + persistence at its default
     K, and the wall time per step of all three goes into it. With `floor_samples` (a list to
     fill), the physical floor's operations are measured after each round (`floor.sample`)."""
@@ -453,7 +453,7 @@ def _measure(
     if persist is not None:
         k_seen = persist["k_calibration"] = calibrate_k(workers, point.model, tmp / "calibrate", ec, extra, tp, pp)
     for i in range(rounds):  # interleaved so that machine load hits all alike
-        for v in variants:
+        for v in round_order(variants, i):
             protection = v != "off"
             d = tmp / f"{point.model}-{point.global_rows}-{i}-{v}"
             n_steps = persist_cost.plan_steps(k_seen, steps) if v == "persist" else steps + WARMUP_STEPS
@@ -501,6 +501,13 @@ def _measure(
         if floor_samples is not None:
             floor_samples.append(floor_sample())
     return off, on, cpu_off, cpu_on, prot
+
+
+def round_order(variants: tuple[str, ...], i: int) -> tuple[str, ...]:
+    """The order of round `i`'s runs: off and on swap places every other round (the persisting
+    run, which reads both, stays last), so that whatever the run before leaves behind (processes
+    still ending, a warm page cache) and a drift within a round fall on each side alike."""
+    return variants if i % 2 == 0 else (variants[1], variants[0], *variants[2:])
 
 
 CALIBRATION_TAIL = 10  # steps after the calibration checkpoint: its write ends and K is chosen
