@@ -449,6 +449,8 @@ def test_the_bench_interleaves_runs_and_reports_every_key(
     assert calls[:n] == default and calls[n : n + 4] == curve
     assert persisted == [True] + [False, False, True] * overhead.ROUNDS + [False] * (len(calls) - n)
     assert overhead.round_order(("off", "on"), 3) == ("on", "off")
+    assert out["overhead_ratio_by_order"] == {"off_first": [1.1] * 3, "on_first": [1.1] * 2}
+    assert overhead.ratio_by_order([1.0, 1.0, 1.0], [1.2, 1.0, 1.1]) == {"off_first": [1.2, 1.1], "on_first": [1.0]}
     pe = out["persistence"]
     assert pe["overhead_ratio_with_persistence"] == pytest.approx(1.2) and pe["overhead_ratio_wall"] == pytest.approx(
         1.1

@@ -372,6 +372,14 @@ def paired_ratio(off: list[float], on: list[float]) -> float:
     return statistics.median(b / a for a, b in zip(off, on))
 
 
+def ratio_by_order(off: list[float], on: list[float]) -> dict[str, list[float]]:
+    """Each round's on / off by which of the two ran first (`round_order`): what the run before
+    leaves behind and a drift within a round land on the second run, so the two groups differ by
+    twice that effect, and the paired median sits between them."""
+    ratios = [round(b / a, 4) for a, b in zip(off, on)]
+    return {"off_first": ratios[0::2], "on_first": ratios[1::2]}
+
+
 def curve_entry(
     point: Point,
     numel: int,
@@ -709,6 +717,7 @@ def main(args: argparse.Namespace) -> int:
         "step_s_on": round(step_on, 5),
         "overhead_ratio": round(paired_ratio(off, on), 4),
         "overhead_ratio_of_medians": round(step_on / step_off, 4),
+        "overhead_ratio_by_order": ratio_by_order(off, on),
         "step_s_off_runs": [round(x, 5) for x in off],
         "step_s_on_runs": [round(x, 5) for x in on],
         "protection_stage_s_per_step": curve[0]["protection_stage_s_per_step"],
@@ -885,6 +894,14 @@ def _print(out: dict, mem: dict) -> None:
         f"  step time off {out['step_s_off'] * 1e3:.1f} ms, on {out['step_s_on'] * 1e3:.1f} ms: "
         f"overhead ratio {out['overhead_ratio']:.3f}"
     )
+    by = out.get("overhead_ratio_by_order")
+    if by and by["on_first"]:
+        print(
+            "    by round, with off run first: "
+            + ", ".join(f"{r:.3f}" for r in by["off_first"])
+            + "; with on run first: "
+            + ", ".join(f"{r:.3f}" for r in by["on_first"])
+        )
     _print_persistence(out["persistence"])
     print(
         f"  protection on the training thread per step: staging {out['protection_stage_s_per_step'] * 1e3:.2f} ms, "
