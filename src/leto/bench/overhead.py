@@ -373,11 +373,13 @@ def paired_ratio(off: list[float], on: list[float]) -> float:
 
 
 def ratio_by_order(off: list[float], on: list[float]) -> dict[str, list[float]]:
-    """Each round's on / off by which of the two ran first (`round_order`): what the run before
-    leaves behind and a drift within a round land on the second run, so the two groups differ by
-    twice that effect, and the paired median sits between them."""
-    ratios = [round(b / a, 4) for a, b in zip(off, on)]
-    return {"off_first": ratios[0::2], "on_first": ratios[1::2]}
+    """Each round's on / off by which of the two ran first (`round_order`): were the second run of
+    a round slowed by what the first left behind or by a drift, the two groups would differ by
+    twice that effect, and the paired median would sit between them."""
+    out: dict[str, list[float]] = {"off_first": [], "on_first": []}
+    for i, (a, b) in enumerate(zip(off, on)):
+        out[f"{round_order(('off', 'on'), i)[0]}_first"].append(round(b / a, 4))
+    return out
 
 
 def curve_entry(

@@ -371,10 +371,8 @@ def comparisons(report: dict, peers: list[str]) -> list[dict]:
                 "within_noise": within_noise(per_trial(leto, HEADLINE), per_trial(s, HEADLINE)),
             }
         )
-    runs = {p: report["systems"][p]["failure_free_run_s"] for p in peers if report["systems"].get(p)}
-    known = {p: t for p, t in runs.items() if t is not None}
-    if known:
-        fastest = min(known, key=lambda p: known[p])
+    fastest = leto.get("fastest_peer", {}).get(RATIO)  # `paired_ratios`' choice
+    if fastest is not None:
         s = report["systems"][fastest]
         out.append(
             {
