@@ -75,3 +75,19 @@ def test_loss_falls_over_a_short_run_and_the_model_comes_out(launcher, tmp_path:
     model.load_state_dict(torch.load(tmp_path / "r" / "model.pt"), strict=True)
     (line,) = [ln for ln in res.stdout.splitlines() if ln.startswith("sample: ")]
     assert line == f"sample: {sample(model)!r}" and sample(model).startswith(PROMPT)
+
+
+def test_final_none_leaves_neither_model_nor_sample_and_changes_no_bit(launcher, tmp_path: Path) -> None:
+    """The benches end the built-in job as the peers end theirs (`--final none`): after the digest,
+    nothing; `--final model` writes the weights without the sample."""
+    runs = {}
+    for final in ("model", "none"):
+        run_dir = tmp_path / final
+        job = ("--workers", "2", "--spares", "0", "--nodes", "1", "--persist", "off")
+        cmd = ("-m", "leto.training.train_gpt", "--steps", "3", "--final", final)
+        res = launcher.run("run", "--run-dir", str(run_dir), *job, *cmd, run_dir=run_dir)
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert "sample: " not in res.stdout
+        runs[final] = summary(run_dir)["digest"]
+    assert (tmp_path / "model" / "model.pt").exists() and not (tmp_path / "none" / "model.pt").exists()
+    assert runs["model"] == runs["none"]

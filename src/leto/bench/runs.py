@@ -130,7 +130,8 @@ def torchft_status() -> str | None:
 
 
 def _run_leto(system: System, cfg: JobConfig, run_dir: Path) -> int:
-    """The built-in job under Leto's controller, exactly as `leto train` builds it."""
+    """The built-in job under Leto's controller as `leto train` builds it, ending as the peers' jobs do:
+    with the digest, no model file and no sample (`--final none`)."""
     command = [
         "-m",
         "leto.training.train_gpt",
@@ -141,6 +142,8 @@ def _run_leto(system: System, cfg: JobConfig, run_dir: Path) -> int:
         "--model",
         cfg.model,
         *(["--microbatches", str(cfg.microbatches)] if cfg.pp > 1 else []),
+        "--final",
+        "none",  # the peers' jobs end with the digest too, and write no model and no sample
     ]
     return run_job(
         job_config.JobConfig(

@@ -24,6 +24,9 @@ from leto.training.trainer import DEFAULT_CHUNK_BYTES, Trainer
 # with no shadow left: "exact" keeps the launch's replicas (the failure-free bits, up to twice as
 # long a step while shrunk), "balanced" re-splits the global batch over the ranks left
 SHRINK_MODES = ("exact", "balanced")
+# what the job leaves at its end: the final weights in run_dir/model.pt and a text sample of them,
+# the weights alone, or nothing (the benches: the peers' jobs write neither, so each does the same work)
+FINAL_MODES = ("sample", "model", "none")
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -37,6 +40,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-grad-norm", type=float, default=None, help="clip to this global norm [no clipping]")
     p.add_argument("--shrink", choices=SHRINK_MODES, default="exact", help="how a shrunk job splits its work [exact]")
     p.add_argument("--microbatches", type=int, default=1, help="with --pp: micro-batches per replica's batch [1]")
+    p.add_argument(
+        "--final",
+        choices=FINAL_MODES,
+        default="sample",
+        help="at the end: model.pt and a text sample, model.pt alone, or nothing [sample]",
+    )
     return p.parse_args(argv)
 
 
@@ -78,11 +87,13 @@ def main(argv: list[str] | None = None) -> None:
             dp_rank, dp_size = trainer.dp_rank, trainer.dp_size
             batch = sampler.batch_on(device, step, dp_rank, dp_size)
             trainer.step(lambda: run(batch), sampler.share(dp_rank, dp_size), tokens)
-    if trainer.job.rank is None or trainer.job.run_dir is None:  # a shadow never adopted has no rank
-        return
+    if args.final == "none" or trainer.job.rank is None or trainer.job.run_dir is None:
+        return  # nothing to leave, or a shadow never adopted (it has no rank)
     state = trainer.state_dict()  # with --tp a collective: every rank calls it
     if trainer.job.rank == 0:
         save_model(state, trainer.job.run_dir / "model.pt")
+        if args.final != "sample":
+            return
         if trainer.member.replica_ranks > 1:  # a slice's forward is a collective: sample the full model
             model = GPT(model.cfg).to(trainer.job.device)
             model.load_state_dict(state)
