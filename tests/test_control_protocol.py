@@ -80,7 +80,8 @@ def _report(store: dist.Store, *events: ProcEvent) -> None:
 
 
 def test_the_coordinator_acts_only_through_the_store(tmp_path: Path) -> None:
-    """Start: spawn commands for 4 workers, a shadow and 2 keepers, plan 0 and the job state.
+    """Start: spawn commands for 4 workers, 2 keepers (first: the workers' first step waits for
+    them) and a shadow, plan 0 and the job state.
     A reported SIGKILL of rank 1 (once protection committed): the drain, plan 1 and the job state
     (recovering) are written at once, the keepers are woken for the drain, and the shadow that
     adopts rank 1 is boosted."""
@@ -91,9 +92,10 @@ def test_the_coordinator_acts_only_through_the_store(tmp_path: Path) -> None:
     started = _commands(store)
     assert [(c.kind, c.role, c.rank, c.node) for c in started] == (
         [("spawn", "worker", r, n) for r, n in enumerate((0, 0, 1, 1))]
-        + [("spawn", "shadow", None, 0), ("spawn", "keeper", None, 0), ("spawn", "keeper", None, 1)]
+        + [("spawn", "keeper", None, 0), ("spawn", "keeper", None, 1), ("spawn", "shadow", None, 0)]
     )
-    assert [c.proc_id for c in started[:5]] == ["worker0-1", "worker1-2", "worker2-3", "worker3-4", "shadow-5"]
+    workers = ["worker0-1", "worker1-2", "worker2-3", "worker3-4"]
+    assert [c.proc_id for c in started] == [*workers, "keeper-5", "keeper-6", "shadow-7"]
     assert Membership.from_json(store.get(keys.membership(0))).proc_of_rank == tuple(c.proc_id for c in started[:4])
     assert JobState.from_json(store.get(keys.JOB_STATE)) == JobState(0, False)
     assert JobConfig.from_json((tmp_path / "config.json").read_text()) == _config(tmp_path)
@@ -104,10 +106,10 @@ def test_the_coordinator_acts_only_through_the_store(tmp_path: Path) -> None:
     _report(store, ProcEvent("exited", "worker1-2", "worker", 1, 0, 101, -9, "was killed by SIGKILL"))
     assert coord.tick() is None
     membership = Membership.from_json(store.get(keys.membership(1)))
-    assert membership.proc_of_rank == ("worker0-1", "shadow-5", "worker2-3", "worker3-4")
+    assert membership.proc_of_rank == ("worker0-1", "shadow-7", "worker2-3", "worker3-4")
     assert [(c.kind, c.proc_id) for c in _commands(store)[len(started) :]] == [
         ("wake_keepers", ""),
-        ("boost", "shadow-5"),
+        ("boost", "shadow-7"),
     ]
     assert Drain.from_json(store.get(keys.drain(0))) == Drain((0, 1), 1)
     assert JobState.from_json(store.get(keys.JOB_STATE)) == JobState(1, True)

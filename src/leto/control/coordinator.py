@@ -140,7 +140,7 @@ class Coordinator:
             self.display.show(notices.ConfigNotWritten(str(self.run_dir / "config.json"), str(e.strerror)))
 
     def start(self) -> None:
-        """Ask for generation 0's workers, the shadows, zygotes and keepers, and announce membership 0."""
+        """Ask for generation 0's workers, the keepers, the shadows and zygotes, and announce membership 0."""
         self._exit.enter_context(self.display)
         self.store.add(keys.REPORTS, 0)  # the counter exists from now on: `_poll` reads it
         t = self.cfg.training
@@ -150,10 +150,10 @@ class Coordinator:
         self.membership = Membership(0, tuple(nodes), tuple(w.proc_id for w in workers))
         self.store.set(keys.membership(0), self.membership.to_json())
         self._set_state(recovering=False)
-        self.spares.start()
-        if self.cfg.protection.enabled:
+        if self.cfg.protection.enabled:  # before the spares: the workers' first step waits for its keeper
             for n in range(t.nodes):
                 self.processes.spawn("keeper", None, n)
+        self.spares.start()
         self.processes.flush()
 
     def restore(self, commands: dict[str, bytes], reports: dict[str, bytes]) -> None:

@@ -207,6 +207,8 @@ class Supervisor:
         live = [p for p in self.procs if p.popen.poll() is None]
         for p in live:
             _signal_quietly(p, signal.SIGTERM)
+            if p.role == "keeper":  # another thread may take the SIGTERM: ring, or it exits at its doorbell's timeout
+                _signal_quietly(p, doorbell.CONTROL)
         if self._warm is not None:
             self._warm.close()
         self._close_forker()
