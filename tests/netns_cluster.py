@@ -119,6 +119,21 @@ def netns_pids(ns: str) -> list[int]:
     return [int(p) for p in out.split() if p.strip().isdigit() and int(p) != me]
 
 
+def _wait_until_in(p: subprocess.Popen, ns: str, timeout: float = KILL_TIMEOUT) -> None:
+    """Wait until process `p` has entered network namespace `ns`, or ended."""
+    want = os.stat(f"/run/netns/{ns}").st_ino
+    deadline = time.monotonic() + timeout
+    while p.poll() is None:
+        try:
+            if os.stat(f"/proc/{p.pid}/ns/net").st_ino == want:
+                return
+        except FileNotFoundError:  # ended between poll and stat
+            return
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"process {p.pid} did not enter netns {ns} in {timeout}s")
+        time.sleep(0.005)
+
+
 def _kill_ns_procs(ns: str, timeout: float = KILL_TIMEOUT) -> None:
     """SIGCONT then SIGKILL every process in `ns` until none is left."""
     deadline = time.monotonic() + timeout
@@ -272,10 +287,13 @@ class Cluster:
 
     # ----------------------------------------------------------------------------------- processes
     def popen(self, i: int, argv: Sequence[str], env: dict[str, str] | None = None, **kw: Any) -> subprocess.Popen:
-        """Start argv inside host i's namespace; `ip netns exec` execs, so the Popen's pid is argv's."""
+        """Start argv inside host i's namespace; `ip netns exec` execs, so the Popen's pid is argv's.
+        Returns once the process is in the namespace (or has ended): until `ip` has entered it, a
+        `kill_host` would not find the process, which would then start on a host already killed."""
         self._check(i)
         p = subprocess.Popen(["ip", "netns", "exec", self.ns(i), *argv], env=env, **kw)
         self._procs.append(p)
+        _wait_until_in(p, self.ns(i))
         return p
 
     def run_in(
