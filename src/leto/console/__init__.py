@@ -8,11 +8,12 @@ import sys
 import time
 from pathlib import Path
 from types import TracebackType
-
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from typing import TYPE_CHECKING
 
 from leto.console.notices import TO_STDERR, Notice, Recovered, SegmentsRemoved, render
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
 
 
 def parse_records(lines: list[bytes] | list[str]) -> list[dict]:
@@ -57,7 +58,6 @@ class StepDisplay:
     def __init__(self, total: int | None, plain_every_s: float = 2.0, quiet: bool = False) -> None:
         self.total = total
         self.quiet = quiet
-        self.console = Console(stderr=False)
         self.live = sys.stdout.isatty() and not quiet
         self.plain_every_s = plain_every_s
         self._last_plain = 0.0
@@ -67,7 +67,17 @@ class StepDisplay:
         self._first: tuple[int, float] | None = None  # (step, time) of the first step seen: the ETA's base
 
     def __enter__(self) -> StepDisplay:
-        if self.live:
+        if self.live:  # rich only here: every process of a job imports this module, ~0.1 s of imports
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
+
             self._progress = Progress(
                 TextColumn("[bold]train"),
                 BarColumn(),
@@ -76,7 +86,7 @@ class StepDisplay:
                 TimeElapsedColumn(),
                 TextColumn("eta"),
                 TimeRemainingColumn(),
-                console=self.console,
+                console=Console(stderr=False),
                 transient=False,
             )
             self._progress.start()

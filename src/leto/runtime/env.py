@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from leto.config import ENV_CONFIG, JobConfig
 from leto.protocol import keys
-from leto.runtime import etcd_store, linux
+from leto.runtime import linux
+from leto.runtime.etcd_errors import SCHEME
 from leto.runtime.mesh import Mesh
 
 # The job's configuration reaches a child whole, in `config.ENV_CONFIG`; these variables say
@@ -72,7 +73,9 @@ class Job:
 def connect(addr: str, timeout_s: float) -> dist.Store:
     """A client of the job's store: host:port of a TCPStore, or an `etcd://` address (a
     multi-host job, `runtime/etcd_store.py`)."""
-    if addr.startswith(etcd_store.SCHEME):
+    if addr.startswith(SCHEME):
+        from leto.runtime import etcd_store  # only here: its client's imports cost ~0.1 s a process
+
         return etcd_store.EtcdStore.from_url(addr, timeout_s)
     host, port = addr.rsplit(":", 1)
     return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)

@@ -11,20 +11,16 @@ from collections.abc import Callable, Iterator, Sequence
 
 import etcd3gw
 import requests
-import torch.distributed as dist
 import urllib3
 from etcd3gw import exceptions as gw
 
-SCHEME = "etcd://"
+from leto.runtime.etcd_errors import SCHEME, EtcdError, Fenced, StoreUnavailable
+
 # One HTTP request. A member that is frozen (SIGSTOP) or whose host froze still accepts connections
 # (the kernel answers) but never replies: this is how long it can hold a request before the next
 # endpoint is tried. etcd itself gives up on a write without a quorum after ~5 s.
 REQUEST_TIMEOUT_S = 1.0
 SHUN_S = 5.0  # an endpoint that failed is tried after the others for this long
-
-
-class StoreUnavailable(dist.DistStoreError):
-    """No etcd endpoint answered, or the cluster has no quorum."""
 
 
 def parse_endpoints(url: str) -> list[tuple[str, int]]:
@@ -56,14 +52,6 @@ def _read_timed_out(e: requests.RequestException) -> bool:
     return isinstance(e, requests.exceptions.ReadTimeout) or any(
         isinstance(a, urllib3.exceptions.ReadTimeoutError) for a in e.args
     )
-
-
-class EtcdError(dist.DistStoreError):
-    """etcd answered, and refused the request (e.g. a lease it does not know)."""
-
-
-class Fenced(dist.DistStoreError):
-    """A write refused because this process's host lost its lease: the job has moved on without it."""
 
 
 class EtcdClient:

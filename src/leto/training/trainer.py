@@ -29,7 +29,7 @@ from leto.protocol import keys
 from leto.runtime import trace
 from leto.runtime.comm import PeerFailure, backend_for, reduction_replicates
 from leto.runtime.env import Job
-from leto.runtime.etcd_store import Fenced
+from leto.runtime.etcd_errors import Fenced
 from leto.runtime.ordered import contiguous_part, hosted
 from leto.training.flat import state_digest
 from leto.training.member import RankMember
