@@ -37,6 +37,7 @@ from leto.bench.runs import (
     productive_fraction,
     work_time_s,
 )
+from leto.config import PersistenceConfig
 
 NAMES = ["leto", "checkpoint-restart", "memory-restart", "torchft"]
 CFG = runs.JobConfig(steps=100)
@@ -621,3 +622,28 @@ def test_productivity_bench_end_to_end(
     assert all(c["within_noise"] is None for c in doc["comparisons"])  # one trial: noise not measured
     assert json.loads(Path(doc["json"]).read_text())["systems"]["leto"]["trials"] == doc["systems"]["leto"]["trials"]
     assert Path(doc["plots"][0]).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_leto_runs_as_leto_train_defaults_persisting_and_ends_as_the_peers_jobs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Leto's run charges what `leto train` runs by default: protection, a shadow, and persistent
+    checkpoints every K steps for the default --mtbf; its job ends like the peers' (`--final
+    none`: no model file, no sample), and the checkpoints go with the run."""
+    seen: dict[str, object] = {}
+
+    def leto_job(config: object) -> int:
+        seen["config"] = config
+        (tmp_path / "r" / "checkpoints" / "step-5").mkdir(parents=True)
+        return 0
+
+    monkeypatch.setattr(runs, "run_job", leto_job)
+    run = runs.run_system(System("leto", "leto", 1), runs.JobConfig(), tmp_path / "r", runs.NoInjector(), 30)
+    job = seen["config"]
+    assert run.code == 0
+    assert job.protection.enabled and job.recovery.spares == 1  # type: ignore[attr-defined]
+    assert job.persistence.dir == str((tmp_path / "r" / "checkpoints").resolve())  # type: ignore[attr-defined]
+    assert job.persistence.mtbf == PersistenceConfig().mtbf and job.persistence.every is None  # type: ignore[attr-defined]
+    command = list(job.training.command)  # type: ignore[attr-defined]
+    assert command[command.index("--final") + 1] == "none"
+    assert not (tmp_path / "r" / "checkpoints").exists()

@@ -33,6 +33,8 @@ from leto.bench.mesh import mesh_elements, shard_accounting
 from leto.bench.throughput import WARMUP_STEPS, steady_step_s
 from leto.console import read_jsonl
 from leto.control.one_host import run_job
+from leto.persistence.resume import DEFAULT_DIR as PERSIST_DIR
+from leto.persistence.resume import fresh
 from leto.protection.placement import default_code
 from leto.training.trainer import DEFAULT_CHUNK_BYTES
 
@@ -130,8 +132,9 @@ def torchft_status() -> str | None:
 
 
 def _run_leto(system: System, cfg: JobConfig, run_dir: Path) -> int:
-    """The built-in job under Leto's controller as `leto train` builds it, ending as the peers' jobs do:
-    with the digest, no model file and no sample (`--final none`)."""
+    """The built-in job under Leto's controller as `leto train` builds it by default (protection,
+    the spares, persistent checkpoints every K steps for the default --mtbf), ending as the peers'
+    jobs do: with the digest, no model file and no sample (`--final none`)."""
     command = [
         "-m",
         "leto.training.train_gpt",
@@ -145,11 +148,13 @@ def _run_leto(system: System, cfg: JobConfig, run_dir: Path) -> int:
         "--final",
         "none",  # the peers' jobs end with the digest too, and write no model and no sample
     ]
+    persistence = fresh(run_dir, command, job_config.PersistenceConfig(), persist=True).persistence
     return run_job(
         job_config.JobConfig(
             training=job_config.TrainingConfig(
                 command=tuple(command), workers=cfg.workers, nodes=cfg.nodes, steps=cfg.steps
             ),
+            persistence=persistence,
             mesh=job_config.MeshConfig(tp=cfg.tp, pp=cfg.pp),
             protection=job_config.ProtectionConfig(enabled=True, ec=default_code(cfg.nodes)),
             recovery=job_config.RecoveryConfig(spares=system.spares),
@@ -239,7 +244,8 @@ def run_system(system: System, cfg: JobConfig, run_dir: Path, injector: Injector
     finally:
         injector.stop()
     t_end = time.time()
-    shutil.rmtree(run_dir / "ckpt", ignore_errors=True)  # disk checkpoints: tens of MB per run
+    for ckpt in ("ckpt", PERSIST_DIR):  # disk checkpoints (a baseline's, Leto's): tens of MB per run
+        shutil.rmtree(run_dir / ckpt, ignore_errors=True)
     if watchdog.fired:
         error = f"stopped: still running after {limit_s:g} s"
     elif code in INTERRUPTED:
