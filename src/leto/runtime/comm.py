@@ -64,7 +64,10 @@ class Comm:
         self.device = device or torch.device("cpu")
         self.backend = backend or backend_for(self.device, world_size)
         self.via_host = self.backend == "gloo" and self.device.type == "cuda"  # gloo collectives are CPU ones
-        prefix = dist.PrefixStore(keys.group(generation, name), store)
+        # a store client of its own: a client serves one request at a time, and a rendezvous left
+        # waiting for a peer that died before it joined would hold the process's client (the
+        # recovery's reads of the next generation) until the store's timeout
+        prefix = dist.PrefixStore(keys.group(generation, name), store.clone())
         timeout = timedelta(seconds=timeout_s)
         if self.backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()

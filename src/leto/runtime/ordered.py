@@ -70,9 +70,8 @@ def join_replicas(
         except BaseException as e:  # handed to the joining thread
             box[r] = e
 
-    # a store client serves one blocking wait at a time: each concurrent join has its own
-    clients = [store, *(store.clone() for _ in mine[1:])]
-    joiners = [threads.start(build, f"leto-join-replica-{r}", r, c) for r, c in zip(mine, clients)]
+    # each Comm joins through a store client of its own, so the joins may run at once
+    joiners = [threads.start(build, f"leto-join-replica-{r}", r, store) for r in mine]
     for t in joiners:
         t.join(timeout_s + 5)  # each Comm gives up by itself within timeout_s
     comms = {r: c for r, c in box.items() if isinstance(c, Comm)}

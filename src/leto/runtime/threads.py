@@ -54,7 +54,7 @@ def start(target: Callable[..., object], name: str, *args: object) -> Thread:
 
 def fail(name: str, error: BaseException) -> None:
     """End this process: thread `name` cannot go on because of `error`."""
-    from leto.runtime import env  # here: env imports etcd_store, whose thread runs under this module
+    from leto.runtime import env  # here: env imports comm (through mesh), whose threads run under this module
 
     role = os.environ.get(env.ENV_ROLE, "controller")
     who = f"{role} {os.environ[env.ENV_PROC_ID]}" if os.environ.get(env.ENV_PROC_ID) else role
