@@ -66,15 +66,20 @@ class Comm:
         self.via_host = self.backend == "gloo" and self.device.type == "cuda"  # gloo collectives are CPU ones
         # a store client of its own: a client serves one request at a time, and a rendezvous left
         # waiting for a peer that died before it joined would hold the process's client (the
-        # recovery's reads of the next generation) until the store's timeout
-        prefix = dist.PrefixStore(keys.group(generation, name), store.clone())
-        timeout = timedelta(seconds=timeout_s)
-        if self.backend == "nccl":
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            make = lambda: dist.ProcessGroupNCCL(prefix, rank, world_size, opts)  # noqa: E731
-        else:
-            make = lambda: dist.ProcessGroupGloo(prefix, rank, world_size, timeout)  # noqa: E731
+        # recovery's reads of the next generation) until the store's timeout. Python holds it, here
+        # and in `make` for the rendezvous thread: a store written in Python (etcd's) is only a C++
+        # shell once Python lets go of it
+        self._store = client = store.clone()
+        prefix, timeout = keys.group(generation, name), timedelta(seconds=timeout_s)
+
+        def make() -> dist.ProcessGroup:
+            group_store = dist.PrefixStore(prefix, client)
+            if self.backend == "nccl":
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = timeout
+                return dist.ProcessGroupNCCL(group_store, rank, world_size, opts)
+            return dist.ProcessGroupGloo(group_store, rank, world_size, timeout)
+
         self.pg: dist.ProcessGroup = self._rendezvous(make)
 
     def _rendezvous(self, make: Callable[[], dist.ProcessGroup]) -> dist.ProcessGroup:
@@ -210,7 +215,7 @@ class Comm:
         in a gloo thread until the backend timeout, and destroying it would block until then; it
         is parked instead, and the process exits without running those destructors."""
         if self.pg is not None and abandon:
-            _ABANDONED.append(self.pg)
+            _ABANDONED.append((self.pg, self._store))  # its store too: see __init__
             if len(_ABANDONED) == 1:
                 atexit.register(_exit_without_destructors)
             _abort(self.pg)
@@ -300,7 +305,7 @@ def _quiet(own: dict[int, str]) -> None:
     disarm_in_epoll(_connected(own))
 
 
-_ABANDONED: list[dist.ProcessGroup] = []
+_ABANDONED: list[tuple[dist.ProcessGroup, dist.Store]] = []
 _failed = [False]
 _prev_hook = sys.excepthook
 
