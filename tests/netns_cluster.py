@@ -122,16 +122,14 @@ def netns_pids(ns: str) -> list[int]:
 def _wait_until_in(p: subprocess.Popen, ns: str, timeout: float = KILL_TIMEOUT) -> None:
     """Wait until process `p` has entered network namespace `ns`, or ended."""
     want = os.stat(f"/run/netns/{ns}").st_ino
-    deadline = time.monotonic() + timeout
-    while p.poll() is None:
+
+    def inside_or_ended() -> bool:
         try:
-            if os.stat(f"/proc/{p.pid}/ns/net").st_ino == want:
-                return
+            return p.poll() is not None or os.stat(f"/proc/{p.pid}/ns/net").st_ino == want
         except FileNotFoundError:  # ended between poll and stat
-            return
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"process {p.pid} did not enter netns {ns} in {timeout}s")
-        time.sleep(0.005)
+            return True
+
+    _wait(inside_or_ended, timeout, f"process {p.pid} to enter netns {ns}", every=0.005)
 
 
 def _kill_ns_procs(ns: str, timeout: float = KILL_TIMEOUT) -> None:
