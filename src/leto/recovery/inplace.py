@@ -237,8 +237,9 @@ def decode(
     is rebuilt again from tier 2 (and so are the stripes that read a rank it rebuilt, whose
     decode failed with it). Returns the rebuilder holding them, the recipe that succeeded and
     what was repaired; raises when no redundancy is left for corrupt data."""
-    layout, recipe, repaired = src.layout, point.membership, []
+    layout, recipe, repaired, attempt = src.layout, point.membership, [], 0
     while True:
+        tag = f".{attempt}"
         rb = Rebuilder(
             layout,
             recipe,
@@ -248,7 +249,9 @@ def decode(
             m.sharded.chunk_at,
             m.sharded.grad_at,
             m.comm,
-            lambda name, members: _subgroup(m, gen, name, members),
+            # a retry's groups are new ones: the first attempt's stay alive (`_subgroup`), and a
+            # rendezvous under the same name would read their addresses
+            lambda name, members, tag=tag: _subgroup(m, gen, name + tag, members),
         )
         rb.run()
         bad = _agree_on_corruption(m, layout, rb.corrupt)
@@ -266,6 +269,7 @@ def decode(
         recipe = make_recipe(
             layout, membership, src.reports, src.roles, frozenset(bad["tier1"]) | recipe.force_tier2, point.held
         )
+        attempt += 1
 
 
 def install(m: Member, gen: int, src: Source, rb: Rebuilder, point: Point) -> torch.Tensor | None:
@@ -472,7 +476,8 @@ def _agree_on_corruption(m: Member, layout: Layout, corrupt: set[tuple[str, int]
 
 
 def _subgroup(m: Member, gen: int, name: str, members: tuple[int, ...]) -> Comm:
-    return Comm(
+    """A group of some of the generation's ranks, kept with the generation's own groups."""
+    comm = Comm(
         m.job.store,
         gen,
         members.index(m.rank),
@@ -483,3 +488,5 @@ def _subgroup(m: Member, gen: int, name: str, members: tuple[int, ...]) -> Comm:
         name=name,
         backend=m.comm.backend,
     )
+    m.side_comms.append(comm)
+    return comm

@@ -126,7 +126,9 @@ class MeshComms:
     pipeline's first and last stage, which hold the tied embedding; None elsewhere), `dp` (its DP
     group; the world Comm itself when a replica is one rank) and, while the job runs with fewer
     DP ranks than the replicas of its launch, `replicas`: this rank's members of the group of all
-    replicas, by the replica it hosts (`leto.runtime.ordered`)."""
+    replicas, by the replica it hosts (`leto.runtime.ordered`). `side`: groups a recovery
+    built beside these (the tier-1 decode's node groups); they live and are parked with the
+    generation's, because destroying a gloo group blocks for ~20 ms, in the recovery's path."""
 
     world: Comm
     tp: Comm | None
@@ -134,9 +136,10 @@ class MeshComms:
     replicas: dict[int, Comm] = field(default_factory=dict)
     pp: Comm | None = None
     embedding: Comm | None = None
+    side: list[Comm] = field(default_factory=list)
 
     def close(self, abandon: bool = False) -> None:
-        for comm in (*self.replicas.values(), self.dp, self.embedding, self.pp, self.tp, self.world):
+        for comm in (*self.side, *self.replicas.values(), self.dp, self.embedding, self.pp, self.tp, self.world):
             if comm is not None and comm.pg is not None:
                 comm.close(abandon)
 

@@ -80,6 +80,7 @@ class RankMember:
         self.restage: Callable[[int], None] | None = None
         self.tied_plain: range | None = None  # the last stage's copy of a tied weight, in its plain flat state
         self.replica_comms: dict[int, Comm] = {}  # while shrunk: the group of the launch's replicas
+        self.side_comms: list[Comm] = []  # this generation's recovery's own groups (`MeshComms.side`)
         self.watch: GenerationWatch | None = None
         self.membership: Membership | None = None
         self.mode: Unprotected = Unprotected(sharded)
@@ -226,11 +227,19 @@ class RankMember:
         )
 
     def _park_groups(self) -> None:
-        """Abandon this generation's groups (world, TP, DP; one Comm without TP)."""
+        """Abandon this generation's groups (world, TP, DP, ...; one Comm without TP) and those its
+        recovery built beside them."""
         if self.comm is not None:
             MeshComms(
-                self.comm, self.tp_comm, self.dp_comm, self.replica_comms, self.pp_comm, self.embedding_comm
+                self.comm,
+                self.tp_comm,
+                self.dp_comm,
+                self.replica_comms,
+                self.pp_comm,
+                self.embedding_comm,
+                self.side_comms,
             ).close(abandon=True)
+        self.side_comms = []
 
     def _mesh(self) -> Mesh:
         if self.world_size % self.replica_ranks:
