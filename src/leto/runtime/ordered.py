@@ -64,14 +64,14 @@ def join_replicas(
     backend = "gloo" if backend == "nccl" else backend
     box: dict[int, Comm | BaseException] = {}
 
-    def build(r: int, client: dist.Store) -> None:
+    def build(r: int) -> None:
         try:
-            box[r] = Comm(client, generation, r, replicas, timeout_s, abort_check, device, name, backend)
+            box[r] = Comm(store, generation, r, replicas, timeout_s, abort_check, device, name, backend)
         except BaseException as e:  # handed to the joining thread
             box[r] = e
 
     # each Comm joins through a store client of its own, so the joins may run at once
-    joiners = [threads.start(build, f"leto-join-replica-{r}", r, store) for r in mine]
+    joiners = [threads.start(build, f"leto-join-replica-{r}", r) for r in mine]
     for t in joiners:
         t.join(timeout_s + 5)  # each Comm gives up by itself within timeout_s
     comms = {r: c for r, c in box.items() if isinstance(c, Comm)}
