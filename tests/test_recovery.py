@@ -55,6 +55,44 @@ def test_a_killed_worker_is_replaced_in_place_in_any_phase(
     assert "SIGKILL" in rec["cause"]
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_worker_killed_at_the_final_digest_is_replaced_and_the_digest_done_again(
+    launcher, tmp_path: Path, rank: int
+) -> None:
+    """After the last step every rank takes part in the final digest (a collective): a rank lost
+    there is adopted like one lost in a step, and the job ends with the failure-free digest."""
+    digest = reference_digest(launcher, tmp_path, *JOB)
+    res, s = train(launcher, tmp_path / "run", *JOB, "--inject", f"kill:rank={rank}:step=10:phase=digest")
+    rec = check_recovered(res, s, digest, tmp_path / "run")[0]
+    assert rec["failed_ranks"] == [rank] and rec["step"] == 10
+
+
+def test_a_worker_killed_from_outside_right_after_the_last_step(launcher, tmp_path: Path) -> None:
+    """Killed at a random moment of the final digest, or after it: the job ends successfully with
+    the failure-free digest either way (recovered, or over once rank 0 recorded the result)."""
+    rng, seed = seeded_random()
+    digest = reference_digest(launcher, tmp_path, *JOB)
+    run_dir = tmp_path / "run"
+    ctl = launcher.start("train", "--run-dir", str(run_dir), *JOB, run_dir=run_dir)
+    wait_for(
+        lambda: (run_dir / "metrics.jsonl").exists() and any(r["step"] >= 10 for r in step_records(run_dir)),
+        120,
+        "step 10",
+    )
+    time.sleep(rng.uniform(0, 0.03))
+    victim = rng.choice([p for p in read_procs(run_dir) if p["role"] == "worker"])
+    try:
+        os.kill(victim["pid"], signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # it had already ended
+    out, err = ctl.communicate(timeout=240)
+    assert ctl.returncode == 0, f"seed {seed}: " + err[-3000:]
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["digest"] == digest, f"seed {seed}"
+    assert all(r["failed_ranks"] == [victim["rank"]] for r in s["recoveries"]), f"seed {seed}: {s['recoveries']}"
+    assert not processes_left(run_dir), f"seed {seed}"
+
+
 @beyond_ci
 def test_two_nodes_of_a_2_plus_2_stripe_lost_at_once(launcher, tmp_path: Path) -> None:
     job = ("--workers", "4", "--nodes", "4", "--spares", "3", "--ec", "2+2", "--steps", "10", "--seed", "0")

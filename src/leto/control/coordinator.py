@@ -296,9 +296,25 @@ class Coordinator:
         done = bool(members) and all(p.code == 0 for p in members)
         if done:
             self._poll()
+        elif self._result_during_recovery(members):
+            self._close_at_end()
+            return self._after_training([])
         if self._last_progress is not None and any(p.first_step is not None for p in self.pending):
             self._close_recoveries(self._last_progress, force=done)  # waiting for a record
+        if done:
+            self._close_at_end()
         return 0 if done else None
+
+    def _result_during_recovery(self, members: list[ProcView]) -> bool:
+        """Rank 0 recorded the result and left while a recovery was under way: a failure during
+        the final digest, which rank 0's part of it survived. Training is over; the ranks still
+        recovering would wait for ranks that have gone."""
+        return bool(self.pending) and any(p.code == 0 for p in members) and self.store.check([keys.RESULT])
+
+    def _close_at_end(self) -> None:
+        """A recovery of the final digest has no step after it: the job's end closes it."""
+        if any(p.first_step is None for p in self.pending):
+            self._close_recoveries(StepProgress(self.max_step, time.time(), None), force=True)
 
     def _poll(self) -> None:
         """Rank 0's latest step and the supervisors' new reports: one store round trip a round

@@ -48,6 +48,7 @@ PHASES = (
     "all-gather",
     "parity",
     "recovery",
+    "digest",  # the final digest, after the last step (step=S: the last step)
 )
 # phases that run chunk by chunk (chunk=C picks the boundary) or micro-batch by micro-batch
 CHUNKED = ("grads", "update", "parity", "pp-send", "pp-recv")

@@ -20,6 +20,7 @@ import inspect
 import json
 import math
 from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
 
 import torch
 import torch.nn as nn
@@ -28,7 +29,7 @@ from leto.protection.layout import STATE_ROWS
 from leto.protocol import keys
 from leto.runtime import trace
 from leto.runtime.comm import PeerFailure, backend_for, reduction_replicates
-from leto.runtime.env import Job
+from leto.runtime.env import Job, await_keys
 from leto.runtime.etcd_errors import Fenced
 from leto.runtime.ordered import contiguous_part, hosted
 from leto.training.flat import state_digest
@@ -44,6 +45,7 @@ from leto.training.tp_slices import SliceLayout
 
 LossFn = Callable[[], torch.Tensor] | Callable[[int], torch.Tensor]
 
+T = TypeVar("T")
 DEFAULT_CHUNK_BYTES = 12 * 16384  # 192 KiB: 16384 elements of (master, exp_avg, exp_avg_sq)
 
 # What users see of a `Trainer` (docs/porting.md); `tests/test_public_surface.py` holds it to this.
@@ -223,13 +225,17 @@ class Trainer:
         """Yield the step numbers to run (0-based); shadows wait here until they are adopted or the job ends."""
         if not self.member.start():
             return
-        while self.step_count < total:
-            if self.member.comm is None:  # its replica was dropped and the job ended before it was adopted again
+        while True:
+            while self.step_count < total:
+                if self.member.comm is None:  # its replica was dropped and the job ended before it was adopted again
+                    return
+                if self._seed is not None:
+                    reseed(self._seed, self.step_count, self.dp_rank)
+                yield self.step_count
+            if self.member.comm is None:
                 return
-            if self._seed is not None:
-                reseed(self._seed, self.step_count, self.dp_rank)
-            yield self.step_count
-        self._finish()
+            if self._recovered(self._finish):
+                break
         self.close()
 
     def step(
@@ -245,12 +251,16 @@ class Trainer:
         of it (default 1/`replicas`); `tokens` is the number of tokens in the global batch (for
         metrics). Returns the global loss, or None when a failure interrupted the step: the job
         recovered in place and `steps()` yields the step to redo next."""
-        m = self.member
-        if m.comm is None:
+        if self.member.comm is None:
             raise RuntimeError("call step() inside `for step in trainer.steps(n)`")
+        return self._recovered(self._step, loss_fn, weight, tokens)
+
+    def _recovered(self, fn: Callable[..., T], *args: object) -> T | None:
+        """`fn(*args)`, or None when a failure interrupted it and the job recovered in place."""
+        m = self.member
         try:
             try:
-                return self._step(loss_fn, weight, tokens)
+                return fn(*args)
             except PeerFailure as e:
                 trace.mark("peer_failure", why=str(e)[:200])
                 if m.watch is None or not self.job.config.protection.enabled:
@@ -490,14 +500,28 @@ class Trainer:
         # buffers are the same on every rank
         return state_digest(self.step_count, self.full_state(), self.member.rank_state.update_digest)
 
-    def _finish(self) -> str:
-        """Compute the final digest and publish the result to the controller (rank 0)."""
-        digest = self.digest()
+    def _finish(self) -> bool:
+        """The final digest (a collective); rank 0 records the result. Every other rank leaves only
+        once it is recorded: a failure during the digest is then recovered by all ranks together
+        and the digest done again, unless rank 0 recorded it, which ends training."""
+        store = self.job.store
+        self.member.fault("digest", self.step_count)
+        try:
+            digest = self.digest()
+        except PeerFailure:
+            if store.check([keys.RESULT]):  # rank 0's digest completed: nothing is left to recover
+                return True
+            raise
         if self.rank == 0:
-            self.job.store.set(
+            store.set(
                 keys.RESULT, json.dumps({"steps": self.step_count, "final_loss": self.last_loss, "digest": digest})
             )
-        return digest
+            return True
+        watch = self.member.watch
+        why = await_keys(store, [keys.RESULT], self.job.timeout_s, watch.reason if watch else lambda: None)
+        if why is not None:
+            raise PeerFailure(f"waiting for rank 0's result: {why}")
+        return True
 
 
 def _trainable(model: nn.Module) -> list[torch.Tensor]:
