@@ -18,7 +18,6 @@ from pathlib import Path
 
 from conftest import (
     JOB,
-    beyond_ci,
     processes_left,
     read_procs,
     reference_digest,
@@ -58,7 +57,6 @@ def _alive(pid: int) -> bool:
     return True
 
 
-@beyond_ci
 def test_a_random_mix_of_failures_ends_with_the_failure_free_digest(launcher, tmp_path: Path) -> None:
     rng, seed = seeded_random()
     run_dir = tmp_path / "run"
