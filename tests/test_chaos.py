@@ -3,21 +3,21 @@ failure-free digest.
 
 Each run draws its failures from: a worker SIGKILLed or SIGSTOPped (a hang, fenced after the
 heartbeat timeout), a keeper SIGKILLed or SIGSTOPped, an idle shadow SIGKILLed, two workers of two
-nodes SIGKILLed a moment apart (the second while the first is being recovered) and, at most once, a
-whole node's processes SIGKILLed. Each comes at a random moment of a random step once the previous one has been
-dealt with. `LETO_TEST_SEED` repeats a run.
+nodes SIGKILLed a moment apart (the second while the first is being recovered) and, at most once,
+a whole node's processes SIGKILLed. Each comes at a random moment of a random step, once the
+previous one has been dealt with. `LETO_TEST_SEED` repeats a run.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import time
 from pathlib import Path
 
 from conftest import (
     JOB,
+    alive,
     processes_left,
     read_procs,
     reference_digest,
@@ -26,6 +26,7 @@ from conftest import (
     wait_for,
     with_flags,
 )
+from leto.runtime import linux
 
 STEPS = 48
 FAILURES = 5
@@ -43,18 +44,12 @@ def _steps_done(run_dir: Path) -> int:
     return max((r["step"] for r in step_records(run_dir)), default=0) if (run_dir / "metrics.jsonl").exists() else 0
 
 
-def _live(run_dir: Path, role: str, node: int | None = None) -> list[dict]:
-    return [
-        p for p in read_procs(run_dir) if p["role"] == role and (node is None or p["node"] == node) and _alive(p["pid"])
-    ]
+def _live(run_dir: Path, role: str) -> list[dict]:
+    return [p for p in read_procs(run_dir) if p["role"] == role and alive(p["pid"])]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+def _signal(p: dict, sig: int) -> None:
+    linux.signal_process(p["pid"], p.get("start"), sig)
 
 
 def test_a_random_mix_of_failures_ends_with_the_failure_free_digest(launcher, tmp_path: Path) -> None:
@@ -80,26 +75,26 @@ def test_a_random_mix_of_failures_ends_with_the_failure_free_digest(launcher, tm
             kind = "worker-kill"
         if kind in ("worker-kill", "worker-stop"):
             victim = rng.choice(_live(run_dir, "worker"))
-            os.kill(victim["pid"], signal.SIGKILL if kind == "worker-kill" else signal.SIGSTOP)
+            _signal(victim, signal.SIGKILL if kind == "worker-kill" else signal.SIGSTOP)
         elif kind in ("keeper-kill", "keeper-stop"):
             victim = rng.choice(_live(run_dir, "keeper"))
-            os.kill(victim["pid"], signal.SIGKILL if kind == "keeper-kill" else signal.SIGSTOP)
+            _signal(victim, signal.SIGKILL if kind == "keeper-kill" else signal.SIGSTOP)
         elif kind == "two-workers":  # one on each of two nodes, the second while the first is recovered
             first = rng.choice(_live(run_dir, "worker"))
-            os.kill(first["pid"], signal.SIGKILL)
+            _signal(first, signal.SIGKILL)
             time.sleep(rng.uniform(0, 0.25))
             second = rng.choice([p for p in _live(run_dir, "worker") if p["node"] != first["node"]])
-            os.kill(second["pid"], signal.SIGKILL)
+            _signal(second, signal.SIGKILL)
             victim = {"rank": f"{first['rank']} and {second['rank']}"}
         elif kind == "shadow-kill":
             victim = rng.choice(_live(run_dir, "shadow"))
-            os.kill(victim["pid"], signal.SIGKILL)
+            _signal(victim, signal.SIGKILL)
         else:
             node = rng.choice(nodes)
             victim = {"node": node}
             for p in read_procs(run_dir):
-                if p["role"] != "controller" and p["role"] != "fork-server" and p["node"] == node and _alive(p["pid"]):
-                    os.kill(p["pid"], signal.SIGKILL)
+                if p["role"] not in ("controller", "fork-server") and p["node"] == node:
+                    _signal(p, signal.SIGKILL)
             node_lost = True
         where = f"rank {victim['rank']}" if "worker" in kind else f"node {victim['node']}"
         done.append(f"{kind} ({where}) after step {at}")

@@ -27,6 +27,7 @@ from conftest import (
     with_flags,
 )
 from leto.protocol import keys
+from leto.runtime import linux
 
 
 # the phases of a step that differ (forward and backward touch no shared state: a kill there is
@@ -81,10 +82,7 @@ def test_a_worker_killed_from_outside_right_after_the_last_step(launcher, tmp_pa
     )
     time.sleep(rng.uniform(0, 0.03))
     victim = rng.choice([p for p in read_procs(run_dir) if p["role"] == "worker"])
-    try:
-        os.kill(victim["pid"], signal.SIGKILL)
-    except ProcessLookupError:
-        pass  # it had already ended
+    linux.signal_process(victim["pid"], victim.get("start"), signal.SIGKILL)  # unless it has ended
     out, err = ctl.communicate(timeout=240)
     assert ctl.returncode == 0, f"seed {seed}: " + err[-3000:]
     s = json.loads((run_dir / "summary.json").read_text())
