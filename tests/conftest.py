@@ -134,6 +134,14 @@ def step_records(run_dir: Path) -> list[dict]:
     return [r for r in map(json.loads, lines) if "event" not in r]
 
 
+def events(run_dir: Path, kind: str) -> list[dict]:
+    """The job's `kind` events so far (none before metrics.jsonl exists)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("event") == kind]
+
+
 JOB = ("--workers", "4", "--nodes", "2", "--spares", "1", "--steps", "10", "--seed", "0")
 _REFERENCE: dict[tuple[str, ...], str] = {}
 

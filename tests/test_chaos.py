@@ -18,6 +18,7 @@ from pathlib import Path
 from conftest import (
     JOB,
     alive,
+    events,
     processes_left,
     read_procs,
     reference_digest,
@@ -31,13 +32,6 @@ from leto.runtime import linux
 STEPS = 48
 FAILURES = 5
 ARGS = with_flags(JOB, steps=STEPS, spares=3, heartbeat_timeout=1.5)
-
-
-def _events(run_dir: Path, name: str) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("event") == name]
 
 
 def _steps_done(run_dir: Path) -> int:
@@ -69,7 +63,7 @@ def test_a_random_mix_of_failures_ends_with_the_failure_free_digest(launcher, tm
         if not node_lost and len(nodes) > 1:
             kinds += ["node-kill", "two-workers"]
         kind = rng.choice(kinds)
-        recoveries = len(_events(run_dir, "recovery"))
+        recoveries = len(events(run_dir, "recovery"))
         before = {p["pid"] for p in read_procs(run_dir) if p["role"] == "shadow"}
         if kind == "shadow-kill" and not _live(run_dir, "shadow"):
             kind = "worker-kill"
@@ -106,7 +100,7 @@ def test_a_random_mix_of_failures_ends_with_the_failure_free_digest(launcher, tm
             )
         else:
             wait_for(
-                lambda: ctl.poll() is not None or len(_events(run_dir, "recovery")) > recoveries,
+                lambda: ctl.poll() is not None or len(events(run_dir, "recovery")) > recoveries,
                 60,
                 f"a recovery (seed {seed}: {done})",
             )

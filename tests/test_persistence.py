@@ -20,6 +20,7 @@ from conftest import (
     JOB,
     Launcher,
     alive,
+    events,
     processes_left,
     read_procs,
     reference_digest,
@@ -45,11 +46,6 @@ def persistence_on_by_default() -> Iterator[None]:
     finally:
         if old is not None:
             os.environ["LETO_PERSIST_DEFAULT"] = old
-
-
-def events(run_dir: Path, kind: str) -> list[dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r.get("event") == kind]
 
 
 def committed_steps(run_dir: Path) -> list[int]:

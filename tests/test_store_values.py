@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from conftest import alive, read_procs, reference_digest, step_records, wait_for
+from conftest import alive, events, read_procs, reference_digest, step_records, wait_for
 from leto.baselines.faults import inject_at_step
 from leto.protocol import keys
 from leto.runtime import linux
@@ -38,12 +38,6 @@ JOB = (
 )  # test_supervision's reference
 
 
-def _events(run_dir: Path, kind: str) -> list[dict]:
-    if not (run_dir / "metrics.jsonl").exists():
-        return []
-    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r.get("event") == kind]
-
-
 def _proc(run_dir: Path, role: str, rank: int) -> dict:
     return wait_for(
         lambda: next((p for p in read_procs(run_dir) if p["role"] == role and p["rank"] == rank), None),
@@ -53,7 +47,7 @@ def _proc(run_dir: Path, role: str, rank: int) -> dict:
 
 
 def _recovered(run_dir: Path, n: int, ctl: subprocess.Popen) -> None:
-    wait_for(lambda: len(_events(run_dir, "recovery")) >= n or ctl.poll() is not None, 120, f"recovery {n}")
+    wait_for(lambda: len(events(run_dir, "recovery")) >= n or ctl.poll() is not None, 120, f"recovery {n}")
     assert ctl.poll() is None, f"the job ended before recovery {n}: {ctl.communicate()[1][-3000:]}"
 
 
@@ -89,7 +83,7 @@ def test_hostile_store_values_are_refused_and_touch_nothing_outside_the_job(laun
         hung = _proc(run_dir, "worker", 2)
         os.kill(hung["pid"], signal.SIGSTOP)
         deadline, i = time.monotonic() + 60, 0
-        while len(_events(run_dir, "recovery")) < 4 and ctl.poll() is None and time.monotonic() < deadline:
+        while len(events(run_dir, "recovery")) < 4 and ctl.poll() is None and time.monotonic() < deadline:
             i += 1
             store.set(keys.heartbeat(hung["id"]), f"nan {i}")
             time.sleep(0.02)

@@ -13,6 +13,7 @@ import pytest
 
 from conftest import (
     beyond_ci,
+    events,
     processes_left,
     read_procs,
     reference_digest,
@@ -22,12 +23,6 @@ from conftest import (
 )
 
 JOB = ("--workers", "4", "--nodes", "2", "--spares", "1", "--seed", "0")
-
-
-def _events(run_dir: Path, kind: str) -> list[dict]:
-    if not (run_dir / "metrics.jsonl").exists():
-        return []
-    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r.get("event") == kind]
 
 
 def _at_step(run_dir: Path, k: int, ctl) -> None:
@@ -54,7 +49,7 @@ def _proc(run_dir: Path, role: str, node: int | None = None, rank: int | None = 
 def _recovered(run_dir: Path, n: int, ctl) -> list[dict]:
     return wait_for(
         lambda: (
-            _events(run_dir, "recovery") if len(_events(run_dir, "recovery")) >= n or ctl.poll() is not None else None
+            events(run_dir, "recovery") if len(events(run_dir, "recovery")) >= n or ctl.poll() is not None else None
         ),
         120,
         f"recovery {n}",
@@ -110,7 +105,7 @@ def test_a_stopped_keeper_is_fenced_within_the_heartbeat_timeout(launcher, tmp_p
     ctl = _start(launcher, run_dir, job, 3)
     keeper = _proc(run_dir, "keeper", node=0)
     (rec,) = _signal_and_recover(run_dir, ctl, keeper, signal.SIGSTOP)
-    (fail,) = [f for f in _events(run_dir, "failure") if f["pid"] == keeper["pid"]]
+    (fail,) = [f for f in events(run_dir, "failure") if f["pid"] == keeper["pid"]]
     assert fail["role"] == "keeper" and "stopped heartbeating" in fail["cause"] and "fenced" in fail["cause"]
     assert rec["failed_ranks"] == [] and rec["detect_s"] >= 1.5 - 0.1
     _finish(ctl, run_dir, digest)

@@ -16,16 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import processes_left, read_procs, reference_digest, step_records, wait_for
+from conftest import events, processes_left, read_procs, reference_digest, step_records, wait_for
 from leto.protection import dataplane
 from leto.runtime.threads import FAIL_ENV, THREAD_FAILED
 
 JOB = ("--workers", "4", "--nodes", "2", "--spares", "1", "--seed", "0", "--steps", "14")
-
-
-def _events(run_dir: Path, kind: str) -> list[dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r.get("event") == kind]
 
 
 def _start(launcher, run_dir: Path, *extra: str, fail: dict | None = None):
@@ -55,7 +50,7 @@ def _finish(ctl, run_dir: Path, digest: str, pid: int) -> tuple[str, dict, dict]
     assert ctl.returncode == 0, out[-2000:] + err[-3000:]
     s = json.loads((run_dir / "summary.json").read_text())
     assert s["digest"] == digest and not processes_left(run_dir)
-    (failure,) = [f for f in _events(run_dir, "failure") if f["pid"] == pid]
+    (failure,) = [f for f in events(run_dir, "failure") if f["pid"] == pid]
     return err, s, failure
 
 

@@ -18,6 +18,7 @@ import torch
 from conftest import (
     Launcher,
     beyond_ci,
+    events,
     processes_left,
     read_procs,
     reference_digest,
@@ -33,11 +34,6 @@ from leto.runtime import linux, plain
 STEPS = 12
 TP_JOB = ("--tp", "2", "--workers", "4", "--nodes", "2", "--spares", "0", "--steps", str(STEPS), "--seed", "3")
 PERSIST = ("--persist", "on", "--persist-every", "3")
-
-
-def events(run_dir: Path, kind: str) -> list[dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r.get("event") == kind]
 
 
 def kill_whole_job(run_dir: Path) -> None:
